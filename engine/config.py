@@ -1,0 +1,133 @@
+"""Engine and model configuration.
+
+``EngineArgs`` is the one set of knobs every entry shares (offline ``LLM``,
+``sluice serve``, ``sluice worker``). ``ModelConfig`` is the architecture as
+the model code needs it, read from an HF ``config.json``-style dict whichever
+file format the weights came in.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
+
+
+class UnsupportedArchitecture(ValueError):
+    pass
+
+
+@dataclass(slots=True)
+class RopeScaling:
+    kind: str  # "llama3" | "linear"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(slots=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool = False  # Qwen2: bias on q/k/v projections
+    qk_norm: bool = False  # Qwen3: RMSNorm on each head of q and k
+    rope_scaling: RopeScaling | None = None
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
+        architecture = (cfg.get("architectures") or ["LlamaForCausalLM"])[0]
+        if architecture not in SUPPORTED_ARCHITECTURES:
+            raise UnsupportedArchitecture(
+                f"architecture {architecture!r} is not supported; "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        num_heads = cfg["num_attention_heads"]
+        return cls(
+            architecture=architecture,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=_rope_theta(cfg),
+            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=architecture == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias")),
+            qk_norm=architecture == "Qwen3ForCausalLM",
+            rope_scaling=_rope_scaling(cfg),
+        )
+
+
+def _rope_theta(cfg: dict[str, Any]) -> float:
+    params = cfg.get("rope_parameters") or {}
+    return float(cfg.get("rope_theta") or params.get("rope_theta") or 10000.0)
+
+
+def _rope_scaling(cfg: dict[str, Any]) -> RopeScaling | None:
+    scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters")
+    if not scaling:
+        return None
+    kind = scaling.get("rope_type") or scaling.get("type")
+    if kind in (None, "default"):
+        return None
+    if kind not in ("llama3", "linear"):
+        raise UnsupportedArchitecture(
+            f"rope_scaling type {kind!r} is not supported; supported: llama3, linear"
+        )
+    return RopeScaling(
+        kind=kind,
+        factor=float(scaling.get("factor", 1.0)),
+        low_freq_factor=float(scaling.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(scaling.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=int(
+            scaling.get("original_max_position_embeddings", 8192)
+        ),
+    )
+
+
+@dataclass(slots=True)
+class EngineArgs:
+    """Knobs shared by every entry point.
+
+    ``kv_cache_bytes`` and ``num_kv_blocks`` are alternatives: the block count
+    wins when both are set; with neither, the cache is sized to hold
+    ``max_num_seqs`` sequences of ``max_model_len`` tokens, capped by
+    ``DEFAULT_KV_CACHE_BYTES``.
+    """
+
+    model: str = "default"
+    dtype: str = "auto"  # auto → float32 on CPU, bfloat16 on CUDA
+    device: str = "auto"
+    max_model_len: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    kv_cache_bytes: int | None = None
+    num_kv_blocks: int | None = None
+    block_size: int = 16
+    seed: int = 0
+    enable_prefix_caching: bool = True
+    log_stats: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+DEFAULT_KV_CACHE_BYTES = 2 * 1024**3
