@@ -99,9 +99,7 @@ def _rope_scaling(cfg: dict[str, Any]) -> RopeScaling | None:
         factor=float(scaling.get("factor", 1.0)),
         low_freq_factor=float(scaling.get("low_freq_factor", 1.0)),
         high_freq_factor=float(scaling.get("high_freq_factor", 4.0)),
-        original_max_position_embeddings=int(
-            scaling.get("original_max_position_embeddings", 8192)
-        ),
+        original_max_position_embeddings=int(scaling.get("original_max_position_embeddings", 8192)),
     )
 
 

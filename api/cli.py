@@ -1,0 +1,84 @@
+"""The ``sluice`` command: serve, generate, bench.
+
+Each subcommand imports its side lazily, so ``sluice serve --redis`` never
+pulls in torch and ``sluice generate`` never pulls in the web stack.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _add_engine_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="default", help="model name, alias or path")
+    parser.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from engine import LLM, SamplingParams
+
+    llm = LLM(
+        args.model,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+    )
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed
+    )
+    outputs = llm.generate(list(args.prompt), params)
+    for output in outputs:
+        print(output.text if len(outputs) == 1 else f"--- {output.request_id}\n{output.text}")
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    print(
+        "sluice serve: the HTTP server arrives with the entry layer; "
+        "use `sluice generate PROMPT` meanwhile.",
+        file=sys.stderr,
+    )
+    return 2
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from bench.engine import main as bench_engine
+
+    return bench_engine(args.rest)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="sluice", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    generate = commands.add_parser("generate", help="complete prompts offline")
+    _add_engine_args(generate)
+    generate.add_argument("--max-tokens", type=int, default=128)
+    generate.add_argument("--temperature", type=float, default=0.0)
+    generate.add_argument("--seed", type=int, default=None)
+    generate.add_argument("prompt", nargs="+")
+    generate.set_defaults(run=_generate)
+
+    serve = commands.add_parser("serve", help="serve the HTTP APIs")
+    _add_engine_args(serve)
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.set_defaults(run=_serve)
+
+    bench = commands.add_parser("bench", help="run a benchmark (engine)")
+    bench.add_argument("which", choices=["engine"])
+    bench.add_argument("rest", nargs=argparse.REMAINDER)
+    bench.set_defaults(run=_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

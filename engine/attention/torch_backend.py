@@ -1,0 +1,133 @@
+"""Paged attention in plain PyTorch: works on CPU and CUDA.
+
+Decodes are batched: each sequence's context is gathered from the cache into
+a padded ``[batch, context, kv_heads, dim]`` tensor with one index computed in
+``plan`` and reused by every layer. Prefill chunks attend one sequence at a
+time; a chunk with no cached prefix attends to its own keys without touching
+the cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from engine.attention.base import AttentionBackend, BatchLayout
+
+
+@dataclass(slots=True)
+class _Prefill:
+    start: int  # first token in the flattened batch
+    end: int
+    cached: int  # context tokens before this chunk
+    gather: torch.Tensor | None  # cache slots of the whole context, when cached > 0
+    mask: torch.Tensor | None
+
+
+@dataclass(slots=True)
+class _Plan:
+    slot_mapping: torch.Tensor
+    num_decodes: int
+    decode_gather: torch.Tensor | None  # [decodes, max_context]
+    decode_mask: torch.Tensor | None  # [decodes, 1, 1, max_context]
+    prefills: list[_Prefill]
+
+
+class TorchBackend(AttentionBackend):
+    def plan(self, layout: BatchLayout) -> None:
+        device = layout.slot_mapping.device
+        num_decodes = layout.num_decodes
+        gather = mask = None
+        if num_decodes:
+            gather, mask = self._decode_index(layout, num_decodes, device)
+        prefills = []
+        start = num_decodes
+        for i in range(num_decodes, len(layout.query_lens)):
+            end = start + layout.query_lens[i]
+            cached = layout.context_lens[i] - layout.query_lens[i]
+            prefills.append(self._prefill(layout, i, start, end, cached, device))
+            start = end
+        self._plan = _Plan(layout.slot_mapping, num_decodes, gather, mask, prefills)
+
+    def forward(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        plan = self._plan
+        k_cache, v_cache = self.kv_cache.k[layer], self.kv_cache.v[layer]
+        k_cache.index_copy_(0, plan.slot_mapping, k)
+        v_cache.index_copy_(0, plan.slot_mapping, v)
+        out = torch.empty_like(q)
+        if plan.num_decodes:
+            n = plan.num_decodes
+            out[:n] = _attend(
+                q[:n].unsqueeze(1),
+                k_cache[plan.decode_gather],
+                v_cache[plan.decode_gather],
+                plan.decode_mask,
+            ).squeeze(1)
+        for chunk in plan.prefills:
+            queries = q[chunk.start : chunk.end].unsqueeze(0)
+            if chunk.gather is None:
+                keys = k[chunk.start : chunk.end].unsqueeze(0)
+                values = v[chunk.start : chunk.end].unsqueeze(0)
+            else:
+                keys = k_cache[chunk.gather].unsqueeze(0)
+                values = v_cache[chunk.gather].unsqueeze(0)
+            out[chunk.start : chunk.end] = _attend(queries, keys, values, chunk.mask)[0]
+        return out
+
+    def _decode_index(
+        self, layout: BatchLayout, num_decodes: int, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        block_size = self.kv_cache.block_size
+        lens = layout.context_lens[:num_decodes]
+        max_len = max(lens)
+        max_blocks = -(-max_len // block_size)
+        tables = torch.tensor(
+            [
+                t[:max_blocks] + [0] * (max_blocks - len(t[:max_blocks]))
+                for t in layout.block_tables[:num_decodes]
+            ],
+            dtype=torch.long,
+        )
+        offsets = torch.arange(block_size)
+        gather = (tables.unsqueeze(-1) * block_size + offsets).view(num_decodes, -1)[:, :max_len]
+        mask = torch.arange(max_len).unsqueeze(0) < torch.tensor(lens).unsqueeze(1)
+        return gather.to(device), mask[:, None, None, :].to(device)
+
+    def _prefill(
+        self,
+        layout: BatchLayout,
+        index: int,
+        start: int,
+        end: int,
+        cached: int,
+        device: torch.device,
+    ) -> _Prefill:
+        if cached == 0:
+            return _Prefill(start, end, 0, None, None)
+        block_size = self.kv_cache.block_size
+        context = layout.context_lens[index]
+        positions = torch.arange(context)
+        table = torch.tensor(layout.block_tables[index], dtype=torch.long)
+        gather = table[positions // block_size] * block_size + positions % block_size
+        query_positions = torch.arange(cached, context).unsqueeze(1)
+        mask = positions.unsqueeze(0) <= query_positions  # causal with an offset
+        return _Prefill(start, end, cached, gather.to(device), mask[None, None].to(device))
+
+
+def _attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
+) -> torch.Tensor:
+    """q ``[b, n, h, d]``, k/v ``[b, s, kvh, d]`` → ``[b, n, h, d]``; causal when mask is None."""
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        attn_mask=mask,
+        is_causal=mask is None,
+        enable_gqa=True,
+    )
+    return out.transpose(1, 2)

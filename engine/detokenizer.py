@@ -1,0 +1,74 @@
+"""Incremental detokenization with stop strings.
+
+Text goes out only when it is final: ``DecodeStream`` holds back a token that
+ends in half a UTF-8 character, and ``OutputText`` holds back the tail that
+could still grow into a stop string. Each piece of text is decoded once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tokenizers import Tokenizer
+from tokenizers.decoders import DecodeStream
+
+_PROMPT_CONTEXT = (
+    4  # prompt tokens that seed the stream, for tokenizers whose spacing depends on it
+)
+
+
+@dataclass(slots=True)
+class OutputText:
+    """Decoded output of one request and how much of it has been emitted."""
+
+    tokenizer: Tokenizer
+    stream: DecodeStream
+    stop: list[str]
+    text: str = ""
+    emitted: int = 0
+    matched_stop: str | None = None
+    _hold: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self._hold = max((len(s) for s in self.stop), default=1) - 1
+
+    @classmethod
+    def start(
+        cls,
+        tokenizer: Tokenizer,
+        prompt_ids: list[int],
+        stop: list[str],
+        skip_special_tokens: bool = True,
+    ) -> OutputText:
+        stream = DecodeStream(prompt_ids[-_PROMPT_CONTEXT:], skip_special_tokens)
+        return cls(tokenizer, stream, [s for s in stop if s])
+
+    def append(self, token_id: int) -> bool:
+        """Decode one token; True when a stop string now ends the output."""
+        piece = self.stream.step(self.tokenizer, token_id)
+        if not piece:
+            return False
+        searched_from = max(0, len(self.text) - self._hold)
+        self.text += piece
+        return self._find_stop(searched_from)
+
+    def take(self, final: bool) -> str:
+        """The text that is now safe to emit; everything once finished."""
+        end = len(self.text) if final or self.matched_stop else len(self.text) - self._hold
+        if end <= self.emitted:
+            return ""
+        chunk = self.text[self.emitted : end]
+        self.emitted = end
+        return chunk
+
+    def _find_stop(self, searched_from: int) -> bool:
+        best: tuple[int, str] | None = None
+        for stop in self.stop:
+            index = self.text.find(stop, searched_from)
+            if index != -1 and (best is None or index < best[0]):
+                best = (index, stop)
+        if best is None:
+            return False
+        self.text = self.text[: best[0]]
+        self.matched_stop = best[1]
+        return True

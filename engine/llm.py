@@ -1,0 +1,94 @@
+"""Offline inference: a list of prompts in, a list of completions out.
+
+The batch runs through the same ``LLMEngine.step()`` loop as the server, so
+continuous batching, prefix caching and preemption all apply.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence as SequenceABC
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.config import EngineArgs
+from engine.llm_engine import LLMEngine
+from shared.events import Finish, FinishReason, Ready, Text, TokenLogprob
+from shared.sampling import SamplingParams
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: FinishReason | None = None
+    stop: str | int | None = None
+    cached_tokens: int = 0
+
+
+class LLM:
+    def __init__(self, model: str = "default", **engine_args: Any):
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+        engine_args.setdefault("log_stats", False)
+        self.engine = LLMEngine(EngineArgs(model=model, **engine_args))
+        self.tokenizer = self.engine.tokenizer
+        self._counter = 0
+
+    def encode(self, prompt: str) -> list[int]:
+        """Plain-text prompt → ids, with BOS when the model wants one."""
+        ids = self.tokenizer.tokenizer.encode(prompt, add_special_tokens=False).ids
+        bos = self.tokenizer.bos_token_id
+        if self.tokenizer.add_bos_token and bos is not None and ids[:1] != [bos]:
+            ids.insert(0, bos)
+        return ids
+
+    def generate(
+        self,
+        prompts: SequenceABC[str] | SequenceABC[list[int]],
+        sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        params = self._per_prompt(sampling_params, len(prompts))
+        outputs: dict[str, RequestOutput] = {}
+        for prompt, p in zip(prompts, params, strict=True):
+            ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            request_id = f"offline-{self._counter}"
+            self._counter += 1
+            outputs[request_id] = RequestOutput(request_id, ids)
+            if p.logprobs is not None:
+                outputs[request_id].logprobs = []
+            self.engine.add_request(request_id, ids, p)
+        while self.engine.has_unfinished():
+            for event in self.engine.step():
+                _apply(outputs[event.request_id], event)
+        return list(outputs.values())
+
+    @staticmethod
+    def _per_prompt(
+        sampling_params: SamplingParams | SequenceABC[SamplingParams] | None, count: int
+    ) -> list[SamplingParams]:
+        if sampling_params is None:
+            return [SamplingParams() for _ in range(count)]
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * count
+        if len(sampling_params) != count:
+            raise ValueError(
+                f"got {len(sampling_params)} sampling_params for {count} prompts; "
+                "pass one, or one per prompt"
+            )
+        return list(sampling_params)
+
+
+def _apply(output: RequestOutput, event: object) -> None:
+    if isinstance(event, Ready):
+        output.cached_tokens = event.cached_tokens
+    elif isinstance(event, Text):
+        output.text += event.text
+        output.token_ids += event.token_ids
+        if output.logprobs is not None and event.logprobs:
+            output.logprobs += event.logprobs
+    elif isinstance(event, Finish):
+        output.finish_reason = event.reason
+        output.stop = event.stop

@@ -1,0 +1,168 @@
+"""The step loop that the offline ``LLM`` and the workers both drive.
+
+``step()`` is schedule → run → postprocess. The engine is single-threaded by
+design: whoever hosts it (a script, the embedded server's engine thread, a
+worker) calls ``add_request``, ``abort`` and ``step`` from one thread.
+"""
+
+from __future__ import annotations
+
+import random
+
+from engine.block_manager import BlockManager
+from engine.config import EngineArgs
+from engine.detokenizer import OutputText
+from engine.model_runner import ModelRunner
+from engine.sampler import Sampler
+from engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
+from engine.sequence import Sequence, SequenceStatus
+from engine.setup import LoadedModel, load_engine_model
+from shared.events import Finish, FinishReason, InferenceEvent, Ready, Text, TokenLogprob
+from shared.sampling import SamplingParams
+
+
+class LLMEngine:
+    def __init__(self, args: EngineArgs, loaded: LoadedModel | None = None):
+        self.args = args
+        loaded = loaded or load_engine_model(args)
+        self.tokenizer = loaded.tokenizer
+        self.model_config = loaded.model.cfg
+        self.max_model_len = loaded.max_model_len
+        self.block_manager = BlockManager(
+            loaded.num_blocks, args.block_size, args.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(
+            self.block_manager,
+            args.max_num_seqs,
+            max(args.max_num_batched_tokens, args.block_size),
+        )
+        self.runner = ModelRunner(loaded.model, loaded.attention, args.block_size, loaded.device)
+        self.sampler = Sampler()
+        self.sequences: dict[str, Sequence] = {}
+        self._pending: list[InferenceEvent] = []
+        self._seeds = random.Random(args.seed)
+        self.stats = EngineStats()
+
+    @classmethod
+    def from_args(cls, **kwargs: object) -> LLMEngine:
+        return cls(EngineArgs(**kwargs))  # type: ignore[arg-type]
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        priority: int = 0,
+    ) -> None:
+        self._validate(request_id, prompt_token_ids)
+        seq = Sequence(request_id, list(prompt_token_ids), params, priority)
+        seq.seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
+        seq.stop_token_ids = frozenset(params.stop_token_ids) | (
+            frozenset() if params.ignore_eos else frozenset(self.tokenizer.stop_token_ids)
+        )
+        seq.output = OutputText.start(
+            self.tokenizer.tokenizer, seq.token_ids, params.stop, params.skip_special_tokens
+        )
+        self.sequences[request_id] = seq
+        self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request now: its blocks are free when this returns."""
+        seq = self.sequences.pop(request_id, None)
+        if seq is None:
+            return False
+        self.scheduler.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+        self._pending.append(Finish(request_id, FinishReason.ABORT, seq.num_output_tokens))
+        self.stats.aborted += 1
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self.sequences) or bool(self._pending)
+
+    def step(self) -> list[InferenceEvent]:
+        events, self._pending = self._pending, []
+        batch = self.scheduler.schedule()
+        if not batch.scheduled:
+            return events
+        logits, sampling = self.runner.run(batch.scheduled)
+        tokens, logprobs = self.sampler(logits, [item.seq for item in sampling])
+        events += self._postprocess(batch, sampling, tokens, logprobs)
+        return events
+
+    def _validate(self, request_id: str, prompt_token_ids: list[int]) -> None:
+        if request_id in self.sequences:
+            raise ValueError(f"request id {request_id!r} is already running")
+        if not prompt_token_ids:
+            raise ValueError("prompt_token_ids must not be empty")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(prompt_token_ids)} tokens; the maximum is "
+                f"{self.max_model_len - 1} (max_model_len {self.max_model_len} leaves room for one more)"
+            )
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab})")
+
+    def _postprocess(
+        self,
+        batch: SchedulerOutput,
+        sampling: list[ScheduledSeq],
+        tokens: list[int],
+        logprobs: list[TokenLogprob | None],
+    ) -> list[InferenceEvent]:
+        events: list[InferenceEvent] = []
+        self.stats.preemptions += len(batch.preempted)
+        for item in batch.scheduled:
+            seq = item.seq
+            seq.num_computed_tokens += item.num_tokens
+            self.block_manager.commit(seq)
+            if not seq.announced:
+                seq.announced = True
+                events.append(Ready(seq.request_id, seq.num_prompt_tokens, seq.num_cached_tokens))
+        for item, token, logprob in zip(sampling, tokens, logprobs, strict=True):
+            events += self._append_token(item.seq, token, logprob)
+        self.stats.steps += 1
+        self.stats.tokens += len(sampling)
+        return events
+
+    def _append_token(
+        self, seq: Sequence, token: int, logprob: TokenLogprob | None
+    ) -> list[InferenceEvent]:
+        seq.token_ids.append(token)
+        reason, stop = self._finish_reason(seq, token)
+        text = seq.output.take(final=reason is not None)
+        events: list[InferenceEvent] = [
+            Text(seq.request_id, text, [token], [logprob] if logprob else None)
+        ]
+        if reason is not None:
+            self._finish(seq)
+            events.append(Finish(seq.request_id, reason, seq.num_output_tokens, stop))
+        return events
+
+    def _finish_reason(
+        self, seq: Sequence, token: int
+    ) -> tuple[FinishReason | None, str | int | None]:
+        if token in seq.stop_token_ids:
+            return FinishReason.STOP, token
+        if seq.output.append(token):
+            return FinishReason.STOP, seq.output.matched_stop
+        if seq.num_output_tokens >= seq.params.max_tokens or len(seq) >= self.max_model_len:
+            return FinishReason.LENGTH, None
+        return None, None
+
+    def _finish(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.FINISHED
+        self.scheduler.remove(seq)
+        del self.sequences[seq.request_id]
+
+
+class EngineStats:
+    """Counters a host reads for metrics and tests (steps, tokens, aborts)."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+        self.tokens = 0
+        self.preemptions = 0
+        self.aborted = 0

@@ -1,0 +1,1 @@
+"""Model code: the Llama family and the layers it is built from."""

@@ -1,0 +1,93 @@
+"""Builds what an engine runs on: tokenizer, model, KV cache and attention.
+
+Kept apart from the step loop so that tests and benchmarks can build a model
+once and hand it to several engines.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine.attention import AttentionBackend, KVCache, make_backend
+from engine.config import DEFAULT_KV_CACHE_BYTES, EngineArgs, ModelConfig
+from engine.loader import load_checkpoint
+from engine.model.llama import LlamaForCausalLM
+from shared.registry import default_registry
+from shared.tokenizer_loader import LoadedTokenizer, load_tokenizer
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    tokenizer: LoadedTokenizer
+    model: LlamaForCausalLM
+    attention: AttentionBackend
+    device: torch.device
+    max_model_len: int
+    num_blocks: int
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtypes = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+    if name not in dtypes:
+        raise ValueError(f"dtype {name!r} is not supported; use auto, {', '.join(dtypes)}")
+    return dtypes[name]
+
+
+def load_engine_model(args: EngineArgs) -> LoadedModel:
+    spec = default_registry().resolve(args.model)
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    checkpoint = load_checkpoint(Path(spec.weights), dtype)
+    cfg = ModelConfig.from_hf(checkpoint.config)
+    max_model_len = _max_model_len(args, cfg, spec.context_length)
+    with torch.device(device):
+        model = LlamaForCausalLM(cfg, max_model_len).to(dtype)
+    model.load_weights(checkpoint.tensors)
+    model.eval()
+    num_blocks = _num_blocks(args, cfg, dtype, max_model_len)
+    kv_cache = KVCache.allocate(
+        cfg.num_layers, num_blocks, args.block_size, cfg.num_kv_heads, cfg.head_dim, dtype, device
+    )
+    return LoadedModel(
+        tokenizer=load_tokenizer(spec.tokenizer),
+        model=model,
+        attention=make_backend(kv_cache, device),
+        device=device,
+        max_model_len=min(max_model_len, num_blocks * args.block_size),
+        num_blocks=num_blocks,
+    )
+
+
+def _max_model_len(args: EngineArgs, cfg: ModelConfig, context_length: int) -> int:
+    limit = min(cfg.max_position_embeddings, context_length or cfg.max_position_embeddings)
+    if args.max_model_len is None:
+        return limit
+    if args.max_model_len > cfg.max_position_embeddings:
+        raise ValueError(
+            f"max_model_len {args.max_model_len} exceeds the model's "
+            f"max_position_embeddings {cfg.max_position_embeddings}"
+        )
+    return args.max_model_len
+
+
+def _num_blocks(args: EngineArgs, cfg: ModelConfig, dtype: torch.dtype, max_model_len: int) -> int:
+    if args.num_kv_blocks is not None:
+        return args.num_kv_blocks
+    per_block = KVCache.bytes_per_block(
+        cfg.num_layers, args.block_size, cfg.num_kv_heads, cfg.head_dim, dtype
+    )
+    if args.kv_cache_bytes is not None:
+        return max(1, args.kv_cache_bytes // per_block)
+    wanted = args.max_num_seqs * -(-max_model_len // args.block_size)
+    return max(1, min(wanted, DEFAULT_KV_CACHE_BYTES // per_block))
