@@ -98,7 +98,7 @@ class LLMEngine:
         if len(prompt_token_ids) >= self.max_model_len:
             raise ValueError(
                 f"prompt has {len(prompt_token_ids)} tokens; the maximum is "
-                f"{self.max_model_len - 1} (max_model_len {self.max_model_len} leaves room for one more)"
+                f"{self.max_model_len - 1} (max_model_len {self.max_model_len} minus one)"
             )
         vocab = self.model_config.vocab_size
         bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)

@@ -85,4 +85,4 @@ class AttentionBackend(ABC):
     def forward(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
-        """q ``[tokens, heads, dim]``, k/v ``[tokens, kv_heads, dim]`` → ``[tokens, heads, dim]``."""
+        """q ``[tokens, heads, dim]``, k/v ``[tokens, kv_heads, dim]``; returns q's shape."""
