@@ -1,0 +1,353 @@
+"""Protocol-neutral incremental parsing of generated text.
+
+The engine streams text in arbitrary chunks; the protocols want answer text,
+reasoning text and tool calls as they happen. ``OutputParser`` turns the chunks
+into deltas that no protocol owns, so the OpenAI and Anthropic chunk generators
+(and non-stream accumulation, through ``merge_deltas``) share one parser.
+
+Contract: however the text is cut into chunks, ``merge_deltas`` of all the
+deltas is the same. To keep that and stay linear, only a held-back tail is ever
+looked at twice: the longest suffix that could still become a delimiter or a
+stop string (at most the longest of them minus one character), or, inside a
+tool call, a possible start of the closing delimiter.
+
+Choices worth knowing:
+
+- Reasoning delimiters are recognised anywhere in content; inside reasoning
+  only the closing one is. Tool markup inside reasoning is reasoning text,
+  and reasoning never closed stays reasoning.
+- Stop strings are searched in content and reasoning, not inside tool call
+  markup (even markup later shown as content). The earliest match wins; at
+  one position the shortest, and a stop string beats a delimiter spelled the
+  same. A match waits while a longer candidate could still start before it.
+- Whitespace at the start of the content that follows reasoning or a tool call
+  is the template's formatting, not the answer: it is dropped.
+- A tool call body of the shape ``{"name": ..., "arguments": {...}}`` streams
+  its arguments verbatim as they arrive; text between the arguments and the
+  closing delimiter is ignored. Any other body is held until the closing
+  delimiter (looked for verbatim, strings or not) and parsed as a whole JSON
+  object (key order free, ``parameters`` accepted, string arguments passed as
+  they are); if that fails too, the markup is shown as content.
+- At ``finish()`` an unterminated streamed call is closed (its arguments may be
+  cut short, the finish reason says why); an unterminated held body gets the
+  whole-object attempt and otherwise becomes content.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+import string
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field, replace
+from enum import Enum
+
+from api.json_scanner import JsonValueScanner, PreludeStatus, ToolCallPrelude
+
+_ID_ALPHABET = string.ascii_letters + string.digits
+
+
+@dataclass(slots=True, frozen=True)
+class ContentDelta:
+    text: str
+
+
+@dataclass(slots=True, frozen=True)
+class ReasoningDelta:
+    text: str
+
+
+@dataclass(slots=True, frozen=True)
+class ToolCallStart:
+    index: int
+    id: str
+    name: str
+
+
+@dataclass(slots=True, frozen=True)
+class ToolCallArgsDelta:
+    index: int
+    text: str
+
+
+@dataclass(slots=True, frozen=True)
+class ToolCallEnd:
+    index: int
+
+
+@dataclass(slots=True, frozen=True)
+class StopMatched:
+    stop: str
+
+
+Delta = (
+    ContentDelta | ReasoningDelta | ToolCallStart | ToolCallArgsDelta | ToolCallEnd | StopMatched
+)
+
+
+def merge_deltas(deltas: Iterable[Delta]) -> list[Delta]:
+    """Join adjacent text deltas of the same kind (and tool call); drop empty ones."""
+    merged: list[Delta] = []
+    for delta in deltas:
+        if isinstance(delta, ContentDelta | ReasoningDelta | ToolCallArgsDelta):
+            if not delta.text:
+                continue
+            last = merged[-1] if merged else None
+            if type(last) is type(delta) and _index(last) == _index(delta):
+                merged[-1] = replace(delta, text=last.text + delta.text)
+                continue
+        merged.append(delta)
+    return merged
+
+
+def _index(delta: Delta | None) -> int | None:
+    return getattr(delta, "index", None)
+
+
+def new_tool_call_id() -> str:
+    """``call_`` and 24 random letters or digits, the shape OpenAI clients expect."""
+    return "call_" + "".join(secrets.choice(_ID_ALPHABET) for _ in range(24))
+
+
+@dataclass(slots=True, frozen=True)
+class Delimiters:
+    open: str
+    close: str
+
+
+THINK = Delimiters("<think>", "</think>")
+HERMES_TOOL_CALL = Delimiters("<tool_call>", "</tool_call>")
+
+
+@dataclass(slots=True)
+class ParserConfig:
+    """What to look for. ``None`` delimiters mean the feature is off for this
+    request, and its markup is plain content."""
+
+    reasoning: Delimiters | None = None
+    starts_in_reasoning: bool = False  # the prompt already opened the reasoning block
+    tool_calls: Delimiters | None = None
+    stop: Sequence[str] = ()
+
+    def __post_init__(self) -> None:
+        self.stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        if self.starts_in_reasoning and self.reasoning is None:
+            raise ValueError("starts_in_reasoning=True needs reasoning delimiters, got None")
+        for name, pair in (("reasoning", self.reasoning), ("tool_calls", self.tool_calls)):
+            if pair is not None and (not pair.open or not pair.close or pair.open == pair.close):
+                raise ValueError(
+                    f"{name} delimiters must be two different non-empty strings, got {pair!r}"
+                )
+        if any(not stop for stop in self.stop):
+            raise ValueError(f"stop strings must be non-empty, got {list(self.stop)!r}")
+
+
+@dataclass(slots=True)
+class _MarkerFinder:
+    """Finds the earliest of several strings, holding back a possible partial one."""
+
+    markers: frozenset[str]
+    _pattern: re.Pattern[str] = field(init=False)
+    _longest: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        by_length = sorted(self.markers, key=len)  # at one position the shortest wins
+        self._pattern = re.compile("|".join(map(re.escape, by_length)) or r"(?!)")
+        self._longest = len(by_length[-1]) if by_length else 0
+
+    def find(self, text: str, pos: int) -> tuple[int, str | None]:
+        """Return (end of the text safe to pass on, the marker found there or None).
+
+        A marker is taken only if no longer one could still start before it.
+        """
+        match = self._pattern.search(text, pos)
+        limit = match.start() if match else len(text)
+        for start in range(max(pos, len(text) - self._longest + 1), limit):
+            tail = text[start:]
+            if any(len(marker) > len(tail) and marker.startswith(tail) for marker in self.markers):
+                return start, None
+        return (limit, match.group()) if match else (limit, None)
+
+
+class _State(Enum):
+    CONTENT = "content"
+    REASONING = "reasoning"
+    PRELUDE = "prelude"  # inside a tool call, before the arguments
+    ARGUMENTS = "arguments"  # streaming the arguments object
+    TAIL = "tail"  # after the arguments, waiting for the closing delimiter
+    HELD = "held"  # an unexpected body, kept whole until the closing delimiter
+    STOPPED = "stopped"
+
+
+class OutputParser:
+    """Feeds on text chunks, returns deltas; see the module docstring for the rules."""
+
+    def __init__(
+        self, config: ParserConfig, id_factory: Callable[[], str] = new_tool_call_id
+    ) -> None:
+        self._config = config
+        self._new_id = id_factory
+        self._state = _State.REASONING if config.starts_in_reasoning else _State.CONTENT
+        self._finders = _finders(config)
+        self._held = ""
+        self._out: list[Delta] = []
+        self._strip_content = False
+        self._calls = 0
+        self._body: list[str] = []
+        self._prelude = ToolCallPrelude()
+        self._arguments = JsonValueScanner()
+        self._handlers: dict[_State, Callable[[str, int], int]] = {
+            _State.CONTENT: self._scan_text,
+            _State.REASONING: self._scan_text,
+            _State.PRELUDE: self._read_prelude,
+            _State.ARGUMENTS: self._read_arguments,
+            _State.TAIL: self._read_tail,
+            _State.HELD: self._read_held_body,
+        }
+
+    def push(self, text: str) -> list[Delta]:
+        """Parse one more chunk; text that may start a delimiter waits for the next."""
+        buffer, pos = self._held + text, 0
+        handlers = self._handlers
+        while pos < len(buffer) and self._state is not _State.STOPPED:
+            state = self._state
+            new_pos = handlers[state](buffer, pos)
+            if new_pos == pos and self._state is state:
+                break
+            pos = new_pos
+        self._held = buffer[pos:] if self._state is not _State.STOPPED else ""
+        return self._take()
+
+    def finish(self) -> list[Delta]:
+        """Flush what was held back at the end of generation."""
+        held, self._held = self._held, ""
+        if self._state is _State.CONTENT:
+            self._content(held)
+        elif self._state is _State.REASONING:
+            self._emit(ReasoningDelta(held))
+        elif self._state in (_State.PRELUDE, _State.HELD):
+            self._body.append(held)
+            self._resolve_held_body(closed=False)
+        elif self._state in (_State.ARGUMENTS, _State.TAIL):
+            self._end_call()
+        self._state = _State.STOPPED
+        return self._take()
+
+    def _scan_text(self, buffer: str, pos: int) -> int:
+        end, marker = self._finders[self._state].find(buffer, pos)
+        if self._state is _State.CONTENT:
+            self._content(buffer[pos:end])
+        else:
+            self._emit(ReasoningDelta(buffer[pos:end]))
+        if marker is None:
+            return end
+        if marker in self._config.stop:  # a stop string spelled like a delimiter wins
+            self._emit(StopMatched(marker))
+            self._state = _State.STOPPED
+        elif self._state is _State.REASONING:
+            self._state, self._strip_content = _State.CONTENT, True
+        elif self._config.reasoning is not None and marker == self._config.reasoning.open:
+            self._state = _State.REASONING
+        else:
+            self._state, self._body = _State.PRELUDE, []
+            self._prelude = ToolCallPrelude()
+        return end + len(marker)
+
+    def _read_prelude(self, buffer: str, pos: int) -> int:
+        end = self._prelude.feed(buffer, pos)
+        self._body.append(buffer[pos:end])
+        if self._prelude.status is PreludeStatus.FAILED:
+            self._state = _State.HELD
+        elif self._prelude.status is PreludeStatus.DONE:
+            self._emit(ToolCallStart(self._calls, self._new_id(), self._prelude.name or ""))
+            self._state, self._arguments = _State.ARGUMENTS, JsonValueScanner()
+        return end
+
+    def _read_arguments(self, buffer: str, pos: int) -> int:
+        end = self._arguments.feed(buffer, pos)
+        if end is None:
+            end = len(buffer)
+        else:
+            self._state = _State.TAIL
+        self._emit(ToolCallArgsDelta(self._calls, buffer[pos:end]))
+        return end
+
+    def _read_tail(self, buffer: str, pos: int) -> int:
+        end, marker = self._finders[_State.TAIL].find(buffer, pos)
+        if marker is None:
+            return end
+        self._end_call()
+        self._state = _State.CONTENT
+        return end + len(marker)
+
+    def _read_held_body(self, buffer: str, pos: int) -> int:
+        end, marker = self._finders[_State.TAIL].find(buffer, pos)
+        self._body.append(buffer[pos:end])
+        if marker is None:
+            return end
+        self._resolve_held_body(closed=True)
+        self._state = _State.CONTENT
+        return end + len(marker)
+
+    def _resolve_held_body(self, closed: bool) -> None:
+        """Emit a buffered body as one whole call, or as the content it was."""
+        body = "".join(self._body)
+        call = _parse_call(body)
+        if call is not None:
+            self._emit(ToolCallStart(self._calls, self._new_id(), call[0]))
+            self._emit(ToolCallArgsDelta(self._calls, call[1]))
+            self._end_call()
+            return
+        delimiters = self._config.tool_calls
+        assert delimiters is not None
+        self._content(delimiters.open + body + (delimiters.close if closed else ""))
+
+    def _end_call(self) -> None:
+        self._emit(ToolCallEnd(self._calls))
+        self._calls += 1
+        self._strip_content = True
+
+    def _content(self, text: str) -> None:
+        if self._strip_content:
+            text = text.lstrip()
+            self._strip_content = not text
+        self._emit(ContentDelta(text))
+
+    def _emit(self, delta: Delta) -> None:
+        if getattr(delta, "text", None) != "":
+            self._out.append(delta)
+
+    def _take(self) -> list[Delta]:
+        out, self._out = self._out, []
+        return out
+
+
+def _finders(config: ParserConfig) -> dict[_State, _MarkerFinder]:
+    """The strings live in each state that searches for markers."""
+    content, reasoning, tail = set(config.stop), set(config.stop), set()
+    if config.reasoning is not None:
+        content.add(config.reasoning.open)
+        reasoning.add(config.reasoning.close)
+    if config.tool_calls is not None:
+        content.add(config.tool_calls.open)
+        tail.add(config.tool_calls.close)
+    return {
+        _State.CONTENT: _MarkerFinder(frozenset(content)),
+        _State.REASONING: _MarkerFinder(frozenset(reasoning)),
+        _State.TAIL: _MarkerFinder(frozenset(tail)),
+    }
+
+
+def _parse_call(body: str) -> tuple[str, str] | None:
+    """(name, arguments JSON) from a whole body, or None if it is not a call."""
+    try:
+        value = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+        return None
+    arguments = value.get("arguments", value.get("parameters", {}))
+    if not isinstance(arguments, str):
+        arguments = json.dumps(arguments, ensure_ascii=False)
+    return value["name"], arguments
