@@ -99,9 +99,7 @@ def unpermute_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
     rows = weight.shape[0]
     half = rows // num_heads // 2
     return (
-        weight.reshape(num_heads, half, 2, *weight.shape[1:])
-        .swapaxes(1, 2)
-        .reshape(weight.shape)
+        weight.reshape(num_heads, half, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
     )
 
 

