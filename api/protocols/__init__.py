@@ -1,0 +1,1 @@
+"""The three HTTP protocols, one module each, behind one table (``base.Protocol``)."""
