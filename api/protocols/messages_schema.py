@@ -1,0 +1,248 @@
+"""Anthropic Messages request bodies as pydantic models, and their errors as one 400.
+
+The models mirror the wire shapes: unknown fields are ignored and values are
+never coerced. The first validation error becomes one 400 whose message and
+``param`` name the field path the way the Anthropic API does
+(``messages.0.content.1.source.media_type: ...``). Block unions are chosen by
+their ``type`` (turns by their ``role``) through tagged unions whose tags are
+then left out of the path, so an error names the field inside the block rather
+than pydantic's union machinery.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, TypeVar, Union, get_args
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag
+from pydantic import ValidationError as PydanticValidationError
+
+from api.errors import ApiError, bad_request
+
+_TAG_SEPARATOR = "="  # union tags read "type=text"; no field name contains it
+_UNKNOWN = "unknown_"  # error type prefix when no union member has that type or role
+
+
+class Strict(BaseModel):
+    """Wire shapes: unknown fields are ignored, values are never coerced."""
+
+    model_config = ConfigDict(extra="ignore", strict=True, frozen=True)
+
+
+def _by(field: str, *models: type[Strict]) -> Any:
+    """A union of ``models`` chosen by the value of ``field`` (``type`` or ``role``)."""
+    values = [get_args(model.model_fields[field].annotation)[0] for model in models]
+    members = tuple(
+        Annotated[model, Tag(f"{field}{_TAG_SEPARATOR}{value}")]
+        for model, value in zip(models, values, strict=True)
+    )
+
+    def tag(value: Any) -> str | None:
+        return f"{field}{_TAG_SEPARATOR}{value.get(field)}" if isinstance(value, dict) else None
+
+    # The error type carries the field (a dict context would make the type unhashable).
+    expected = ", ".join(map(repr, values))
+    discriminator = Discriminator(
+        tag,
+        custom_error_type=f"{_UNKNOWN}{field}",
+        custom_error_message=f"must be one of {expected}",
+    )
+    return Annotated[Union[members], discriminator]  # noqa: UP007 - a tuple built at runtime
+
+
+def _text_shorthand(value: Any) -> Any:
+    """A plain string stands for one text block, everywhere the API accepts blocks."""
+    return [{"type": "text", "text": value}] if isinstance(value, str) else value
+
+
+_NonEmptyStr = Annotated[str, Field(min_length=1)]
+
+
+class TextBlock(Strict):
+    type: Literal["text"]
+    text: str
+
+
+class Base64Source(Strict):
+    type: Literal["base64"]
+    media_type: Literal["image/jpeg", "image/png", "image/gif", "image/webp"]
+    data: _NonEmptyStr
+
+
+class UrlSource(Strict):
+    type: Literal["url"]
+    url: _NonEmptyStr
+
+
+_ImageSourceField = _by("type", Base64Source, UrlSource)
+
+
+class ImageBlock(Strict):
+    type: Literal["image"]
+    source: _ImageSourceField
+
+
+_ResultBlocks = Annotated[
+    list[_by("type", TextBlock, ImageBlock)], BeforeValidator(_text_shorthand)
+]
+
+
+class ToolResultBlock(Strict):
+    type: Literal["tool_result"]
+    tool_use_id: _NonEmptyStr
+    content: _ResultBlocks = []
+    is_error: bool = False
+
+
+class ToolUseBlock(Strict):
+    type: Literal["tool_use"]
+    id: _NonEmptyStr
+    name: _NonEmptyStr
+    input: dict[str, Any]
+
+
+class ThinkingBlock(Strict):
+    type: Literal["thinking"]
+    thinking: str
+    signature: str = ""
+
+
+class RedactedThinkingBlock(Strict):
+    type: Literal["redacted_thinking"]
+    data: str = ""
+
+
+_UserBlock = _by("type", TextBlock, ImageBlock, ToolResultBlock)
+_AssistantBlock = _by("type", TextBlock, ToolUseBlock, ThinkingBlock, RedactedThinkingBlock)
+
+
+class UserTurn(Strict):
+    role: Literal["user"]
+    content: Annotated[list[_UserBlock], BeforeValidator(_text_shorthand)]
+
+
+class AssistantTurn(Strict):
+    role: Literal["assistant"]
+    content: Annotated[list[_AssistantBlock], BeforeValidator(_text_shorthand)]
+
+
+class ToolDefinition(Strict):
+    name: _NonEmptyStr
+    description: str | None = None
+    input_schema: dict[str, Any]
+    type: Literal["custom"] | None = None  # server tools (bash, web search, …) are not served
+
+
+class ToolChoiceAuto(Strict):
+    type: Literal["auto"]
+    disable_parallel_tool_use: bool = False
+
+
+class ToolChoiceAny(Strict):
+    type: Literal["any"]
+    disable_parallel_tool_use: bool = False
+
+
+class ToolChoiceTool(Strict):
+    type: Literal["tool"]
+    name: _NonEmptyStr
+    disable_parallel_tool_use: bool = False
+
+
+class ToolChoiceNone(Strict):
+    type: Literal["none"]
+
+
+_ToolChoiceField = _by("type", ToolChoiceAuto, ToolChoiceAny, ToolChoiceTool, ToolChoiceNone)
+
+
+class ThinkingEnabled(Strict):
+    type: Literal["enabled"]
+    budget_tokens: Annotated[int, Field(ge=1024)]
+
+
+class ThinkingDisabled(Strict):
+    type: Literal["disabled"]
+
+
+class ThinkingAdaptive(Strict):
+    type: Literal["adaptive"]
+
+
+ToolChoiceBody = ToolChoiceAuto | ToolChoiceAny | ToolChoiceTool | ToolChoiceNone
+ThinkingBody = ThinkingEnabled | ThinkingDisabled | ThinkingAdaptive
+_ThinkingField = _by("type", ThinkingEnabled, ThinkingDisabled, ThinkingAdaptive)
+_TurnField = _by("role", UserTurn, AssistantTurn)
+
+
+class JsonFormat(Strict):
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
+class OutputConfig(Strict):
+    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None
+    format: JsonFormat | None = None
+
+
+class Metadata(Strict):
+    user_id: str | None = None
+
+
+class CountTokensBody(Strict):
+    """The fields ``/v1/messages/count_tokens`` shares with message creation."""
+
+    model: _NonEmptyStr
+    messages: Annotated[list[_TurnField], Field(min_length=1)]
+    system: Annotated[list[TextBlock], BeforeValidator(_text_shorthand)] = []
+    tools: list[ToolDefinition] = []
+    tool_choice: _ToolChoiceField | None = None
+    thinking: _ThinkingField | None = None
+    output_config: OutputConfig | None = None
+
+
+class CreateBody(CountTokensBody):
+    max_tokens: Annotated[int, Field(ge=1)]
+    stream: bool = False
+    stop_sequences: list[_NonEmptyStr] = []
+    temperature: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    top_k: Annotated[int, Field(ge=0)] | None = None  # 0 turns it off
+    metadata: Metadata | None = None
+
+
+_BodyT = TypeVar("_BodyT", bound=CountTokensBody)
+
+
+def validated(model: type[_BodyT], body: Any) -> _BodyT:
+    """The body as ``model``, or the ``ApiError`` (400) for its first invalid field."""
+    try:
+        return model.model_validate(body)
+    except PydanticValidationError as exc:
+        raise _first_error(exc) from None
+
+
+def _first_error(exc: PydanticValidationError) -> ApiError:
+    """One 400 for the first problem, phrased like the API: ``path: what is wrong``."""
+    error = exc.errors(include_url=False)[0]
+    parts = [str(part) for part in error["loc"] if _TAG_SEPARATOR not in str(part)]
+    value = error.get("input")
+    if error["type"].startswith(_UNKNOWN):
+        field = error["type"].removeprefix(_UNKNOWN)
+        if not isinstance(value, dict):
+            message = f"must be an object, got {_show(value)}"
+        else:
+            parts.append(field)
+            message = f"{error['msg']}, got {_show(value.get(field))}"
+    elif error["type"] == "missing":
+        message = "Field required"
+    else:
+        message = f"{error['msg']}, got {_show(value)}"
+    path = ".".join(parts)
+    if not path:
+        return bad_request(f"the request body must be a JSON object, got {_show(value)}")
+    return bad_request(f"{path}: {message}", path)
+
+
+def _show(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
