@@ -1,0 +1,1 @@
+"""Benchmark scripts: each prints a table with its baseline measured in the same run."""

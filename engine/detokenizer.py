@@ -27,6 +27,7 @@ class OutputText:
     text: str = ""
     emitted: int = 0
     matched_stop: str | None = None
+    echo: str = ""  # prompt text the stream will repeat before the first new character
     _hold: int = field(init=False)
 
     def __post_init__(self) -> None:
@@ -40,14 +41,24 @@ class OutputText:
         stop: list[str],
         skip_special_tokens: bool = True,
     ) -> OutputText:
-        stream = DecodeStream(prompt_ids[-_PROMPT_CONTEXT:], skip_special_tokens)
-        return cls(tokenizer, stream, [s for s in stop if s])
+        seed, pending = _split_incomplete_tail(tokenizer, prompt_ids[-2 * _PROMPT_CONTEXT :])
+        stream = DecodeStream(seed[-_PROMPT_CONTEXT:], skip_special_tokens)
+        for token_id in pending:  # a character the prompt began and the output will finish
+            stream.step(tokenizer, token_id)
+        echo = ""
+        if pending:
+            before = tokenizer.decode(seed, skip_special_tokens=skip_special_tokens)
+            whole = tokenizer.decode(seed + pending, skip_special_tokens=skip_special_tokens)
+            echo = whole.rstrip("\ufffd")[len(before) :]
+        return cls(tokenizer, stream, [s for s in stop if s], echo=echo)
 
     def append(self, token_id: int) -> bool:
         """Decode one token; True when a stop string now ends the output."""
         piece = self.stream.step(self.tokenizer, token_id)
         if not piece:
             return False
+        if self.echo:
+            piece, self.echo = piece.removeprefix(self.echo), ""
         searched_from = max(0, len(self.text) - self._hold)
         self.text += piece
         return self._find_stop(searched_from)
@@ -72,3 +83,16 @@ class OutputText:
         self.text = self.text[: best[0]]
         self.matched_stop = best[1]
         return True
+
+
+def _split_incomplete_tail(tokenizer: Tokenizer, tail: list[int]) -> tuple[list[int], list[int]]:
+    """Split off the trailing tokens that end inside a UTF-8 character.
+
+    Seeding the stream with them would make its first output repeat prompt
+    text; stepping them through instead lets the first output token complete
+    the character.
+    """
+    cut = len(tail)
+    while cut and tokenizer.decode(tail[:cut], skip_special_tokens=False).endswith("\ufffd"):
+        cut -= 1
+    return tail[:cut], tail[cut:]

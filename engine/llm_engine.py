@@ -54,7 +54,7 @@ class LLMEngine:
         params: SamplingParams,
         priority: int = 0,
     ) -> None:
-        self._validate(request_id, prompt_token_ids)
+        self._validate(request_id, prompt_token_ids, params)
         seq = Sequence(request_id, list(prompt_token_ids), params, priority)
         seq.seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
         seq.stop_token_ids = frozenset(params.stop_token_ids) | (
@@ -90,7 +90,9 @@ class LLMEngine:
         events += self._postprocess(batch, sampling, tokens, logprobs)
         return events
 
-    def _validate(self, request_id: str, prompt_token_ids: list[int]) -> None:
+    def _validate(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> None:
         if request_id in self.sequences:
             raise ValueError(f"request id {request_id!r} is already running")
         if not prompt_token_ids:
@@ -101,9 +103,13 @@ class LLMEngine:
                 f"{self.max_model_len - 1} (max_model_len {self.max_model_len} minus one)"
             )
         vocab = self.model_config.vocab_size
-        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab})")
+        for field, ids in (
+            ("prompt_token_ids", prompt_token_ids),
+            ("stop_token_ids", params.stop_token_ids),
+        ):
+            bad = next((t for t in ids if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise ValueError(f"{field}: token id {bad} is outside the vocabulary [0, {vocab})")
 
     def _postprocess(
         self,
@@ -144,13 +150,19 @@ class LLMEngine:
     def _finish_reason(
         self, seq: Sequence, token: int
     ) -> tuple[FinishReason | None, str | int | None]:
+        if seq.num_output_tokens <= seq.params.min_tokens:  # no stop of any kind before min_tokens
+            seq.output.append(token)
+            return self._length_reason(seq), None
         if token in seq.stop_token_ids:
             return FinishReason.STOP, token
         if seq.output.append(token):
             return FinishReason.STOP, seq.output.matched_stop
+        return self._length_reason(seq), None
+
+    def _length_reason(self, seq: Sequence) -> FinishReason | None:
         if seq.num_output_tokens >= seq.params.max_tokens or len(seq) >= self.max_model_len:
-            return FinishReason.LENGTH, None
-        return None, None
+            return FinishReason.LENGTH
+        return None
 
     def _finish(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.FINISHED

@@ -31,7 +31,7 @@ class _Plan:
     slot_mapping: torch.Tensor
     num_decodes: int
     decode_gather: torch.Tensor | None  # [decodes, max_context]
-    decode_mask: torch.Tensor | None  # [decodes, 1, 1, max_context]
+    decode_mask: torch.Tensor | None  # [decodes, 1, 1, max_context], additive
     prefills: list[_Prefill]
 
 
@@ -61,12 +61,9 @@ class TorchBackend(AttentionBackend):
         out = torch.empty_like(q)
         if plan.num_decodes:
             n = plan.num_decodes
-            out[:n] = _attend(
-                q[:n].unsqueeze(1),
-                k_cache[plan.decode_gather],
-                v_cache[plan.decode_gather],
-                plan.decode_mask,
-            ).squeeze(1)
+            out[:n] = _attend_decode(
+                q[:n], k_cache[plan.decode_gather], v_cache[plan.decode_gather], plan.decode_mask
+            )
         for chunk in plan.prefills:
             queries = q[chunk.start : chunk.end].unsqueeze(0)
             if chunk.gather is None:
@@ -94,7 +91,8 @@ class TorchBackend(AttentionBackend):
         )
         offsets = torch.arange(block_size)
         gather = (tables.unsqueeze(-1) * block_size + offsets).view(num_decodes, -1)[:, :max_len]
-        mask = torch.arange(max_len).unsqueeze(0) < torch.tensor(lens).unsqueeze(1)
+        valid = torch.arange(max_len).unsqueeze(0) < torch.tensor(lens).unsqueeze(1)
+        mask = torch.zeros(valid.shape).masked_fill_(~valid, float("-inf"))
         return gather.to(device), mask[:, None, None, :].to(device)
 
     def _prefill(
@@ -116,6 +114,21 @@ class TorchBackend(AttentionBackend):
         query_positions = torch.arange(cached, context).unsqueeze(1)
         mask = positions.unsqueeze(0) <= query_positions  # causal with an offset
         return _Prefill(start, end, cached, gather.to(device), mask[None, None].to(device))
+
+
+def _attend_decode(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
+    """One query token per sequence: q ``[b, h, d]``, k/v ``[b, s, kvh, d]``.
+
+    The query heads that share a KV head are laid out as that head's
+    "sequence" of queries, so grouped-query attention needs no repeated keys.
+    """
+    batch, heads, dim = q.shape
+    kv_heads = k.shape[2]
+    grouped = q.view(batch, kv_heads, heads // kv_heads, dim)
+    out = F.scaled_dot_product_attention(grouped, k.transpose(1, 2), v.transpose(1, 2), mask)
+    return out.reshape(batch, heads, dim)
 
 
 def _attend(

@@ -15,11 +15,13 @@ from torch import nn
 
 from engine.attention import AttentionBackend
 from engine.config import ModelConfig
-from engine.model.layers import Linear, RMSNorm, RotaryEmbedding
+from engine.model.layers import Linear, RMSNorm, RotaryEmbedding, rotate
+
+Rope = tuple[torch.Tensor, torch.Tensor]  # cos and sin rows of this step's positions
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, rotary: RotaryEmbedding):
+    def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
         self.layer = layer
         self.num_heads, self.num_kv_heads, self.head_dim = (
@@ -33,18 +35,18 @@ class Attention(nn.Module):
         self.o_proj = Linear(self.q_size, cfg.hidden_size)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.rotary = rotary
 
-    def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, attention: AttentionBackend
-    ) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
+    def forward(self, x: torch.Tensor, rope: Rope, attention: AttentionBackend) -> torch.Tensor:
+        qkv = self.qkv_proj(x)
+        heads = self.num_heads + self.num_kv_heads
+        qk = qkv[:, : self.q_size + self.kv_size].view(-1, heads, self.head_dim)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+            qk = torch.cat(
+                (self.q_norm(qk[:, : self.num_heads]), self.k_norm(qk[:, self.num_heads :])), 1
+            )
+        qk = rotate(qk, rope)  # queries and keys share positions: one rotation for both
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        v = qkv[:, self.q_size + self.kv_size :].view(-1, self.num_kv_heads, self.head_dim)
         out = attention.forward(self.layer, q, k, v)
         return self.o_proj(out.reshape(-1, self.q_size))
 
@@ -62,17 +64,15 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, rotary: RotaryEmbedding):
+    def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, layer, rotary)
+        self.self_attn = Attention(cfg, layer)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, attention: AttentionBackend
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, attention)
+    def forward(self, x: torch.Tensor, rope: Rope, attention: AttentionBackend) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope, attention)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -80,10 +80,10 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, max_positions: int):
         super().__init__()
         self.cfg = cfg
-        rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
+        self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, rotary) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
         if cfg.tie_word_embeddings:
@@ -98,8 +98,9 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Logits ``[len(logits_indices), vocab]``: only the positions that sample."""
         x = self.embed_tokens(input_ids)
+        rope = self.rotary.lookup(positions)
         for layer in self.layers:
-            x = layer(x, positions, attention)
+            x = layer(x, rope, attention)
         return self.lm_head(self.norm(x[logits_indices])).float()
 
     def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:

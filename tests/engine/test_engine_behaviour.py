@@ -444,11 +444,6 @@ def test_streamed_chunks_are_whole_characters(make_engine: EngineFactory) -> Non
         assert "" in chunks  # some tokens ended inside a character and were held back
 
 
-@pytest.mark.xfail(
-    reason="OutputText.start seeds DecodeStream with a prompt window that may end inside "
-    "a UTF-8 character: the first chunk repeats prompt text or contains U+FFFD",
-    strict=True,
-)
 def test_output_after_a_prompt_that_ends_inside_a_character(loaded_model: LoadedModel) -> None:
     # A resumed request's prompt ends with the tokens already streamed, possibly
     # half a character: the output must continue with exactly the missing text.
@@ -497,11 +492,6 @@ def test_invalid_requests_are_rejected_with_a_clear_message(make_engine: EngineF
     assert_no_leak(engine)
 
 
-@pytest.mark.xfail(
-    reason="stop_token_ids are not validated: an id outside the vocabulary passes "
-    "add_request and makes step() raise IndexError when min_tokens bans it",
-    strict=True,
-)
 def test_out_of_vocab_stop_token_id_is_rejected_up_front(make_engine: EngineFactory) -> None:
     engine = make_engine(num_blocks=8)
     vocab = engine.model_config.vocab_size

@@ -42,7 +42,11 @@ ARCHITECTURES = {
         transformers.LlamaForCausalLM,
         {"rope_scaling": {"rope_type": "linear", "factor": 2.0}, "tie_word_embeddings": True},
     ),
-    "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM, {"sliding_window": None}),
+    "mistral": (
+        transformers.MistralConfig,
+        transformers.MistralForCausalLM,
+        {"sliding_window": None},
+    ),
     "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, {}),
     "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, {"head_dim": 24}),
 }
@@ -79,8 +83,15 @@ def _run_ours(path: Path, prompts: list[list[int]]) -> tuple[torch.Tensor, torch
     cfg = ModelConfig.from_hf(checkpoint.config)
     model = LlamaForCausalLM(cfg, 256)
     model.load_weights(checkpoint.tensors)
-    cache = KVCache.allocate(cfg.num_layers, 64, BLOCK, cfg.num_kv_heads, cfg.head_dim,
-                             torch.float32, torch.device("cpu"))
+    cache = KVCache.allocate(
+        cfg.num_layers,
+        64,
+        BLOCK,
+        cfg.num_kv_heads,
+        cfg.head_dim,
+        torch.float32,
+        torch.device("cpu"),
+    )
     backend = make_backend(cache, torch.device("cpu"))
     tables = [[4 * i + j for j in range(4)] for i in range(len(prompts))]
 
@@ -97,8 +108,9 @@ def _run_ours(path: Path, prompts: list[list[int]]) -> tuple[torch.Tensor, torch
         prefill = model(torch.tensor(ids), torch.tensor(positions), backend, last)
         next_ids = prefill.argmax(-1)
         decode_slots = [slots(i, range(n, n + 1))[0] for i, n in enumerate(lens)]
-        backend.plan(BatchLayout([1] * len(lens), [n + 1 for n in lens], tables,
-                                 torch.tensor(decode_slots)))
+        backend.plan(
+            BatchLayout([1] * len(lens), [n + 1 for n in lens], tables, torch.tensor(decode_slots))
+        )
         decode = model(next_ids, torch.tensor(lens), backend, torch.arange(len(lens)))
     return prefill, decode
 
@@ -141,9 +153,12 @@ def test_default_model_greedy_matches_transformers() -> None:
     for ids, output in zip(prompt_ids, ours, strict=True):
         with torch.no_grad():
             expected = reference.generate(
-                torch.tensor([ids]), max_new_tokens=64, min_new_tokens=64, do_sample=False,
+                torch.tensor([ids]),
+                max_new_tokens=64,
+                min_new_tokens=64,
+                do_sample=False,
                 pad_token_id=0,
-            )[0, len(ids):].tolist()
+            )[0, len(ids) :].tolist()
         assert output.token_ids == expected
 
 
