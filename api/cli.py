@@ -36,12 +36,27 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    print(
-        "sluice serve: the HTTP server arrives with the entry layer; "
-        "use `sluice generate PROMPT` meanwhile.",
-        file=sys.stderr,
+    from pathlib import Path
+
+    from api.app import Settings, load_models
+    from api.server import run
+
+    settings = Settings(
+        model=args.model,
+        config=Path(args.config) if args.config else None,
+        host=args.host,
+        port=args.port,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
     )
-    return 2
+    try:
+        load_models(settings)  # a bad --model or --config fails here, with a clear message
+    except (ValueError, OSError) as exc:
+        print(f"sluice serve: {exc}", file=sys.stderr)
+        return 2
+    run(settings)
+    return 0
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -66,6 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(serve)
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--config", default=None, help="TOML model registry ([models.<name>])")
     serve.set_defaults(run=_serve)
 
     bench = commands.add_parser("bench", help="run a benchmark (engine)")

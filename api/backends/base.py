@@ -1,0 +1,64 @@
+"""The narrow interface between the HTTP layer and whatever runs the model.
+
+A backend takes a ``PreparedRequest`` (token ids, sampling, parsing options)
+and yields ``InferenceEvent``s; it never sees a protocol. The embedded
+backend runs the engine in this process; a queue-based backend (Redis,
+Celery) implements the same few methods, so the routes do not change.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Protocol
+
+from shared.events import InferenceEvent
+from shared.registry import ModelSpec
+from shared.tokenizer_loader import LoadedTokenizer
+from shared.wire import PreparedRequest
+
+
+@dataclass(frozen=True, slots=True)
+class ServedModel:
+    """A model a backend can run, with what preparation needs to encode for it.
+
+    ``context_length`` is the limit the engine enforces (prompt + completion),
+    which may be below the registry's figure when the KV cache is smaller.
+    """
+
+    spec: ModelSpec
+    tokenizer: LoadedTokenizer
+    context_length: int
+
+
+@dataclass(frozen=True, slots=True)
+class BackendHealth:
+    """A snapshot for ``/ready`` and ``/metrics``; counters are totals since start."""
+
+    ready: bool
+    detail: str = ""
+    running: int = 0  # sequences in the running batch
+    waiting: int = 0  # admitted but not yet scheduled
+    aborted: int = 0  # requests the engine stopped early (client gone, shutdown)
+    steps: int = 0
+    generated_tokens: int = 0
+
+
+class Backend(Protocol):
+    """Runs prepared requests.
+
+    ``infer`` is an async generator. It ends after a ``Finish`` or ``Error``
+    event; closing it before that (``aclose()``, or cancellation while it
+    waits) cancels the request, so the model stops working for a client that
+    is gone. ``models`` is meaningful once ``health().ready`` is true.
+    """
+
+    def infer(self, request: PreparedRequest) -> AsyncIterator[InferenceEvent]: ...
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+    def health(self) -> BackendHealth: ...
+
+    def models(self) -> list[ServedModel]: ...

@@ -1,0 +1,291 @@
+"""From a request body to a ``PreparedRequest``: the CPU work before generation.
+
+``prepare`` reads in the order the work happens: parse, resolve the model,
+render, encode, resolve max_tokens, build sampling and parsing options. Each
+step raises an ``ApiError`` whose status says whose fault it is: 400/404 for
+what the client sent, 500 for a model we configured badly. It is plain
+blocking code; the route runs it in a bounded threadpool.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import secrets
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from api.backends.base import ServedModel
+from api.errors import ApiError, bad_request, not_found
+from api.output_parser import HERMES_TOOL_CALL, THINK, Delimiters, ParserConfig
+from api.protocols.base import GenerationRequest, Protocol, ResponseContext
+from shared.conversation import Conversation, ConversationError
+from shared.prompting import PromptFormatError, RenderedPrompt, render
+from shared.registry import ModelRegistry, ModelSpec, UnknownModel
+from shared.sampling import SamplingParams
+from shared.tokenization import PromptEncodingError, encode_prompt
+from shared.wire import ParsingOptions, PreparedRequest
+
+DEFAULT_MAX_TOKENS = 8192
+THINKING_MAX_TOKENS = 65536
+MAX_EFFORT_MAX_TOKENS = 131072
+
+_HERMES_FORMATS = frozenset({"chatml", "qwen3"})
+_FIELD = re.compile(r"([A-Za-z_][\w.\[\]]*) ")
+
+
+@dataclass(slots=True)
+class PreparationContext:
+    """What preparation looks up: accepted names, and the models that are loaded."""
+
+    registry: ModelRegistry
+    models: Mapping[str, ServedModel]  # by registry name (``spec.name``)
+
+
+@dataclass(slots=True)
+class Encoded:
+    """A request rendered and encoded for one model."""
+
+    request: GenerationRequest
+    model: ServedModel
+    rendered: RenderedPrompt
+    token_ids: list[int]
+
+
+@dataclass(slots=True)
+class Prepared:
+    """Everything the route needs: the wire request plus how to build the response."""
+
+    protocol: Protocol
+    request: GenerationRequest
+    context: ResponseContext
+    wire: PreparedRequest
+    model: ServedModel
+
+    @property
+    def parser_config(self) -> ParserConfig:
+        return parser_config(self.wire.parsing)
+
+
+def prepare(protocol: Protocol, body: dict[str, Any], ctx: PreparationContext) -> Prepared:
+    """Parse, render, encode and resolve one request; raises ``ApiError``."""
+    request = protocol.parse(body)  # 400 naming the field
+    encoded = encode_request(request, ctx)  # 404 unknown model, 400 bad conversation
+    model, prompt_ids = encoded.model, encoded.token_ids
+    thinking = thinking_mode(request.conversation, model.spec)
+    max_tokens = resolve_max_tokens(
+        request.max_tokens,
+        len(prompt_ids),
+        model.context_length,
+        thinking=thinking,
+        max_effort=request.conversation.reasoning_effort == "max",
+        param=request.max_tokens_param,
+    )  # 400: the context cannot hold what was asked for
+    sampling = sampling_params(request, max_tokens)  # 400 naming the field
+    context = ResponseContext(
+        request_id=protocol.id_prefix + secrets.token_hex(12),
+        model=request.model,
+        created=int(time.time()),
+        system_fingerprint=fingerprint(model.spec),
+    )
+    wire = PreparedRequest(
+        request_id=context.request_id,
+        model=model.spec.name,
+        prompt_token_ids=prompt_ids,
+        sampling=sampling,
+        parsing=parsing_options(encoded, thinking),
+        created=time.time(),
+    )
+    return Prepared(protocol, request, context, wire, model)
+
+
+def encode_request(request: GenerationRequest, ctx: PreparationContext) -> Encoded:
+    """Resolve the model, render the conversation in its format and encode it safely."""
+    model = resolve_model(request.model, ctx)
+    rendered = render_conversation(request.conversation, model)
+    try:
+        token_ids = encode_prompt(rendered, model.tokenizer)
+    except PromptEncodingError as exc:  # the renderer or the tokenizer is at fault, not the client
+        raise ApiError(500, str(exc), "api_error") from exc
+    return Encoded(request, model, rendered, token_ids)
+
+
+def resolve_model(name: str, ctx: PreparationContext) -> ServedModel:
+    """The loaded model for a name or alias.
+
+    404, as OpenAI answers for a model that does not exist, with the
+    registry's own message listing the accepted names. Paths are never
+    accepted over HTTP: a client must not make the server open files.
+    """
+    if name not in ctx.registry.names():
+        try:
+            ctx.registry.resolve(name)
+        except UnknownModel as exc:
+            raise not_found(str(exc), "model") from exc
+        raise not_found(
+            f"Model paths are not accepted over HTTP; the supported API model names are "
+            f"{', '.join(ctx.registry.names())}, but you passed {name}.",
+            "model",
+        )
+    spec = ctx.registry.resolve(name)
+    model = ctx.models.get(spec.name)
+    if model is None:  # registered, but this server did not load it
+        raise ApiError(503, f"model {spec.name!r} is not loaded on this server", "overloaded_error")
+    return model
+
+
+def render_conversation(conversation: Conversation, model: ServedModel) -> RenderedPrompt:
+    """Lay out the conversation with the model's prompt format and control tokens."""
+    tok, spec = model.tokenizer, model.spec
+    decode = tok.tokenizer.id_to_token
+    try:
+        return render(
+            conversation,
+            spec.prompt_format,
+            special_tokens=tok.special_tokens,
+            chat_template=tok.chat_template,
+            default_system_prompt=spec.default_system_prompt,
+            bos_token=decode(tok.bos_token_id) if tok.bos_token_id is not None else None,
+            eos_token=decode(tok.eos_token_id) if tok.eos_token_id is not None else None,
+        )
+    except ConversationError as exc:  # the client sent what the format cannot express
+        raise bad_request(str(exc), _leading_field(str(exc))) from exc
+    except PromptFormatError as exc:  # the model is configured with an unusable format
+        raise ApiError(500, str(exc), "api_error") from exc
+
+
+def thinking_mode(conversation: Conversation, spec: ModelSpec) -> bool:
+    """Whether the model will reason first.
+
+    Only models that can think do; for them "unset" means yes (Qwen3's
+    default), and an explicit ``thinking: false`` turns it off. Asking a model
+    that cannot think to think is ignored rather than refused.
+    """
+    can_think = spec.prompt_format == "qwen3" or "thinking" in spec.capabilities
+    return can_think and conversation.thinking is not False
+
+
+def resolve_max_tokens(
+    requested: int | None,
+    prompt_tokens: int,
+    context_length: int,
+    *,
+    thinking: bool = False,
+    max_effort: bool = False,
+    param: str = "max_tokens",
+) -> int:
+    """The completion budget: the request's, or a default that fits the context.
+
+    A requested value is kept only if prompt and completion fit (OpenAI's
+    message, word for word, so clients that parse it keep working). Unset, it
+    is a generous default (more when thinking: reasoning is long) clamped to
+    what the context leaves.
+    """
+    if requested is not None and prompt_tokens + requested > context_length:
+        raise bad_request(
+            f"This model's maximum context length is {context_length} tokens. However, you "
+            f"requested {prompt_tokens + requested} tokens ({prompt_tokens} in the messages, "
+            f"{requested} in the completion). Please reduce the length of the messages or "
+            "completion.",
+            param,
+            "context_length_exceeded",
+        )
+    if prompt_tokens >= context_length:
+        raise bad_request(
+            f"This model's maximum context length is {context_length} tokens. However, your "
+            f"messages resulted in {prompt_tokens} tokens. Please reduce the length of the "
+            "messages.",
+            "messages",
+            "context_length_exceeded",
+        )
+    if requested is not None:
+        return requested
+    if thinking:
+        default = MAX_EFFORT_MAX_TOKENS if max_effort else THINKING_MAX_TOKENS
+    else:
+        default = DEFAULT_MAX_TOKENS
+    return max(1, min(default, context_length - prompt_tokens))
+
+
+def sampling_params(request: GenerationRequest, max_tokens: int) -> SamplingParams:
+    """The request's sampling fields, with OpenAI's defaults for what it left unset."""
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if request.temperature is None else request.temperature,
+            top_p=1.0 if request.top_p is None else request.top_p,
+            top_k=request.top_k or 0,
+            min_p=request.min_p or 0.0,
+            presence_penalty=request.presence_penalty,
+            frequency_penalty=request.frequency_penalty,
+            repetition_penalty=request.repetition_penalty,
+            seed=request.seed,
+            stop=list(request.stop),
+            logprobs=request.logprobs,
+        )
+    except ValueError as exc:  # SamplingParams names the field first
+        raise bad_request(str(exc), _leading_field(str(exc))) from exc
+
+
+def parsing_options(encoded: Encoded, thinking: bool) -> ParsingOptions:
+    """Which markup the output parser should look for in this request's output."""
+    conversation = encoded.request.conversation
+    reasoning = THINK if thinking else None
+    tools = bool(conversation.tools) and conversation.tool_choice.mode != "none"
+    return ParsingOptions(
+        reasoning=_pair(reasoning),
+        starts_in_reasoning=reasoning is not None and _opens(encoded.rendered, reasoning),
+        tool_calls=_pair(HERMES_TOOL_CALL) if tools and _hermes_tool_calls(encoded.model) else None,
+        stop=list(encoded.request.stop),
+    )
+
+
+def parser_config(options: ParsingOptions) -> ParserConfig:
+    """The output parser's configuration for wire-level parsing options."""
+    return ParserConfig(
+        reasoning=Delimiters(*options.reasoning) if options.reasoning else None,
+        starts_in_reasoning=options.starts_in_reasoning,
+        tool_calls=Delimiters(*options.tool_calls) if options.tool_calls else None,
+        stop=options.stop,
+    )
+
+
+def fingerprint(spec: ModelSpec) -> str:
+    """A stable ``system_fingerprint`` per served model and format."""
+    digest = hashlib.blake2s(f"sluice:{spec.name}:{spec.prompt_format}".encode()).hexdigest()
+    return "fp_" + digest[:10]
+
+
+def _hermes_tool_calls(model: ServedModel) -> bool:
+    """True when the model calls tools with ``<tool_call>`` JSON blocks."""
+    if model.spec.prompt_format in _HERMES_FORMATS:
+        return True
+    template = model.tokenizer.chat_template or ""
+    return model.spec.prompt_format == "jinja" and HERMES_TOOL_CALL.open in template
+
+
+def _opens(rendered: RenderedPrompt, delimiters: Delimiters) -> bool:
+    """Whether the prompt ends inside an opened block (the template opened reasoning).
+
+    Only the text after the last turn's control token is looked at, so a
+    delimiter typed in an earlier message cannot flip it.
+    """
+    markers = {delimiters.open, delimiters.close}
+    turn_start = 0
+    for start, end in rendered.special_ranges:
+        if rendered.prompt[start:end] not in markers:
+            turn_start = end
+    tail = rendered.prompt[turn_start:]
+    return tail.rfind(delimiters.open) > tail.rfind(delimiters.close)
+
+
+def _pair(delimiters: Delimiters | None) -> tuple[str, str] | None:
+    return (delimiters.open, delimiters.close) if delimiters else None
+
+
+def _leading_field(message: str) -> str | None:
+    """The field a validation message starts with (``"temperature must be …"``)."""
+    match = _FIELD.match(message)
+    return match.group(1) if match else None

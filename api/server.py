@@ -1,0 +1,33 @@
+"""Run the HTTP server: ``sluice serve`` and ``python -m api.server`` land here.
+
+The app answers ``/health`` at once and ``/ready`` with 503 while the engine
+thread loads the model, so an orchestrator can tell "starting" from "dead".
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import uvicorn
+
+from api.app import Settings, create_app
+
+
+def run(settings: Settings) -> None:
+    """Build the app for ``settings`` and serve it until interrupted."""
+    # The engine thread tokenizes too; fork-unsafe tokenizer threads are not needed.
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    app = create_app(settings)
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level="info")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m api.server [serve options]``: the same options as ``sluice serve``."""
+    from api.cli import main as cli_main
+
+    return cli_main(["serve", *(sys.argv[1:] if argv is None else argv)])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,300 @@
+"""From inference events to protocol chunks, for streamed and whole responses alike.
+
+``StreamProcessor`` is the one place that reads engine events: text goes
+through the ``OutputParser`` (reasoning, tool calls, stop strings across chunk
+boundaries), each parsed delta goes to the protocol's ``ResponseBuilder``, and
+the finish reason is worked out once. ``sse_stream`` and ``collect`` drive the
+same processor, which is why a streamed and a whole response say the same.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from dataclasses import replace
+from functools import lru_cache
+
+import anyio
+from sse_starlette import EventSourceResponse, ServerSentEvent
+from tokenizers import Tokenizer, decoders
+
+from api.errors import ApiError
+from api.output_parser import (
+    ContentDelta,
+    Delta,
+    OutputParser,
+    ReasoningDelta,
+    StopMatched,
+    ToolCallStart,
+)
+from api.protocols.base import FinishKind, LogprobEntry, ResponseBuilder, SSEChunk, Usage
+from shared.events import Error, Finish, FinishReason, InferenceEvent, Ready, Text, TokenLogprob
+from shared.tokenizer_loader import LoadedTokenizer
+
+# How an engine error kind becomes an HTTP status and error type.
+_ERROR_STATUS = {
+    "invalid_request": (400, "invalid_request_error"),
+    "overloaded": (503, "overloaded_error"),
+}
+
+
+class StreamProcessor:
+    """Turns one request's events into protocol chunks.
+
+    ``push`` each event, then ``finish`` when the events run out, and
+    ``close`` when done (idempotent; later events are ignored). ``done`` turns
+    true once the response is complete, possibly before the engine says so: a
+    stop string found by the parser ends the response at once, and the caller
+    should then stop reading (which cancels the request). After an ``Error``
+    event, ``error`` holds it as an ``ApiError``.
+    """
+
+    def __init__(
+        self,
+        builder: ResponseBuilder,
+        parser: OutputParser,
+        tokenizer: LoadedTokenizer,
+        *,
+        prompt_tokens: int = 0,
+        logprobs: bool = False,
+    ) -> None:
+        self._builder = builder
+        self._parser = parser
+        self._pieces = TokenPieces(tokenizer.tokenizer) if logprobs else None
+        self._usage = Usage(prompt_tokens=prompt_tokens)
+        self._started = False
+        self._in_reasoning = False
+        self._tool_calls = False
+        self._stop_matched: str | None = None
+        self._pending_logprobs: list[LogprobEntry] = []
+        self.done = False
+        self.error: ApiError | None = None
+
+    def push(self, event: InferenceEvent) -> list[SSEChunk]:
+        if self.done:
+            return []
+        match event:
+            case Ready():
+                self._usage.prompt_tokens = event.prompt_tokens
+                self._usage.cached_tokens = event.cached_tokens
+                return self._start()
+            case Text():
+                return self._text(event)
+            case Finish():
+                return self._finish(event)
+            case Error():
+                return self._error(event)
+        raise TypeError(f"unknown inference event {event!r}")
+
+    def finish(self) -> list[SSEChunk]:
+        """The events ran out; a response that never saw its end reports an error."""
+        if self.done:
+            return []
+        return self._error(Error("", "the generation ended without a finish event"))
+
+    def close(self) -> None:
+        self.done = True
+
+    def response(self) -> dict:
+        """The whole (non-stream) response; valid once ``done`` without ``error``."""
+        return self._builder.response()
+
+    @property
+    def usage(self) -> Usage:
+        return replace(self._usage)
+
+    def _start(self) -> list[SSEChunk]:
+        if self._started:
+            return []
+        self._started = True
+        return self._builder.start(replace(self._usage))
+
+    def _text(self, event: Text) -> list[SSEChunk]:
+        chunks = self._start()
+        self._usage.completion_tokens += len(event.token_ids)
+        if self._pieces is not None and event.logprobs:
+            self._pending_logprobs += [self._pieces.entry(lp) for lp in event.logprobs]
+        deltas = self._parser.push(event.text) if event.text else []
+        chunks += self._emit(deltas)
+        if self._in_reasoning or any(isinstance(d, ReasoningDelta) for d in deltas):
+            self._usage.reasoning_tokens += len(event.token_ids)
+        if self._stop_matched is not None:  # the parser found a stop string: end here
+            chunks += self._emit(self._parser.finish())
+            chunks += self._complete("stop_sequence", self._stop_matched)
+        return chunks
+
+    def _finish(self, event: Finish) -> list[SSEChunk]:
+        chunks = self._start() + self._emit(self._parser.finish())
+        self._usage.completion_tokens = max(event.completion_tokens, self._usage.completion_tokens)
+        kind, stop = self._finish_kind(event)
+        return chunks + self._complete(kind, stop)
+
+    def _finish_kind(self, event: Finish) -> tuple[FinishKind, str | None]:
+        if self._stop_matched is not None:
+            return "stop_sequence", self._stop_matched
+        if event.reason is FinishReason.STOP and isinstance(event.stop, str):
+            return "stop_sequence", event.stop
+        if event.reason is FinishReason.STOP:
+            return ("tool_calls" if self._tool_calls else "stop"), None
+        if event.reason is FinishReason.LENGTH:
+            return "length", None
+        return "abort", None
+
+    def _complete(self, kind: FinishKind, stop: str | None) -> list[SSEChunk]:
+        self.done = True
+        return self._builder.finish(kind, replace(self._usage), stop)
+
+    def _error(self, event: Error) -> list[SSEChunk]:
+        status, error_type = _ERROR_STATUS.get(event.kind, (500, "api_error"))
+        self.error = ApiError(status, event.message, error_type)
+        self.done = True
+        return self._builder.stream_error(self.error)
+
+    def _emit(self, deltas: list[Delta]) -> list[SSEChunk]:
+        """Hand parsed deltas to the builder; logprobs ride on the next content delta."""
+        chunks: list[SSEChunk] = []
+        for delta in deltas:
+            if isinstance(delta, StopMatched):
+                self._stop_matched = delta.stop
+                continue
+            self._in_reasoning = isinstance(delta, ReasoningDelta)
+            self._tool_calls = self._tool_calls or isinstance(delta, ToolCallStart)
+            logprobs = None
+            if isinstance(delta, ContentDelta) and self._pieces is not None:
+                logprobs, self._pending_logprobs = self._pending_logprobs, []
+            elif self._pieces is not None:
+                self._pending_logprobs = []  # those tokens were reasoning or markup
+            chunks += self._builder.delta(delta, logprobs)
+        return chunks
+
+
+class TokenPieces:
+    """Token ids to the text and exact bytes clients expect in logprobs.
+
+    A byte-level BPE token can be half a UTF-8 character, which decoding alone
+    would turn into U+FFFD; its spelling maps back to the true bytes.
+    """
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self._tokenizer = tokenizer
+        self._byte_level = isinstance(tokenizer.decoder, decoders.ByteLevel)
+
+    def entry(self, logprob: TokenLogprob) -> LogprobEntry:
+        token, token_bytes = self.piece(logprob.token_id)
+        top = [(*self.piece(token_id), value) for token_id, value in logprob.top]
+        return LogprobEntry(token, token_bytes, logprob.logprob, top)
+
+    def piece(self, token_id: int) -> tuple[str, list[int]]:
+        spelling = self._tokenizer.id_to_token(token_id) or ""
+        alphabet = _byte_alphabet()
+        if self._byte_level and spelling and all(char in alphabet for char in spelling):
+            raw = bytes(alphabet[char] for char in spelling)
+        else:
+            raw = self._tokenizer.decode([token_id], skip_special_tokens=False).encode()
+        return raw.decode("utf-8", errors="replace"), list(raw)
+
+
+@lru_cache(maxsize=1)
+def _byte_alphabet() -> dict[str, int]:
+    """GPT-2's byte-to-character table, inverted: spelling character → byte."""
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    table = {byte: chr(byte) for byte in printable}
+    extra = 0
+    for byte in range(256):
+        if byte not in table:
+            table[byte] = chr(256 + extra)
+            extra += 1
+    return {char: byte for byte, char in table.items()}
+
+
+def sse_event(chunk: SSEChunk) -> ServerSentEvent:
+    data = chunk.data
+    if not isinstance(data, str):
+        data = json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+    return ServerSentEvent(data=data, event=chunk.event)
+
+
+async def sse_stream(
+    processor: StreamProcessor,
+    events: AsyncIterator[InferenceEvent],
+    done_marker: str | None = None,
+    first: list[SSEChunk] | None = None,
+) -> AsyncIterator[ServerSentEvent]:
+    """The SSE body of one streamed response.
+
+    Ownership: this generator owns ``events`` and ``processor``. However it
+    ends (finished, a parser stop, the client gone and the response task
+    cancelled) its ``finally`` closes ``events`` inside a shielded cancel
+    scope, so the close runs to completion even during cancellation, and
+    closing the backend's iterator is what cancels the request in the engine.
+    ``first`` holds the chunks of events the caller already pushed.
+    """
+    try:
+        for chunk in first or []:
+            yield sse_event(chunk)
+        if not processor.done:
+            async for event in events:
+                for chunk in processor.push(event):
+                    yield sse_event(chunk)
+                if processor.done:
+                    break
+        for chunk in processor.finish():
+            yield sse_event(chunk)
+        if done_marker is not None:
+            yield ServerSentEvent(data=done_marker)
+    finally:
+        with anyio.CancelScope(shield=True):
+            await _aclose(events)
+        processor.close()
+
+
+async def event_source(
+    processor: StreamProcessor,
+    events: AsyncIterator[InferenceEvent],
+    done_marker: str | None = None,
+) -> EventSourceResponse:
+    """The streamed response, once the first event has come.
+
+    Waiting for it lets a request the backend refuses at once (an ``Error``
+    first) get a real status code and the protocol's error body instead of an
+    error inside a 200 stream. From here on ``sse_stream`` owns ``events``.
+    """
+    try:
+        first = await anext(events, None)
+        chunks = processor.push(first) if first is not None else []
+    except BaseException:
+        with anyio.CancelScope(shield=True):
+            await _aclose(events)
+        raise
+    if processor.error is not None:
+        with anyio.CancelScope(shield=True):
+            await _aclose(events)
+        raise processor.error
+    return EventSourceResponse(sse_stream(processor, events, done_marker, chunks), sep="\n")
+
+
+async def collect(processor: StreamProcessor, events: AsyncIterator[InferenceEvent]) -> dict:
+    """The whole response body, or the ``ApiError`` an ``Error`` event carried.
+
+    Owns ``events`` like ``sse_stream`` does: closed in a shielded scope on
+    every exit, which cancels the request if it did not finish.
+    """
+    try:
+        async for event in events:
+            processor.push(event)
+            if processor.done:
+                break
+        processor.finish()
+    finally:
+        with anyio.CancelScope(shield=True):
+            await _aclose(events)
+        processor.close()
+    if processor.error is not None:
+        raise processor.error
+    return processor.response()
+
+
+async def _aclose(events: AsyncIterator[InferenceEvent]) -> None:
+    close = getattr(events, "aclose", None)
+    if close is not None:
+        await close()

@@ -1,0 +1,69 @@
+"""What the API hands to a backend: one prepared request, protocol-free.
+
+A ``PreparedRequest`` is everything an engine needs to run a request and
+everything the API needs to read its output back, and nothing a protocol
+owns. It crosses the process boundary in distributed mode, so it is a plain
+dataclass of JSON-friendly values (``to_dict``/``from_dict``) with no torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from shared.sampling import SamplingParams
+
+
+@dataclass(slots=True)
+class ParsingOptions:
+    """How to read the generated text: which markup is reasoning or a tool call.
+
+    Delimiter pairs are ``(open, close)``; ``None`` turns the feature off so its
+    markup stays plain content. ``starts_in_reasoning`` is set when the prompt
+    itself opened the reasoning block.
+    """
+
+    reasoning: tuple[str, str] | None = None
+    starts_in_reasoning: bool = False
+    tool_calls: tuple[str, str] | None = None
+    stop: list[str] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class PreparedRequest:
+    """One request, ready to run: token ids, sampling and parsing options.
+
+    ``request_id`` is unique per request and is the id the engine and every
+    event use; ``model`` is the registry name (not an alias); ``created`` is
+    unix seconds at arrival, for queue deadlines and latency metrics.
+    """
+
+    request_id: str
+    model: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    parsing: ParsingOptions = field(default_factory=ParsingOptions)
+    priority: int = 0
+    created: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> PreparedRequest:
+        parsing = dict(data.get("parsing") or {})
+        for key in ("reasoning", "tool_calls"):
+            if parsing.get(key) is not None:
+                parsing[key] = tuple(parsing[key])
+        return cls(
+            request_id=data["request_id"],
+            model=data["model"],
+            prompt_token_ids=list(data["prompt_token_ids"]),
+            sampling=SamplingParams(**data["sampling"]),
+            parsing=ParsingOptions(**parsing),
+            priority=int(data.get("priority", 0)),
+            created=float(data.get("created", 0.0)),
+        )
+
+
+__all__ = ["ParsingOptions", "PreparedRequest"]

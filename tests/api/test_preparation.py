@@ -1,0 +1,274 @@
+"""Preparation: model resolution, max_tokens rules and messages, thinking defaults, options.
+
+A minimal protocol (defined here) feeds ``prepare`` so that these tests pin
+preparation's behaviour, not a real protocol's parsing. The tokenizer is the
+default model's, read from its GGUF (no weights are loaded).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from api.backends.base import ServedModel
+from api.errors import ApiError, bad_request
+from api.output_parser import HERMES_TOOL_CALL, THINK
+from api.preparation import (
+    DEFAULT_MAX_TOKENS,
+    MAX_EFFORT_MAX_TOKENS,
+    THINKING_MAX_TOKENS,
+    PreparationContext,
+    encode_request,
+    parsing_options,
+    prepare,
+    resolve_max_tokens,
+    thinking_mode,
+)
+from api.protocols.base import GenerationRequest, Protocol, ResponseBuilder
+from shared.conversation import (
+    AssistantMessage,
+    Conversation,
+    TextPart,
+    Tool,
+    ToolChoice,
+    UserMessage,
+)
+from shared.registry import ModelRegistry, ModelSpec, UnknownModel, default_registry
+from shared.tokenizer_loader import load_tokenizer
+from shared.wire import PreparedRequest
+
+CONTEXT = 512
+
+
+def _parse(body: dict[str, Any]) -> GenerationRequest:
+    """Just enough of a protocol: text messages, a few options, no validation of its own."""
+    if "model" not in body:
+        raise bad_request("model is required", "model")
+    conversation = Conversation(
+        messages=[UserMessage([TextPart(text)]) for text in body.get("messages", ["Hi"])],
+        tools=[Tool(name) for name in body.get("tools", [])],
+        tool_choice=ToolChoice(body.get("tool_choice", "auto")),
+        thinking=body.get("thinking"),
+        reasoning_effort=body.get("reasoning_effort"),
+    )
+    return GenerationRequest(
+        model=body["model"],
+        conversation=conversation,
+        max_tokens=body.get("max_tokens"),
+        temperature=body.get("temperature"),
+        stop=body.get("stop", []),
+    )
+
+
+def _no_builder(request: GenerationRequest, context: Any) -> ResponseBuilder:
+    raise AssertionError("preparation never builds responses")
+
+
+MINIMAL = Protocol(
+    name="minimal",
+    path="/v1/minimal",
+    id_prefix="min-",
+    parse=_parse,
+    builder=_no_builder,
+    error_body=lambda error: {"error": error.message},
+)
+
+
+@pytest.fixture(scope="module")
+def default_spec() -> ModelSpec:
+    return default_registry().resolve("default")
+
+
+@pytest.fixture(scope="module")
+def ctx(default_spec: ModelSpec) -> PreparationContext:
+    return _context(default_spec)
+
+
+def _context(spec: ModelSpec, context_length: int = CONTEXT) -> PreparationContext:
+    served = ServedModel(
+        spec, load_tokenizer(default_registry().resolve("default").tokenizer), context_length
+    )
+    return PreparationContext(ModelRegistry([spec]), {spec.name: served})
+
+
+def _qwen3_like(capabilities: tuple[str, ...] = ()) -> ModelSpec:
+    """The default model's files under the qwen3 prompt format: a model that thinks."""
+    base = default_registry().resolve("default")
+    return ModelSpec("thinker", base.weights, prompt_format="qwen3", capabilities=capabilities)
+
+
+def _error(call: Any, *args: Any, **kwargs: Any) -> ApiError:
+    with pytest.raises(ApiError) as raised:
+        call(*args, **kwargs)
+    return raised.value
+
+
+# --- max_tokens ------------------------------------------------------------------
+
+
+def test_requested_max_tokens_is_kept_when_it_fits():
+    assert resolve_max_tokens(100, 400, 500) == 100
+    assert resolve_max_tokens(1, 499, 500) == 1
+
+
+def test_requested_max_tokens_over_the_context_is_a_400_with_openais_message():
+    error = _error(resolve_max_tokens, 200, 400, 500, param="max_completion_tokens")
+    assert error.status == 400
+    assert error.param == "max_completion_tokens"
+    assert error.message == (
+        "This model's maximum context length is 500 tokens. However, you requested 600 tokens "
+        "(400 in the messages, 200 in the completion). Please reduce the length of the "
+        "messages or completion."
+    )
+
+
+def test_unset_max_tokens_defaults_by_mode_and_is_clamped_to_the_context():
+    big = 1_000_000
+    assert resolve_max_tokens(None, 10, big) == DEFAULT_MAX_TOKENS == 8192
+    assert resolve_max_tokens(None, 10, big, thinking=True) == THINKING_MAX_TOKENS == 65536
+    assert resolve_max_tokens(None, 10, big, thinking=True, max_effort=True) == 131072
+    assert MAX_EFFORT_MAX_TOKENS == 131072
+    assert resolve_max_tokens(None, 10, big, max_effort=True) == 8192  # effort needs thinking
+    assert resolve_max_tokens(None, 400, 500) == 100
+    assert resolve_max_tokens(None, 499, 500) == 1
+
+
+@pytest.mark.parametrize("prompt_tokens", [500, 501])
+def test_a_prompt_that_fills_the_context_is_a_400(prompt_tokens: int):
+    error = _error(resolve_max_tokens, None, prompt_tokens, 500)
+    assert error.status == 400
+    assert error.message == (
+        f"This model's maximum context length is 500 tokens. However, your messages resulted "
+        f"in {prompt_tokens} tokens. Please reduce the length of the messages."
+    )
+
+
+def test_prepare_reports_overflow_with_the_real_prompt_length(ctx: PreparationContext):
+    prompt_tokens = len(encode_request(_parse({"model": "default"}), ctx).token_ids)
+    error = _error(prepare, MINIMAL, {"model": "default", "max_tokens": CONTEXT}, ctx)
+    assert error.message.startswith(
+        f"This model's maximum context length is {CONTEXT} tokens. However, you requested "
+        f"{prompt_tokens + CONTEXT} tokens ({prompt_tokens} in the messages, {CONTEXT} in the "
+        "completion)."
+    )
+
+
+# --- models ------------------------------------------------------------------------
+
+
+def test_unknown_model_is_a_404_with_the_registrys_message(ctx: PreparationContext):
+    with pytest.raises(UnknownModel) as registry_error:
+        ctx.registry.resolve("gpt-4o")
+    error = _error(prepare, MINIMAL, {"model": "gpt-4o"}, ctx)
+    assert (error.status, error.type, error.param) == (404, "not_found_error", "model")
+    assert error.message == str(registry_error.value)
+    assert error.message == (
+        "The supported API model names are default, smollm2-135m-instruct, but you passed gpt-4o."
+    )
+
+
+def test_a_local_path_is_not_a_model_name_over_http(ctx: PreparationContext, default_spec):
+    error = _error(prepare, MINIMAL, {"model": str(default_spec.weights)}, ctx)
+    assert error.status == 404
+    assert "paths are not accepted" in error.message
+
+
+def test_aliases_resolve_to_the_registry_name(ctx: PreparationContext):
+    prepared = prepare(MINIMAL, {"model": "default", "max_tokens": 5}, ctx)
+    assert prepared.wire.model == "smollm2-135m-instruct"
+    assert prepared.context.model == "default"  # responses echo the client's name
+
+
+# --- the prepared request ------------------------------------------------------------
+
+
+def test_prepare_builds_the_wire_request(ctx: PreparationContext):
+    body = {"model": "default", "messages": ["Hello"], "max_tokens": 7, "stop": ["\n"]}
+    prepared = prepare(MINIMAL, body, ctx)
+    wire = prepared.wire
+    assert wire.request_id == prepared.context.request_id
+    assert wire.request_id.startswith("min-")
+    encoded = encode_request(prepared.request, ctx)
+    assert wire.prompt_token_ids == encoded.token_ids
+    assert "<|im_start|>user\nHello<|im_end|>" in encoded.rendered.prompt
+    assert wire.sampling.max_tokens == 7
+    assert wire.sampling.temperature == 1.0  # OpenAI's default when unset
+    assert wire.sampling.stop == ["\n"]
+    assert wire.parsing.stop == ["\n"]
+    assert wire.parsing.reasoning is None and wire.parsing.tool_calls is None
+    assert prepared.context.system_fingerprint.startswith("fp_")
+    assert PreparedRequest.from_dict(wire.to_dict()) == wire
+
+
+def test_unset_max_tokens_is_clamped_by_prepare(ctx: PreparationContext):
+    prepared = prepare(MINIMAL, {"model": "default"}, ctx)
+    assert prepared.wire.sampling.max_tokens == CONTEXT - len(prepared.wire.prompt_token_ids)
+
+
+def test_a_bad_sampling_value_is_a_400_naming_the_field(ctx: PreparationContext):
+    error = _error(prepare, MINIMAL, {"model": "default", "temperature": -1}, ctx)
+    assert (error.status, error.param) == (400, "temperature")
+    assert error.message == "temperature must be >= 0, got -1"
+
+
+def test_a_conversation_the_format_cannot_express_is_a_400(ctx: PreparationContext):
+    error = _error(prepare, MINIMAL, {"model": "default", "messages": []}, ctx)
+    assert error.status == 400
+    assert "messages" in error.message
+
+
+# --- thinking and parsing options ----------------------------------------------------
+
+
+def test_thinking_is_on_by_default_only_for_models_that_think(default_spec: ModelSpec):
+    unset, on, off = (
+        Conversation([]),
+        Conversation([], thinking=True),
+        Conversation([], thinking=False),
+    )
+    assert not thinking_mode(unset, default_spec)
+    assert not thinking_mode(on, default_spec)  # a model that cannot think is not asked to
+    thinker = _qwen3_like()
+    assert thinking_mode(unset, thinker) and thinking_mode(on, thinker)
+    assert not thinking_mode(off, thinker)
+    jinja_thinker = ModelSpec("j", default_spec.weights, capabilities=("thinking",))
+    assert thinking_mode(unset, jinja_thinker)
+
+
+def test_thinking_mode_defaults_max_tokens_and_parses_reasoning():
+    ctx = _context(_qwen3_like(), context_length=1_000_000)
+    prepared = prepare(MINIMAL, {"model": "thinker"}, ctx)
+    assert prepared.wire.sampling.max_tokens == THINKING_MAX_TOKENS
+    assert prepared.wire.parsing.reasoning == (THINK.open, THINK.close)
+    assert not prepared.wire.parsing.starts_in_reasoning
+    effort = prepare(MINIMAL, {"model": "thinker", "reasoning_effort": "max"}, ctx)
+    assert effort.wire.sampling.max_tokens == MAX_EFFORT_MAX_TOKENS
+    off = prepare(MINIMAL, {"model": "thinker", "thinking": False}, ctx)
+    assert off.wire.sampling.max_tokens == DEFAULT_MAX_TOKENS
+    assert off.wire.parsing.reasoning is None
+
+
+def test_a_prompt_that_opens_reasoning_starts_the_parser_inside_it():
+    ctx = _context(_qwen3_like())
+    conversation = Conversation(
+        [
+            UserMessage([TextPart("Think about <think> tags")]),
+            AssistantMessage(reasoning="Let me see", prefix=True),
+        ]
+    )
+    encoded = encode_request(GenerationRequest("thinker", conversation), ctx)
+    assert encoded.rendered.prompt.endswith("<think>\nLet me see")
+    assert parsing_options(encoded, thinking=True).starts_in_reasoning
+    plain = Conversation([UserMessage([TextPart("Is <think> a tag?")])])
+    encoded = encode_request(GenerationRequest("thinker", plain), ctx)
+    assert not parsing_options(encoded, thinking=True).starts_in_reasoning
+
+
+def test_tool_call_markup_is_parsed_only_when_tools_may_be_called(ctx: PreparationContext):
+    with_tools = prepare(MINIMAL, {"model": "default", "tools": ["get_weather"]}, ctx)
+    assert with_tools.wire.parsing.tool_calls == (HERMES_TOOL_CALL.open, HERMES_TOOL_CALL.close)
+    assert with_tools.parser_config.tool_calls == HERMES_TOOL_CALL
+    body = {"model": "default", "tools": ["get_weather"], "tool_choice": "none"}
+    assert prepare(MINIMAL, body, ctx).wire.parsing.tool_calls is None
+    assert prepare(MINIMAL, {"model": "default"}, ctx).wire.parsing.tool_calls is None

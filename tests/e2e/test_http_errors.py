@@ -1,0 +1,189 @@
+"""Errors in each protocol's own shape, and a gone client costing no more engine time."""
+
+from __future__ import annotations
+
+import re
+import time
+
+import anthropic
+import httpx
+import openai
+import pytest
+
+from tests.e2e.conftest import CONTEXT
+
+MODEL = "default"
+MESSAGES = [{"role": "user", "content": "Write a long story about a dragon who learns to fly."}]
+UNKNOWN_MODEL_MESSAGE = (
+    "The supported API model names are default, smollm2-135m-instruct, but you passed nope."
+)
+
+pytestmark = pytest.mark.slow
+
+
+def test_unknown_model_openai(openai_client: openai.OpenAI):
+    with pytest.raises(openai.NotFoundError) as raised:
+        openai_client.chat.completions.create(model="nope", messages=MESSAGES, max_tokens=1)
+    error = raised.value.body
+    assert error["message"] == UNKNOWN_MODEL_MESSAGE
+    assert (error["param"], error["code"]) == ("model", "model_not_found")
+    with pytest.raises(openai.NotFoundError) as raised:
+        openai_client.responses.create(model="nope", input="hi", max_output_tokens=16)
+    assert raised.value.body["message"] == UNKNOWN_MODEL_MESSAGE
+
+
+def test_unknown_model_anthropic(anthropic_client: anthropic.Anthropic):
+    with pytest.raises(anthropic.NotFoundError) as raised:
+        anthropic_client.messages.create(model="nope", messages=MESSAGES, max_tokens=1)
+    assert raised.value.body == {
+        "type": "error",
+        "error": {"type": "not_found_error", "message": UNKNOWN_MODEL_MESSAGE},
+    }
+
+
+def test_context_overflow_message(http: httpx.Client, openai_client: openai.OpenAI):
+    prompt = http.post("/v1/tokenize", json={"model": MODEL, "messages": MESSAGES}).json()
+    tokens = prompt["count"]
+    with pytest.raises(openai.BadRequestError) as raised:
+        openai_client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=CONTEXT)
+    assert raised.value.body["message"] == (
+        f"This model's maximum context length is {CONTEXT} tokens. However, you requested "
+        f"{tokens + CONTEXT} tokens ({tokens} in the messages, {CONTEXT} in the completion). "
+        "Please reduce the length of the messages or completion."
+    )
+    assert raised.value.body["param"] == "max_tokens"
+
+
+def test_bad_temperature(openai_client: openai.OpenAI, anthropic_client: anthropic.Anthropic):
+    with pytest.raises(openai.BadRequestError) as raised:
+        openai_client.chat.completions.create(
+            model=MODEL, messages=MESSAGES, max_tokens=1, temperature=7
+        )
+    assert raised.value.body["param"] == "temperature"
+    assert "temperature" in raised.value.body["message"]
+    with pytest.raises(anthropic.BadRequestError) as raised:
+        anthropic_client.messages.create(
+            model=MODEL, messages=MESSAGES, max_tokens=1, extra_body={"temperature": 7}
+        )
+    assert raised.value.body["error"]["type"] == "invalid_request_error"
+    assert "temperature" in raised.value.body["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    ("path", "shape"),
+    [
+        ("/v1/chat/completions", "openai"),
+        ("/v1/responses", "openai"),
+        ("/v1/messages", "anthropic"),
+    ],
+)
+def test_malformed_json_and_wrong_content_type(http: httpx.Client, path: str, shape: str):
+    broken = http.post(path, content=b'{"model": ', headers={"content-type": "application/json"})
+    form = http.post(path, content=b"model=default", headers={"content-type": "text/plain"})
+    array = http.post(path, json=[1, 2])
+    for response in (broken, form, array):
+        assert response.status_code == 400
+        body = response.json()
+        if shape == "openai":
+            assert body["error"]["type"] == "invalid_request_error"
+        else:
+            assert body["type"] == "error"
+            assert body["error"]["type"] == "invalid_request_error"
+    assert "not valid JSON" in _message(broken.json())
+    assert "Content-Type" in _message(form.json())
+
+
+def test_messages_requires_max_tokens(http: httpx.Client):
+    response = http.post("/v1/messages", json={"model": MODEL, "messages": MESSAGES})
+    assert response.status_code == 400
+    body = response.json()
+    assert body["error"]["type"] == "invalid_request_error"
+    assert "max_tokens" in body["error"]["message"]
+
+
+def test_unknown_route_and_method(http: httpx.Client):
+    missing = http.post("/v1/nothing", json={})
+    assert missing.status_code == 404 and "error" in missing.json()
+    wrong_method = http.get("/v1/messages")
+    assert wrong_method.status_code == 405
+    assert wrong_method.json()["type"] == "error"
+
+
+def test_health_ready_and_metrics(http: httpx.Client):
+    assert http.get("/health").json() == {"status": "ok"}
+    assert http.get("/ready").status_code == 200
+    metrics = http.get("/metrics").text
+    for name in (
+        "sluice_requests_total",
+        "sluice_time_to_first_token_seconds",
+        "sluice_inter_token_latency_seconds",
+        "sluice_prompt_tokens_total",
+        "sluice_completion_tokens_total",
+        "sluice_cached_prompt_tokens_total",
+        "sluice_engine_aborted_requests_total",
+        "sluice_engine_running_requests",
+    ):
+        assert name in metrics
+
+
+# --- a client that leaves ------------------------------------------------------------
+
+
+def _metric(http: httpx.Client, name: str) -> float:
+    text = http.get("/metrics").text
+    match = re.search(rf"^{name} (\S+)$", text, re.MULTILINE)
+    assert match, f"{name} not in /metrics"
+    return float(match.group(1))
+
+
+def _wait_for_abort(http: httpx.Client, aborted_before: float) -> None:
+    deadline = time.monotonic() + 20
+    while _metric(http, "sluice_engine_aborted_requests_total") < aborted_before + 1:
+        assert time.monotonic() < deadline, "the engine did not abort the request"
+        time.sleep(0.05)
+
+
+def _assert_engine_idle(http: httpx.Client, tokens_before: float, budget: int) -> None:
+    """Nothing runs, nothing more is generated, and far less than the budget was spent."""
+    assert _metric(http, "sluice_engine_running_requests") == 0
+    generated = _metric(http, "sluice_engine_generated_tokens_total")
+    time.sleep(0.5)
+    assert _metric(http, "sluice_engine_generated_tokens_total") == generated
+    assert generated - tokens_before < budget // 4
+
+
+def test_closing_a_stream_aborts_the_request(http: httpx.Client, server: str):
+    aborted = _metric(http, "sluice_engine_aborted_requests_total")
+    tokens = _metric(http, "sluice_engine_generated_tokens_total")
+    budget = 1000
+    body = {**_long_generation(budget), "stream": True}
+    client = httpx.Client(base_url=server, timeout=60)
+    with client, client.stream("POST", "/v1/chat/completions", json=body) as response:
+        chunks = 0
+        for line in response.iter_lines():
+            chunks += line.startswith("data: ")
+            if chunks == 3:
+                break
+    # leaving both blocks closed the connection mid-stream
+    _wait_for_abort(http, aborted)
+    _assert_engine_idle(http, tokens, budget)
+
+
+def test_a_whole_response_whose_client_left_is_aborted(http: httpx.Client, server: str):
+    aborted = _metric(http, "sluice_engine_aborted_requests_total")
+    tokens = _metric(http, "sluice_engine_generated_tokens_total")
+    budget = 1000
+    body = _long_generation(budget)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server}/v1/chat/completions", json=body, timeout=1.5)
+    _wait_for_abort(http, aborted)
+    _assert_engine_idle(http, tokens, budget)
+
+
+def _long_generation(max_tokens: int) -> dict:
+    """A request that greedily runs to its budget (this prompt never ends early)."""
+    return {"model": MODEL, "messages": MESSAGES, "max_tokens": max_tokens, "temperature": 0}
+
+
+def _message(body: dict) -> str:
+    return body["error"]["message"]
