@@ -40,7 +40,14 @@ class OutputText:
         prompt_ids: list[int],
         stop: list[str],
         skip_special_tokens: bool = True,
+        resumed: tuple[list[int], int] = ([], 0),
     ) -> OutputText:
+        """Start decoding after ``prompt_ids``.
+
+        ``resumed`` is ``(generated ids, characters already emitted)`` when the
+        prompt ends with output an earlier attempt produced: that output's text
+        is restored so the part it still held back is emitted now.
+        """
         seed, pending = _split_incomplete_tail(tokenizer, prompt_ids[-2 * _PROMPT_CONTEXT :])
         stream = DecodeStream(seed[-_PROMPT_CONTEXT:], skip_special_tokens)
         for token_id in pending:  # a character the prompt began and the output will finish
@@ -50,7 +57,13 @@ class OutputText:
             before = tokenizer.decode(seed, skip_special_tokens=skip_special_tokens)
             whole = tokenizer.decode(seed + pending, skip_special_tokens=skip_special_tokens)
             echo = whole.rstrip("\ufffd")[len(before) :]
-        return cls(tokenizer, stream, [s for s in stop if s], echo=echo)
+        output = cls(tokenizer, stream, [s for s in stop if s], echo=echo)
+        generated, emitted = resumed
+        if generated:
+            decoded = tokenizer.decode(generated, skip_special_tokens=skip_special_tokens)
+            output.text = decoded.rstrip("\ufffd")
+            output.emitted = min(emitted, len(output.text))
+        return output
 
     def append(self, token_id: int) -> bool:
         """Decode one token; True when a stop string now ends the output."""

@@ -53,15 +53,36 @@ class LLMEngine:
         prompt_token_ids: list[int],
         params: SamplingParams,
         priority: int = 0,
+        *,
+        generated_token_ids: list[int] | None = None,
+        emitted_chars: int = 0,
     ) -> None:
-        self._validate(request_id, prompt_token_ids, params)
-        seq = Sequence(request_id, list(prompt_token_ids), params, priority)
+        """Queue a request.
+
+        ``generated_token_ids`` resumes a request that another engine began:
+        they count as output already produced (budget, penalties and the seeded
+        draws continue from there), and ``emitted_chars`` says how much of
+        their text the client already has, so held-back text is not lost.
+        """
+        generated = list(generated_token_ids or [])
+        self._validate(request_id, prompt_token_ids + generated, params)
+        seq = Sequence(
+            request_id,
+            list(prompt_token_ids) + generated,
+            params,
+            priority,
+            num_prompt_tokens=len(prompt_token_ids),
+        )
         seq.seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
         seq.stop_token_ids = frozenset(params.stop_token_ids) | (
             frozenset() if params.ignore_eos else frozenset(self.tokenizer.stop_token_ids)
         )
         seq.output = OutputText.start(
-            self.tokenizer.tokenizer, seq.token_ids, params.stop, params.skip_special_tokens
+            self.tokenizer.tokenizer,
+            seq.token_ids,
+            params.stop,
+            params.skip_special_tokens,
+            resumed=(generated, emitted_chars),
         )
         self.sequences[request_id] = seq
         self.scheduler.add(seq)

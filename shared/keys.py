@@ -1,0 +1,49 @@
+"""Redis names shared by the API and the workers: one place, so they agree.
+
+Every key is prefixed ``sluice:``. Per-request keys expire on their own, so a
+crashed process never leaves garbage behind for long.
+"""
+
+from __future__ import annotations
+
+PREFIX = "sluice"
+
+TASK_NAME = "sluice.generate"  # the Celery task; argument: the encoded PreparedRequest
+CANCEL_CHANNEL = f"{PREFIX}:cancel"  # pub/sub: request ids to stop now
+EVENT_STREAM_MAXLEN = 10_000  # approximate cap per request stream (XADD MAXLEN ~)
+FINISHED_STREAM_TTL_S = 3600  # a finished request's events stay readable this long
+HEARTBEAT_TTL_S = 5  # a worker that missed this many seconds of heartbeats is gone
+
+
+def queue_name(model: str) -> str:
+    """The Celery queue of one model: workers serving it consume only this."""
+    return f"{PREFIX}.{model}"
+
+
+def event_stream(request_id: str) -> str:
+    """Redis Stream of one request's events, in order, across attempts."""
+    return f"{PREFIX}:events:{request_id}"
+
+
+def lease(request_id: str) -> str:
+    """The current attempt number of a request; a writer whose attempt differs is stale."""
+    return f"{PREFIX}:lease:{request_id}"
+
+
+def cancel_flag(request_id: str) -> str:
+    """Set when the client is gone; a job that starts with it set is dropped unrun."""
+    return f"{PREFIX}:cancelled:{request_id}"
+
+
+def heartbeat(model: str, worker_id: str) -> str:
+    """A worker's load report for one model (JSON), refreshed well within its TTL."""
+    return f"{PREFIX}:worker:{model}:{worker_id}"
+
+
+def heartbeat_pattern(model: str) -> str:
+    return f"{PREFIX}:worker:{model}:*"
+
+
+def inflight(model: str) -> str:
+    """Sorted set of request ids accepted for a model and not yet finished (score: deadline)."""
+    return f"{PREFIX}:inflight:{model}"
