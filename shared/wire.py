@@ -8,6 +8,7 @@ dataclass of JSON-friendly values (``to_dict``/``from_dict``) with no torch.
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -66,4 +67,43 @@ class PreparedRequest:
         )
 
 
-__all__ = ["ParsingOptions", "PreparedRequest"]
+JOB_VERSION = 1
+
+
+@dataclass(slots=True)
+class Deadlines:
+    """Absolute unix times after which a request is failed rather than served.
+
+    ``queue``: the job must have started (its first event written) by then;
+    it is also the Celery ``expires``. ``first_token`` and ``total`` bound time
+    to first token and the whole generation. ``None`` means no limit.
+    """
+
+    queue: float | None = None
+    first_token: float | None = None
+    total: float | None = None
+
+
+@dataclass(slots=True)
+class Job:
+    """What travels on the queue: the prepared request and its deadlines."""
+
+    request: PreparedRequest
+    deadlines: Deadlines = field(default_factory=Deadlines)
+
+
+def encode_job(job: Job) -> str:
+    """Compact JSON with a version field, so workers can refuse what they don't understand."""
+    payload = {
+        "v": JOB_VERSION,
+        "request": job.request.to_dict(),
+        "deadlines": asdict(job.deadlines),
+    }
+    return json.dumps(payload, separators=(",", ":"))
+
+
+def decode_job(payload: str | bytes) -> Job:
+    data = json.loads(payload)
+    if data.get("v") != JOB_VERSION:
+        raise ValueError(f"job encoding version {data.get('v')!r} is not {JOB_VERSION}")
+    return Job(PreparedRequest.from_dict(data["request"]), Deadlines(**data["deadlines"]))
