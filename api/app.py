@@ -33,6 +33,7 @@ from api.preparation import PreparationContext, Prepared, encode_request, prepar
 from api.protocols import chat_completions, messages, responses
 from api.protocols.base import Protocol
 from api.streaming import StreamProcessor, collect, event_source
+from shared.events import InferenceEvent
 from shared.registry import ModelRegistry, ModelSpec, default_registry
 
 log = logging.getLogger(__name__)
@@ -110,7 +111,9 @@ class Serving:
     async def prepare(self, protocol: Protocol, body: dict[str, Any]) -> Prepared:
         return await self.off_loop(prepare, protocol, body, self.context())
 
-    def run(self, prepared: Prepared, arrived: float) -> tuple[StreamProcessor, AsyncIterator]:
+    def run(
+        self, prepared: Prepared, arrived: float
+    ) -> tuple[StreamProcessor, AsyncIterator[InferenceEvent]]:
         """Start generating: the processor that reads the events, and the events."""
         request, wire = prepared.request, prepared.wire
         processor = StreamProcessor(

@@ -119,3 +119,13 @@ def test_tokenize_matches_the_prompt_usage(http: httpx.Client, openai_client: Op
     specials = {tokens["prompt"][start:end] for start, end in tokens["special_ranges"]}
     assert specials == {"<|im_start|>", "<|im_end|>"}
     assert tokens["count"] == _chat(openai_client, max_tokens=1).usage.prompt_tokens
+
+
+def test_chat_logprobs_cover_every_token(openai_client: OpenAI):
+    whole = _chat(openai_client, max_tokens=6, logprobs=True, top_logprobs=2)
+    choice = whole.choices[0]
+    entries = choice.logprobs.content
+    assert len(entries) == whole.usage.completion_tokens == 6
+    assert b"".join(bytes(entry.bytes) for entry in entries).decode() == choice.message.content
+    assert all(entry.logprob <= 0 and len(entry.top_logprobs) == 2 for entry in entries)
+    assert all(entry.top_logprobs[0].logprob >= entry.logprob - 1e-4 for entry in entries)
