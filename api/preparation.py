@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from api.backends.base import ServedModel
-from api.errors import ApiError, bad_request, not_found
+from api.errors import ApiError, bad_request
 from api.output_parser import HERMES_TOOL_CALL, THINK, Delimiters, ParserConfig
 from api.protocols.base import GenerationRequest, Protocol, ResponseContext
 from shared.conversation import Conversation, ConversationError
@@ -115,19 +115,20 @@ def encode_request(request: GenerationRequest, ctx: PreparationContext) -> Encod
 def resolve_model(name: str, ctx: PreparationContext) -> ServedModel:
     """The loaded model for a name or alias.
 
-    404, as OpenAI answers for a model that does not exist, with the
-    registry's own message listing the accepted names. Paths are never
+    An unknown name is the client's mistake in the request body: 400, with
+    the registry's own message listing every accepted name. Paths are never
     accepted over HTTP: a client must not make the server open files.
     """
     if name not in ctx.registry.names():
         try:
             ctx.registry.resolve(name)
         except UnknownModel as exc:
-            raise not_found(str(exc), "model") from exc
-        raise not_found(
+            raise bad_request(str(exc), "model", "model_not_found") from exc
+        raise bad_request(
             f"Model paths are not accepted over HTTP; the supported API model names are "
             f"{', '.join(ctx.registry.names())}, but you passed {name}.",
             "model",
+            "model_not_found",
         )
     spec = ctx.registry.resolve(name)
     model = ctx.models.get(spec.name)

@@ -157,11 +157,11 @@ def test_prepare_reports_overflow_with_the_real_prompt_length(ctx: PreparationCo
 # --- models ------------------------------------------------------------------------
 
 
-def test_unknown_model_is_a_404_with_the_registrys_message(ctx: PreparationContext):
+def test_unknown_model_is_a_400_with_the_registrys_message(ctx: PreparationContext):
     with pytest.raises(UnknownModel) as registry_error:
         ctx.registry.resolve("gpt-4o")
     error = _error(prepare, MINIMAL, {"model": "gpt-4o"}, ctx)
-    assert (error.status, error.type, error.param) == (404, "not_found_error", "model")
+    assert (error.status, error.type, error.param) == (400, "invalid_request_error", "model")
     assert error.message == str(registry_error.value)
     assert error.message == (
         "The supported API model names are default, smollm2-135m-instruct, but you passed gpt-4o."
@@ -170,7 +170,7 @@ def test_unknown_model_is_a_404_with_the_registrys_message(ctx: PreparationConte
 
 def test_a_local_path_is_not_a_model_name_over_http(ctx: PreparationContext, default_spec):
     error = _error(prepare, MINIMAL, {"model": str(default_spec.weights)}, ctx)
-    assert error.status == 404
+    assert error.status == 400
     assert "paths are not accepted" in error.message
 
 

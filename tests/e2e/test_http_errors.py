@@ -22,22 +22,22 @@ pytestmark = pytest.mark.slow
 
 
 def test_unknown_model_openai(openai_client: openai.OpenAI):
-    with pytest.raises(openai.NotFoundError) as raised:
+    with pytest.raises(openai.BadRequestError) as raised:
         openai_client.chat.completions.create(model="nope", messages=MESSAGES, max_tokens=1)
     error = raised.value.body
     assert error["message"] == UNKNOWN_MODEL_MESSAGE
     assert (error["param"], error["code"]) == ("model", "model_not_found")
-    with pytest.raises(openai.NotFoundError) as raised:
+    with pytest.raises(openai.BadRequestError) as raised:
         openai_client.responses.create(model="nope", input="hi", max_output_tokens=16)
     assert raised.value.body["message"] == UNKNOWN_MODEL_MESSAGE
 
 
 def test_unknown_model_anthropic(anthropic_client: anthropic.Anthropic):
-    with pytest.raises(anthropic.NotFoundError) as raised:
+    with pytest.raises(anthropic.BadRequestError) as raised:
         anthropic_client.messages.create(model="nope", messages=MESSAGES, max_tokens=1)
     assert raised.value.body == {
         "type": "error",
-        "error": {"type": "not_found_error", "message": UNKNOWN_MODEL_MESSAGE},
+        "error": {"type": "invalid_request_error", "message": UNKNOWN_MODEL_MESSAGE},
     }
 
 

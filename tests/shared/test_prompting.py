@@ -10,7 +10,7 @@ from pathlib import Path
 
 import jinja2
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from tokenizers import AddedToken, Tokenizer
 
@@ -646,6 +646,10 @@ def test_property_llama3_equals_jinja_llama3(conversation):
 @_SETTINGS
 @given(_conversation(tools=True))
 def test_property_qwen3_equals_jinja_qwen3(conversation):
+    # Qwen3's own template splits a continued (prefix) answer at a typed "</think>"
+    # and moves the first part into reasoning; the qwen3 format keeps typed text as text.
+    last = conversation.messages[-1]
+    assume(not (getattr(last, "prefix", False) and "</think>" in last.content[0].text))
     tok = qwen3_tokenizer()
     assert render_for(tok, "jinja", conversation) == render_for(tok, "qwen3", conversation)
 
