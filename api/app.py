@@ -156,6 +156,7 @@ def _embedded_backend(spec: ModelSpec, settings: Settings) -> Backend:
         dtype=settings.dtype,
         max_model_len=settings.max_model_len,
         max_num_seqs=settings.max_num_seqs,
+        registry_file=str(settings.config) if settings.config else None,
     )
     return EmbeddedBackend(spec, args)
 

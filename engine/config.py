@@ -113,7 +113,8 @@ class EngineArgs:
     ``DEFAULT_KV_CACHE_BYTES``.
     """
 
-    model: str = "default"
+    model: str = "default"  # a registry name or alias, or a local checkpoint path
+    registry_file: str | None = None  # TOML registry adding models to the built-in ones
     dtype: str = "auto"  # auto → float32 on CPU, bfloat16 on CUDA
     device: str = "auto"
     max_model_len: int | None = None

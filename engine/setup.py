@@ -15,7 +15,7 @@ from engine.attention import AttentionBackend, KVCache, make_backend
 from engine.config import DEFAULT_KV_CACHE_BYTES, EngineArgs, ModelConfig
 from engine.loader import load_checkpoint
 from engine.model.llama import LlamaForCausalLM
-from shared.registry import default_registry
+from shared.registry import ModelRegistry, default_registry
 from shared.tokenizer_loader import LoadedTokenizer, load_tokenizer
 
 
@@ -45,7 +45,10 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def load_engine_model(args: EngineArgs) -> LoadedModel:
-    spec = default_registry().resolve(args.model)
+    registry = (
+        ModelRegistry.from_toml(args.registry_file) if args.registry_file else default_registry()
+    )
+    spec = registry.resolve(args.model)
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     checkpoint = load_checkpoint(Path(spec.weights), dtype)

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 from api.backends.base import BackendHealth, ServedModel
 from engine.config import EngineArgs
 from shared.events import Error, Finish, InferenceEvent
-from shared.registry import ModelSpec, default_registry
+from shared.registry import ModelSpec
 from shared.wire import PreparedRequest
 
 if TYPE_CHECKING:
@@ -50,16 +50,15 @@ def engine_args_for(
     dtype: str = "auto",
     max_model_len: int | None = None,
     max_num_seqs: int = 64,
+    registry_file: str | None = None,
 ) -> EngineArgs:
-    """Engine arguments that load ``spec``.
+    """Engine arguments that load ``spec`` from the same registry the API answers with.
 
-    The engine resolves names through the built-in registry only, so a model
-    from a registry file is handed over as its weights path, with the
-    registry's context length as the limit unless one is given.
+    The registry's context length is the limit unless one is given.
     """
-    builtin = spec.name in default_registry().names()
     return EngineArgs(
-        model=spec.name if builtin else str(spec.weights),
+        model=spec.name,
+        registry_file=registry_file,
         dtype=dtype,
         max_model_len=max_model_len or spec.context_length or None,
         max_num_seqs=max_num_seqs,
