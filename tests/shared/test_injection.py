@@ -355,9 +355,9 @@ def test_the_plain_twin_is_built_once_and_encodes_in_one_batch(monkeypatch):
     calls = []
 
     class Counting:
-        def encode_batch(self, texts, add_special_tokens):
+        def encode_batch_fast(self, texts, add_special_tokens):
             calls.append(list(texts))
-            return twin.plain.encode_batch(texts, add_special_tokens=add_special_tokens)
+            return twin.plain.encode_batch_fast(texts, add_special_tokens=add_special_tokens)
 
     import shared.tokenization as tokenization
 
