@@ -125,7 +125,7 @@ class EngineArgs:
     block_size: int = 16
     seed: int = 0
     enable_prefix_caching: bool = True
-    log_stats: bool = False
+    log_stats: bool = True  # the offline LLM turns it off
     extra: dict[str, Any] = field(default_factory=dict)
 
 

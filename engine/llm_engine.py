@@ -7,7 +7,9 @@ worker) calls ``add_request``, ``abort`` and ``step`` from one thread.
 
 from __future__ import annotations
 
+import logging
 import random
+import time
 
 from engine.block_manager import BlockManager
 from engine.config import EngineArgs
@@ -19,6 +21,8 @@ from engine.sequence import Sequence, SequenceStatus
 from engine.setup import LoadedModel, load_engine_model
 from shared.events import Finish, FinishReason, InferenceEvent, Ready, Text, TokenLogprob
 from shared.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
 
 
 class LLMEngine:
@@ -152,6 +156,8 @@ class LLMEngine:
             events += self._append_token(item.seq, token, logprob)
         self.stats.steps += 1
         self.stats.tokens += len(sampling)
+        if self.args.log_stats:
+            self.stats.log_if_due(self)
         return events
 
     def _append_token(
@@ -194,8 +200,30 @@ class LLMEngine:
 class EngineStats:
     """Counters a host reads for metrics and tests (steps, tokens, aborts)."""
 
+    LOG_INTERVAL_S = 10.0
+
     def __init__(self) -> None:
         self.steps = 0
         self.tokens = 0
         self.preemptions = 0
         self.aborted = 0
+        self._logged_at = time.monotonic()
+        self._logged_tokens = 0
+
+    def log_if_due(self, engine: LLMEngine) -> None:
+        """One line of throughput and cache use every ``LOG_INTERVAL_S`` seconds."""
+        now = time.monotonic()
+        if now - self._logged_at < self.LOG_INTERVAL_S:
+            return
+        rate = (self.tokens - self._logged_tokens) / (now - self._logged_at)
+        blocks = engine.block_manager
+        log.info(
+            "running %d, waiting %d, %.1f tokens/s, KV blocks %d/%d used, %d preemptions",
+            len(engine.scheduler.running),
+            len(engine.scheduler.waiting),
+            rate,
+            blocks.num_blocks - blocks.num_free_blocks,
+            blocks.num_blocks,
+            self.preemptions,
+        )
+        self._logged_at, self._logged_tokens = now, self.tokens

@@ -1,0 +1,106 @@
+"""One thread that owns an ``LLMEngine``, and a queue of work for it.
+
+``LLMEngine`` is not thread-safe, so exactly one thread touches it. Other
+threads never call the engine; they queue a command, a function of the
+engine, and the thread runs the queued commands between steps, in order.
+While the engine has work the thread steps it and hands each step's events
+to ``on_events``; when it has none the thread sleeps on a condition, so an
+idle host costs no CPU. Callbacks run on the engine thread: they may call
+the engine directly but must not block for long, since every request waits
+for them.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from shared.events import InferenceEvent
+
+if TYPE_CHECKING:
+    from engine.llm_engine import LLMEngine
+
+log = logging.getLogger(__name__)
+
+Command = Callable[["LLMEngine"], None]
+EventsHandler = Callable[["LLMEngine", list[InferenceEvent]], None]
+StepFailureHandler = Callable[["LLMEngine", Exception], None]
+
+
+class EngineThread:
+    """Runs ``engine.step()`` on a thread of its own; see the module docstring."""
+
+    def __init__(
+        self,
+        engine: LLMEngine,
+        on_events: EventsHandler,
+        on_step_failure: StepFailureHandler,
+        name: str = "sluice-engine",
+    ) -> None:
+        self.engine = engine
+        self._on_events = on_events
+        self._on_step_failure = on_step_failure
+        self._commands: deque[Command] = deque()
+        self._wake = threading.Condition()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def call(self, command: Command) -> None:
+        """Run ``command(engine)`` on the engine thread before its next step."""
+        with self._wake:
+            self._commands.append(command)
+            self._wake.notify()
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Stop after the current step; queued commands that have not run are dropped."""
+        with self._wake:
+            self._stopping = True
+            self._wake.notify()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def _run(self) -> None:
+        engine = self.engine
+        while (commands := self._next_commands()) is not None:
+            for command in commands:
+                self._apply(command)
+            if engine.has_unfinished():
+                self._step()
+
+    def _next_commands(self) -> list[Command] | None:
+        """Sleep until there is a command or engine work; None when stopping."""
+        with self._wake:
+            while not self._commands and not self.engine.has_unfinished() and not self._stopping:
+                self._wake.wait()
+            if self._stopping:
+                return None
+            commands = list(self._commands)
+            self._commands.clear()
+        return commands
+
+    def _apply(self, command: Command) -> None:
+        try:
+            command(self.engine)
+        except Exception:  # one bad command must not take the engine thread down
+            log.exception("an engine command failed")
+
+    def _step(self) -> None:
+        try:
+            events = self.engine.step()
+        except Exception as exc:
+            log.exception("engine step failed")
+            self._on_step_failure(self.engine, exc)
+            return
+        try:
+            self._on_events(self.engine, events)
+        except Exception:
+            log.exception("handling the events of a step failed")
