@@ -1,0 +1,54 @@
+"""Cancellation: before a job starts it never reaches the engine; during one it stops at once."""
+
+from __future__ import annotations
+
+import uuid
+
+import redis
+
+from shared import keys
+from shared.events import Finish, FinishReason, Text
+from shared.sampling import SamplingParams
+from tests.workers.conftest import Producer, wait_until
+from workers.runtime import WorkerRuntime
+
+LONG = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+
+
+def _cancel(client: redis.Redis, request_id: str) -> None:
+    """What the API does when a client goes away."""
+    client.set(keys.cancel_flag(request_id), 1, ex=60)
+    client.publish(keys.CANCEL_CHANNEL, request_id)
+
+
+def test_job_cancelled_before_it_starts_never_reaches_the_engine(
+    worker: WorkerRuntime, producer: Producer, client: redis.Redis
+) -> None:
+    request_id = uuid.uuid4().hex
+    steps = worker.host.snapshot.steps
+    _cancel(client, request_id)
+
+    producer.send(LONG, request_id=request_id)
+
+    assert producer.wait_end(request_id) == [Finish(request_id, FinishReason.ABORT, 0)]
+    assert worker.host.snapshot.steps == steps
+
+
+def test_job_cancelled_while_generating_stops_within_a_step(
+    worker: WorkerRuntime, producer: Producer, client: redis.Redis
+) -> None:
+    aborted = worker.host.snapshot.aborted
+    request_id = producer.send(LONG)
+    stream = keys.event_stream(request_id)
+    wait_until(lambda: client.xlen(stream) >= 4, 30, "a few tokens")
+
+    _cancel(client, request_id)
+    written_at_cancel = client.xlen(stream)
+    events = producer.wait_end(request_id, timeout=10)
+
+    assert isinstance(events[-1], Finish) and events[-1].reason is FinishReason.ABORT
+    # at most the step that was running when the cancel arrived, then the Finish
+    assert len(events) - written_at_cancel <= 2
+    assert events[-1].completion_tokens == sum(isinstance(event, Text) for event in events)
+    wait_until(lambda: producer.heartbeat()["aborted"] > aborted, 5, "the abort in the heartbeat")
+    assert producer.heartbeat()["running"] == 0

@@ -1,0 +1,66 @@
+"""Fenced publishing: only the current attempt's events reach a stream."""
+
+from __future__ import annotations
+
+import uuid
+
+import redis
+
+from shared import keys
+from shared.event_codec import decode_event
+from shared.events import Finish, FinishReason, Ready, Text
+from workers.publisher import Batch, EventPublisher
+
+
+def _request(client: redis.Redis, attempt: int) -> str:
+    request_id = uuid.uuid4().hex
+    client.set(keys.lease(request_id), attempt)
+    return request_id
+
+
+def _stream(client: redis.Redis, request_id: str) -> list[tuple[int, object]]:
+    entries = client.xrange(keys.event_stream(request_id))
+    return [decode_event(request_id, fields) for _, fields in entries]
+
+
+def test_current_attempt_writes_and_stale_attempt_is_dropped(client: redis.Redis) -> None:
+    publisher = EventPublisher(client)
+    current, stale = _request(client, 2), _request(client, 3)
+    events = [Ready(current, 5, 0), Text(current, "Hi", [42])]
+
+    fenced = publisher.publish(
+        [Batch(current, 2, events), Batch(stale, 2, [Ready(stale, 5, 0), Text(stale, "no", [7])])]
+    )
+
+    assert fenced == {stale}
+    assert _stream(client, current) == [(2, event) for event in events]
+    assert not client.exists(keys.event_stream(stale))
+
+
+def test_a_missing_lease_fences_everyone_out(client: redis.Redis) -> None:
+    request_id = uuid.uuid4().hex
+    fenced = EventPublisher(client).publish([Batch(request_id, 1, [Ready(request_id, 1, 0)])])
+    assert fenced == {request_id}
+    assert not client.exists(keys.event_stream(request_id))
+
+
+def test_the_stream_expires_once_finished(client: redis.Redis) -> None:
+    publisher = EventPublisher(client)
+    request_id = _request(client, 1)
+    stream = keys.event_stream(request_id)
+
+    publisher.publish([Batch(request_id, 1, [Ready(request_id, 3, 0), Text(request_id, "a", [1])])])
+    assert client.ttl(stream) == -1  # live: no expiry yet
+
+    publisher.publish([Batch(request_id, 1, [Finish(request_id, FinishReason.STOP, 1, 2)])])
+    assert 0 < client.ttl(stream) <= keys.FINISHED_STREAM_TTL_S
+    assert 0 < client.ttl(keys.lease(request_id)) <= keys.FINISHED_STREAM_TTL_S
+
+
+def test_the_script_is_reloaded_after_the_server_forgets_it(client: redis.Redis) -> None:
+    publisher = EventPublisher(client)
+    request_id = _request(client, 1)
+    client.script_flush()  # what a Redis restart does to the script cache
+
+    assert publisher.publish([Batch(request_id, 1, [Ready(request_id, 3, 0)])]) == set()
+    assert _stream(client, request_id) == [(1, Ready(request_id, 3, 0))]

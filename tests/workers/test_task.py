@@ -1,0 +1,101 @@
+"""The ``sluice.generate`` task, end to end through Celery, Redis and the engine."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+
+import redis
+
+from shared import keys
+from shared.events import Error, Finish, FinishReason, Ready, Text
+from shared.sampling import SamplingParams
+from shared.wire import Deadlines
+from tests.workers.conftest import (
+    PROMPT,
+    QUEUE,
+    Producer,
+    Reference,
+    text_of,
+    tokens_of,
+    wait_until,
+)
+from workers.publisher import Batch, EventPublisher
+from workers.runtime import WorkerRuntime
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
+
+
+def test_greedy_job_streams_what_offline_generation_produces(
+    worker: WorkerRuntime, producer: Producer, reference: Reference
+) -> None:
+    request_id = producer.send(GREEDY)
+    producer.wait_end(request_id)
+    entries = producer.entries(request_id)
+
+    expected = reference(PROMPT, GREEDY)
+    events = [event for _, event in entries]
+    assert {attempt for attempt, _ in entries} == {1}
+    assert events[0] == Ready(request_id, len(PROMPT), 0)
+    assert text_of(events) == text_of(expected)
+    assert tokens_of(events) == tokens_of(expected)
+    assert events[-1] == Finish(request_id, FinishReason.LENGTH, GREEDY.max_tokens, None)
+    assert sum(isinstance(event, Ready) for event in events) == 1
+    assert 0 < producer.client.ttl(keys.event_stream(request_id)) <= keys.FINISHED_STREAM_TTL_S
+
+
+def test_job_of_an_unknown_version_is_dropped_without_requeue(
+    worker: WorkerRuntime, producer: Producer, client: redis.Redis
+) -> None:
+    request_id = uuid.uuid4().hex
+    producer.send_payload(json.dumps({"v": 99, "request": {"request_id": request_id}}))
+
+    # the job after it runs, so the bad one was taken, refused, and not put back
+    producer.wait_end(producer.send(SamplingParams(max_tokens=1, temperature=0.0)))
+    assert client.llen(QUEUE) == 0
+    wait_until(lambda: client.hlen("unacked") == 0, 5, "every message acked")
+    assert not client.exists(keys.event_stream(request_id))
+
+
+def test_job_past_its_queue_deadline_gets_queue_timeout(
+    worker: WorkerRuntime, producer: Producer
+) -> None:
+    steps = worker.host.snapshot.steps
+    request_id = producer.send(GREEDY, deadlines=Deadlines(queue=time.time() - 1))
+
+    events = producer.wait_end(request_id)
+
+    assert len(events) == 1 and isinstance(events[0], Error)
+    assert events[0].kind == "queue_timeout"
+    assert worker.host.snapshot.steps == steps  # never reached the engine
+
+
+def test_job_whose_stream_already_ended_is_only_acked(
+    worker: WorkerRuntime, producer: Producer, client: redis.Redis
+) -> None:
+    request_id = uuid.uuid4().hex
+    client.set(keys.lease(request_id), 1)
+    done = [
+        Ready(request_id, 7, 0),
+        Text(request_id, "x", [5]),
+        Finish(request_id, FinishReason.STOP, 1),
+    ]
+    EventPublisher(client).publish([Batch(request_id, 1, done)])
+
+    producer.send(GREEDY, request_id=request_id)
+
+    wait_until(lambda: client.get(keys.lease(request_id)) == b"2", 10, "the redelivery's attempt")
+    wait_until(lambda: client.hlen("unacked") == 0, 5, "the message acked")
+    assert producer.events(request_id) == done
+
+
+def test_job_for_another_model_is_answered_with_an_error(
+    worker: WorkerRuntime, producer: Producer
+) -> None:
+    request_id = producer.send(GREEDY, model="some-other-model")
+
+    events = producer.wait_end(request_id)
+
+    assert len(events) == 1 and isinstance(events[0], Error)
+    assert events[0].kind == "invalid_request" and "some-other-model" in events[0].message

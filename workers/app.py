@@ -1,0 +1,88 @@
+"""The workers' Celery app: Redis broker, thread pool, late acks, no result backend.
+
+One process holds the model, so the pool is threads: a task thread only
+waits while the engine thread generates. Concurrency is the engine's
+``max_num_seqs`` and the prefetch multiplier 1, so a worker reserves no
+more jobs than its engine can batch; the rest stay in Redis for other
+workers. Messages are acked when the generation has ended (``acks_late``), so
+a job whose worker dies is delivered again.
+
+Redelivery with kombu's Redis transport (5.7, read and tried): an unacked
+message waits in ``unacked``/``unacked_index`` and is moved back to its
+queue by a sweep that every consuming worker runs every
+``unacked_restore_interval`` seconds, but scans only on every
+``unacked_restore_throttle``-th tick (default 10 x 10 s). A message is swept
+once its delivery time (here: its last refresh, see ``workers.visibility``)
+is older than ``visibility_timeout``. With the throttle at 1 and the interval
+a fraction of the timeout, a dead worker's job is back in its queue
+``visibility_timeout`` plus at most one interval after its last refresh,
+provided some worker for that queue is alive to sweep (a restarting worker
+sweeps when it starts polling). A warm shutdown's hand-back does not wait for
+any of this: the task rejects with ``requeue=True`` and the message is back
+in its queue at once (at the tail: kombu requeues a reject with ``LPUSH``,
+while a swept message goes to the head).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from celery import Celery
+from kombu import Exchange, Queue
+
+from workers.visibility import UNACKED_INDEX_KEY
+
+DEFAULT_VISIBILITY_TIMEOUT_S = 60
+BROKER_SOCKET_TIMEOUT_S = 10  # a vanished broker fails a command instead of hanging it
+
+
+def broker_transport_options(visibility_timeout_s: float) -> dict[str, Any]:
+    """Redis transport options: the redelivery timing above, bounded socket waits."""
+    return {
+        "visibility_timeout": visibility_timeout_s,
+        "unacked_index_key": UNACKED_INDEX_KEY,
+        "unacked_restore_interval": max(1, min(10, round(visibility_timeout_s / 5))),
+        "unacked_restore_throttle": 1,
+        "socket_timeout": BROKER_SOCKET_TIMEOUT_S,
+        "socket_connect_timeout": 5,
+        "socket_keepalive": True,
+        "health_check_interval": 10,
+    }
+
+
+def consumed_queues(names: Sequence[str]) -> list[Queue]:
+    """Queues as Celery declares one named by ``send_task(queue=name)``: direct, keyed by name."""
+    return [Queue(name, Exchange(name, type="direct"), routing_key=name) for name in names]
+
+
+def create_app(
+    redis_url: str,
+    queues: Sequence[str],
+    concurrency: int,
+    visibility_timeout_s: float = DEFAULT_VISIBILITY_TIMEOUT_S,
+) -> Celery:
+    """A Celery app that consumes exactly ``queues`` (the first is the model's own)."""
+    app = Celery("sluice-worker", broker=redis_url, set_as_current=False)
+    app.conf.update(
+        task_queues=consumed_queues(queues),
+        task_default_queue=queues[0],
+        worker_pool="threads",
+        worker_concurrency=concurrency,
+        worker_prefetch_multiplier=1,
+        task_acks_late=True,
+        task_reject_on_worker_lost=True,
+        task_ignore_result=True,
+        result_backend=None,
+        task_serializer="json",
+        accept_content=["json"],
+        broker_transport_options=broker_transport_options(visibility_timeout_s),
+        broker_connection_retry=True,
+        broker_connection_retry_on_startup=True,
+        broker_connection_max_retries=None,  # a worker outlives any Redis outage
+        worker_cancel_long_running_tasks_on_connection_loss=False,  # generations go on
+        worker_enable_remote_control=False,  # no pidbox queues: workers are found by heartbeat
+        worker_send_task_events=False,
+        worker_hijack_root_logger=False,
+    )
+    return app

@@ -1,0 +1,265 @@
+"""The worker's engine host: runs jobs on the engine thread and publishes their events.
+
+Task threads (one per Celery job) hand a ``Run`` to the host and block until
+it resolves. Everything that touches the engine or the run table happens on
+the engine thread (``engine.host.EngineThread``): adds, cancels, hand-backs
+and, after each step, one fenced write of every run's events.
+
+A run resolves with an ``Outcome`` that tells its task what to do with the
+message: ``FINISHED`` and ``FENCED`` are acked (the stream has its end, or a
+newer attempt owns the request); ``HANDED_BACK`` and ``UNPUBLISHED`` are
+requeued, so another worker resumes the request from its stream.
+
+Each run is known to the engine as ``<request id>/<attempt>``, so that a
+request redelivered to the worker that still runs its stale attempt gets a
+sequence of its own, and the abort event of a dropped run can never be
+mistaken for its successor's.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import TYPE_CHECKING
+
+import redis
+
+from engine.host import EngineThread
+from shared.events import Error, Finish, InferenceEvent, Ready
+from shared.wire import PreparedRequest
+from workers.publisher import Batch, EventPublisher
+
+if TYPE_CHECKING:
+    from engine.llm_engine import LLMEngine
+
+log = logging.getLogger(__name__)
+
+
+class Outcome(Enum):
+    FINISHED = "finished"  # a Finish or Error is in the stream
+    FENCED = "fenced"  # a newer attempt owns the request
+    HANDED_BACK = "handed_back"  # stopped by a drain; another worker resumes it
+    UNPUBLISHED = "unpublished"  # Redis refused its events; another worker resumes it
+
+
+@dataclass(slots=True)
+class Resume:
+    """What earlier attempts already streamed: the engine continues from there."""
+
+    generated_token_ids: list[int]
+    emitted_chars: int
+
+
+@dataclass(eq=False, slots=True)
+class Run:
+    """One attempt at one request, from submission until its outcome."""
+
+    request: PreparedRequest
+    attempt: int
+    resume: Resume | None = None
+    outcome: Outcome | None = None
+    _done: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def engine_id(self) -> str:
+        return f"{self.request.request_id}/{self.attempt}"
+
+    def resolve(self, outcome: Outcome) -> None:
+        self.outcome = outcome
+        self._done.set()
+
+    def wait(self, timeout: float) -> Outcome | None:
+        """The outcome, or None if it is not known within ``timeout`` seconds."""
+        self._done.wait(timeout)
+        return self.outcome
+
+
+@dataclass(frozen=True, slots=True)
+class HostSnapshot:
+    """The engine's load, as of the last step or command (read by the heartbeat)."""
+
+    capacity: int
+    max_model_len: int
+    kv_blocks_total: int
+    running: int = 0
+    waiting: int = 0
+    kv_blocks_used: int = 0
+    steps: int = 0
+    generated_tokens: int = 0
+    aborted: int = 0
+    runs: int = 0
+
+
+class WorkerHost:
+    """Engine thread + run table + fenced publishing; see the module docstring."""
+
+    def __init__(self, engine: LLMEngine, publisher: EventPublisher) -> None:
+        self._publisher = publisher
+        self._thread = EngineThread(engine, self._on_events, self._on_step_failure)
+        self._runs: dict[str, Run] = {}  # by engine id; engine thread only
+        self._current: dict[str, Run] = {}  # by request id; written under _idle
+        self._idle = threading.Condition()  # notified whenever a run resolves
+        self.draining = False
+        self.snapshot = self._take_snapshot(engine)
+
+    # --- any thread ----------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float | None = None) -> None:
+        self._thread.stop(timeout)
+
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def submit(self, run: Run) -> None:
+        self._thread.call(lambda engine: self._add(engine, run))
+
+    def cancel(self, request_id: str) -> None:
+        """Abort ``request_id`` if this worker runs it; its Finish(abort) is published."""
+        self._thread.call(lambda engine: self._cancel(engine, request_id))
+
+    def request_ids(self) -> list[str]:
+        """The requests running here now (a snapshot; it may change at once)."""
+        with self._idle:
+            return list(self._current)
+
+    def drain(self, grace_s: float) -> int:
+        """Stop taking work, wait up to ``grace_s`` for runs to end, hand back the rest.
+
+        Returns how many runs were handed back. Their tasks requeue their
+        messages; nothing is published for them, so the client sees the
+        next worker's tokens continue the stream.
+        """
+        self.draining = True
+        deadline = time.monotonic() + grace_s
+        with self._idle:
+            while self._current and (left := deadline - time.monotonic()) > 0:
+                self._idle.wait(left)
+            remaining = len(self._current)
+        if remaining:
+            log.warning("drain grace of %.0f s is over: handing back %d runs", grace_s, remaining)
+            self._thread.call(self._hand_back_all)
+        return remaining
+
+    # --- the engine thread ---------------------------------------------------
+
+    def _add(self, engine: LLMEngine, run: Run) -> None:
+        if self.draining:  # a job that arrived as the drain began: the next worker runs it
+            run.resolve(Outcome.HANDED_BACK)
+            return
+        stale = self._current.get(run.request_id)
+        if stale is not None:  # redelivered here while the old attempt still ran
+            self._drop(engine, stale, Outcome.FENCED)
+        resume = run.resume or Resume([], 0)
+        request = run.request
+        self._track(run)
+        try:
+            engine.add_request(
+                run.engine_id,
+                request.prompt_token_ids,
+                request.sampling,
+                request.priority,
+                generated_token_ids=resume.generated_token_ids,
+                emitted_chars=resume.emitted_chars,
+            )
+        except ValueError as exc:  # the engine refuses what it cannot run
+            error = Error(run.request_id, str(exc), "invalid_request")
+            self._publish(engine, {run.engine_id: [error]})
+        self._refresh(engine)
+
+    def _cancel(self, engine: LLMEngine, request_id: str) -> None:
+        run = self._current.get(request_id)
+        if run is not None and engine.abort(run.engine_id):
+            log.info("cancelled %s (attempt %d)", request_id, run.attempt)
+            self._refresh(engine)
+
+    def _hand_back_all(self, engine: LLMEngine) -> None:
+        for run in list(self._runs.values()):
+            self._drop(engine, run, Outcome.HANDED_BACK)
+        self._refresh(engine)
+
+    def _on_events(self, engine: LLMEngine, events: list[InferenceEvent]) -> None:
+        by_run: dict[str, list[InferenceEvent]] = {}
+        for event in events:
+            run = self._runs.get(event.request_id)
+            if run is None:  # dropped here (fenced, handed back): nothing more to say
+                continue
+            if isinstance(event, Ready) and run.resume is not None:
+                continue  # the client has its Ready from the first attempt
+            by_run.setdefault(run.engine_id, []).append(event)
+        self._publish(engine, by_run)
+        self._refresh(engine)
+
+    def _on_step_failure(self, engine: LLMEngine, exc: Exception) -> None:
+        """End every run with an Error: a failed step leaves the batch's state unknown."""
+        message = f"the engine failed: {exc}"
+        runs = list(self._runs.values())
+        for run in runs:
+            engine.abort(run.engine_id)  # frees the blocks; its Finish(abort) is dropped
+        self._publish(engine, {run.engine_id: [Error(run.request_id, message)] for run in runs})
+        self._refresh(engine)
+
+    def _publish(self, engine: LLMEngine, by_run: dict[str, list[InferenceEvent]]) -> None:
+        """Write the events in one fenced round trip and resolve the runs that ended."""
+        runs = [self._runs[engine_id] for engine_id in by_run]
+        batches = [Batch(run.request_id, run.attempt, by_run[run.engine_id]) for run in runs]
+        try:
+            fenced = self._publisher.publish(batches)
+        except redis.RedisError as exc:
+            log.error("publishing events failed (%s): stopping %d runs", exc, len(runs))
+            for run in runs:
+                self._drop(engine, run, Outcome.UNPUBLISHED)
+            return
+        for run, batch in zip(runs, batches, strict=True):
+            if run.request_id in fenced:
+                log.warning("%s attempt %d is stale: stopping it", run.request_id, run.attempt)
+                self._drop(engine, run, Outcome.FENCED)
+            elif isinstance(batch.events[-1], Finish | Error):
+                self._untrack(run, Outcome.FINISHED)
+
+    def _drop(self, engine: LLMEngine, run: Run, outcome: Outcome) -> None:
+        """Stop a run here without publishing anything more for it."""
+        engine.abort(run.engine_id)
+        self._untrack(run, outcome)
+
+    def _track(self, run: Run) -> None:
+        self._runs[run.engine_id] = run
+        with self._idle:
+            self._current[run.request_id] = run
+
+    def _untrack(self, run: Run, outcome: Outcome) -> None:
+        if self._runs.pop(run.engine_id, None) is None:
+            return
+        with self._idle:
+            if self._current.get(run.request_id) is run:
+                del self._current[run.request_id]
+            self._idle.notify_all()
+        run.resolve(outcome)
+
+    def _refresh(self, engine: LLMEngine) -> None:
+        self.snapshot = self._take_snapshot(engine)
+
+    def _take_snapshot(self, engine: LLMEngine) -> HostSnapshot:
+        blocks = engine.block_manager
+        stats = engine.stats
+        return HostSnapshot(
+            capacity=engine.args.max_num_seqs,
+            max_model_len=engine.max_model_len,
+            kv_blocks_total=blocks.num_blocks,
+            running=len(engine.scheduler.running),
+            waiting=len(engine.scheduler.waiting),
+            kv_blocks_used=blocks.num_blocks - blocks.num_free_blocks,
+            steps=stats.steps,
+            generated_tokens=stats.tokens,
+            aborted=stats.aborted,
+            runs=len(self._runs),
+        )

@@ -1,0 +1,185 @@
+"""``sluice worker``: load one model, then serve its queue until told to stop.
+
+The model is loaded once, before Celery starts, so a bad ``--model`` or
+``--config`` fails at once with a clear message and every job finds the
+engine ready. SIGTERM is a warm shutdown: the worker stops taking jobs,
+lets running generations finish for ``--drain-grace`` seconds and then
+hands the rest back to the queue, where another worker resumes them from
+their streams. SIGQUIT hands everything back at once.
+
+Also runnable as ``python -m workers.main``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import socket
+import sys
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from shared import keys
+from shared.registry import ModelRegistry, ModelSpec, default_registry
+from workers.app import DEFAULT_VISIBILITY_TIMEOUT_S, create_app
+from workers.heartbeat import WorkerIdentity
+
+if TYPE_CHECKING:
+    from engine.config import EngineArgs
+    from engine.llm_engine import LLMEngine
+
+log = logging.getLogger("workers")
+
+DEFAULT_DRAIN_GRACE_S = 30.0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="sluice worker", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--redis", required=True, help="Redis URL, e.g. redis://localhost:6379/0")
+    parser.add_argument("--model", default="default", help="model name, alias or path")
+    parser.add_argument("--config", default=None, help="TOML model registry")
+    parser.add_argument(
+        "--queues",
+        nargs="*",
+        default=[],
+        help="extra queues to consume besides the model's own (names, or comma-separated)",
+    )
+    parser.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument(
+        "--max-num-seqs", type=int, default=64, help="engine batch size = jobs taken at once"
+    )
+    parser.add_argument("--worker-id", default=None, help="default: <hostname>-<pid>")
+    parser.add_argument(
+        "--visibility-timeout",
+        type=float,
+        default=DEFAULT_VISIBILITY_TIMEOUT_S,
+        help="seconds after its worker's last sign of life that a job is redelivered",
+    )
+    parser.add_argument(
+        "--drain-grace",
+        type=float,
+        default=DEFAULT_DRAIN_GRACE_S,
+        help="on SIGTERM, seconds running generations get to finish before being handed back",
+    )
+    parser.add_argument("--loglevel", default="INFO")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.loglevel.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        spec = resolve_model(args.model, args.config)
+        engine = load_engine(
+            engine_args_for(spec, args.dtype, args.max_model_len, args.max_num_seqs)
+        )
+    except (ValueError, OSError, RuntimeError) as exc:  # unknown or missing model, bad config
+        print(f"sluice worker: {exc}", file=sys.stderr)
+        return 2
+    identity = WorkerIdentity(args.worker_id or default_worker_id(), spec.name)
+    queues = [keys.queue_name(spec.name), *split_queues(args.queues)]
+    return serve(
+        args.redis,
+        identity,
+        engine,
+        queues,
+        visibility_timeout_s=args.visibility_timeout,
+        drain_grace_s=args.drain_grace,
+        loglevel=args.loglevel.upper(),
+    )
+
+
+def serve(
+    redis_url: str,
+    identity: WorkerIdentity,
+    engine: LLMEngine,
+    queues: list[str],
+    *,
+    visibility_timeout_s: float = DEFAULT_VISIBILITY_TIMEOUT_S,
+    drain_grace_s: float = DEFAULT_DRAIN_GRACE_S,
+    loglevel: str = "INFO",
+) -> int:
+    """Run the Celery worker in this (main) thread until a shutdown signal; the exit code."""
+    from celery import signals
+
+    from workers.runtime import WorkerRuntime
+    from workers.task import register_task
+
+    runtime = WorkerRuntime.start(redis_url, identity, engine)
+    app = create_app(redis_url, queues, engine.args.max_num_seqs, visibility_timeout_s)
+    register_task(app, runtime.context)
+
+    def on_shutdown(how: str = "Warm", **_: Any) -> None:
+        runtime.drain_in_background(drain_grace_s if how == "Warm" else 0.0)
+
+    signals.worker_shutting_down.connect(on_shutdown, weak=False)
+    worker = app.Worker(
+        hostname=f"sluice@{identity.worker_id}",
+        queues=queues,
+        loglevel=loglevel,
+        quiet=True,
+        without_gossip=True,
+        without_mingle=True,
+        without_heartbeat=True,
+    )
+    log.info(
+        "worker %s serves %s on %s (capacity %d)",
+        identity.worker_id,
+        identity.model,
+        ", ".join(queues),
+        engine.args.max_num_seqs,
+    )
+    try:
+        worker.start()
+    finally:
+        signals.worker_shutting_down.disconnect(on_shutdown)
+        runtime.stop()
+    return worker.exitcode or 0
+
+
+def resolve_model(name: str, config: str | None) -> ModelSpec:
+    registry = ModelRegistry.from_toml(config) if config else default_registry()
+    return registry.resolve(name)
+
+
+def engine_args_for(
+    spec: ModelSpec, dtype: str, max_model_len: int | None, max_num_seqs: int
+) -> EngineArgs:
+    """Engine arguments that load ``spec``.
+
+    The engine resolves names through the built-in registry only, so a model
+    from a registry file is handed over as its weights path, with the
+    registry's context length as the limit unless one is given.
+    """
+    from engine.config import EngineArgs
+
+    builtin = spec.name in default_registry().names()
+    return EngineArgs(
+        model=spec.name if builtin else str(spec.weights),
+        dtype=dtype,
+        max_model_len=max_model_len or spec.context_length or None,
+        max_num_seqs=max_num_seqs,
+    )
+
+
+def load_engine(args: EngineArgs) -> LLMEngine:
+    from engine.llm_engine import LLMEngine  # torch is imported only here
+
+    log.info("loading %s", args.model)
+    return LLMEngine(args)
+
+
+def split_queues(values: Sequence[str]) -> list[str]:
+    return [name for value in values for name in value.split(",") if name]
+
+
+def default_worker_id() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,202 @@
+"""The ``sluice.generate`` task: one job, from its message to its ack.
+
+The task thread takes the job's attempt, reads what earlier attempts already
+streamed and either answers without the engine (cancelled, past its queue
+deadline, already finished) or hands a ``Run`` to the engine host and waits
+for its outcome. Returning acks the message; ``Reject(requeue=True)`` puts
+it back in its queue for another worker to resume.
+
+Deadlines are the job's own, not Celery's: a message's ``expires`` would
+make Celery drop an expired job unanswered, and drop a redelivered job that
+had already started streaming, so ``ResumableRequest`` ignores it and the
+task applies the queue deadline itself, to jobs that have not started.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis
+from celery import Celery, Task
+from celery.exceptions import Reject
+from celery.worker.request import Request
+
+from shared import keys
+from shared.event_codec import decode_event
+from shared.events import Error, Finish, FinishReason, InferenceEvent, Ready, Text
+from shared.wire import Job, decode_job
+from workers.host import Outcome, Resume, Run, WorkerHost
+from workers.publisher import Batch, EventPublisher
+
+log = logging.getLogger(__name__)
+
+HOST_CHECK_S = 1.0  # how often a waiting task makes sure the engine thread is alive
+REQUEUED = (Outcome.HANDED_BACK, Outcome.UNPUBLISHED)
+
+
+@dataclass(slots=True)
+class TaskContext:
+    """What every task of a worker shares."""
+
+    client: redis.Redis
+    publisher: EventPublisher
+    host: WorkerHost
+    model: str  # the registry name this worker serves
+
+
+@dataclass(slots=True)
+class History:
+    """What a request's stream already holds, from earlier attempts."""
+
+    started: bool = False  # a Ready was written
+    finished: bool = False  # a Finish or Error was written
+    token_ids: list[int] = field(default_factory=list)
+    chars: int = 0
+
+    @classmethod
+    def read(cls, request_id: str, entries: list[tuple[Any, dict[Any, Any]]]) -> History:
+        history = cls()
+        for _, fields in entries:
+            _, event = decode_event(request_id, fields)
+            history.add(event)
+        return history
+
+    def add(self, event: InferenceEvent) -> None:
+        if isinstance(event, Ready):
+            self.started = True
+        elif isinstance(event, Text):
+            self.token_ids += event.token_ids
+            self.chars += len(event.text)
+        else:
+            self.finished = True
+
+    @property
+    def trimmed(self) -> bool:
+        """Tokens without a Ready before them: ``MAXLEN ~`` cut the stream's start."""
+        return bool(self.token_ids) and not self.started
+
+
+class ResumableRequest(Request):
+    """A request Celery never expires; see the module docstring for why."""
+
+    @property
+    def expires(self) -> None:
+        return None
+
+    @expires.setter
+    def expires(self, value: Any) -> None:
+        pass
+
+
+def register_task(app: Celery, context: TaskContext) -> Task:
+    """Register ``sluice.generate`` on ``app``, bound to this worker's context."""
+
+    @app.task(name=keys.TASK_NAME, acks_late=True, ignore_result=True, Request=ResumableRequest)
+    def generate(payload: str) -> None:
+        run_job(context, payload)
+
+    return generate
+
+
+def run_job(context: TaskContext, payload: str) -> None:
+    """Run one job; raises ``Reject`` when its message must not simply be acked."""
+    try:
+        job = decode_job(payload)
+    except (ValueError, KeyError, TypeError) as exc:
+        log.error("refusing a job that cannot be decoded: %s", exc)
+        raise Reject(str(exc), requeue=False) from exc
+    try:
+        outcome = _run(context, job)
+    except (redis.ConnectionError, redis.TimeoutError) as exc:
+        log.error("Redis failed while starting %s: %s", job.request.request_id, exc)
+        raise Reject(str(exc), requeue=True) from exc
+    except Exception as exc:
+        log.exception("job %s failed", job.request.request_id)
+        _fail(context, job.request.request_id, f"the worker failed: {exc}")
+        raise
+    if outcome in REQUEUED:
+        log.info("handing %s back to the queue (%s)", job.request.request_id, outcome.value)
+        raise Reject(outcome.value, requeue=True)
+
+
+def _run(context: TaskContext, job: Job) -> Outcome:
+    request = job.request
+    attempt, cancelled, history = _begin(context.client, request.request_id)
+    if history.finished:
+        return Outcome.FINISHED
+    answer = _answer_without_engine(context.model, job, cancelled, history)
+    if answer is not None:
+        context.publisher.publish([Batch(request.request_id, attempt, [answer])])
+        return Outcome.FINISHED
+    resume = Resume(history.token_ids, history.chars) if history.started else None
+    run = Run(request, attempt, resume)
+    context.host.submit(run)
+    _recheck_cancel(context, request.request_id)
+    return _wait(context.host, run)
+
+
+def _answer_without_engine(
+    model: str, job: Job, cancelled: bool, history: History
+) -> InferenceEvent | None:
+    """The final event of a job that must not reach the engine, or None to run it."""
+    request_id = job.request.request_id
+    if job.request.model != model:  # routed to the wrong queue: no worker here can run it
+        message = f"model {job.request.model!r} sent to a worker of {model!r}"
+        return Error(request_id, message, "invalid_request")
+    if cancelled:
+        return Finish(request_id, FinishReason.ABORT, len(history.token_ids))
+    if history.trimmed:
+        return Error(request_id, "cannot resume: the start of the event stream was trimmed")
+    deadline = job.deadlines.queue
+    if not history.started and deadline is not None and time.time() > deadline:
+        message = "the request waited in the queue past its deadline"
+        return Error(request_id, message, "queue_timeout")
+    return None
+
+
+def _begin(client: redis.Redis, request_id: str) -> tuple[int, bool, History]:
+    """Take the next attempt, then read the cancel flag and the stream, atomically.
+
+    Taking the attempt first fences the previous attempt out, so the stream
+    read here is all that attempt will ever have written.
+    """
+    lease = keys.lease(request_id)
+    pipe = client.pipeline(transaction=True)
+    pipe.incr(lease)
+    pipe.expire(lease, keys.FINISHED_STREAM_TTL_S)
+    pipe.exists(keys.cancel_flag(request_id))
+    pipe.xrange(keys.event_stream(request_id))
+    attempt, _, cancelled, entries = pipe.execute()
+    return int(attempt), bool(cancelled), History.read(request_id, entries)
+
+
+def _recheck_cancel(context: TaskContext, request_id: str) -> None:
+    """A cancel published between ``_begin`` and the submit reached no run: look again."""
+    try:
+        cancelled = context.client.exists(keys.cancel_flag(request_id))
+    except redis.RedisError as exc:  # the watcher's periodic check will catch it
+        log.warning("could not recheck the cancel flag of %s: %s", request_id, exc)
+        return
+    if cancelled:
+        context.host.cancel(request_id)
+
+
+def _fail(context: TaskContext, request_id: str, message: str) -> None:
+    """End the request with an Error under a fresh attempt, so no client waits forever."""
+    try:
+        attempt = int(context.client.incr(keys.lease(request_id)))
+        context.publisher.publish([Batch(request_id, attempt, [Error(request_id, message)])])
+    except redis.RedisError as exc:
+        log.error("could not report the failure of %s: %s", request_id, exc)
+
+
+def _wait(host: WorkerHost, run: Run) -> Outcome:
+    """Block until the run resolves; a dead engine thread hands the job back."""
+    while (outcome := run.wait(HOST_CHECK_S)) is None:
+        if not host.is_alive():
+            log.error("the engine thread is gone; handing %s back", run.request_id)
+            return Outcome.HANDED_BACK
+    return outcome

@@ -1,0 +1,80 @@
+"""Keeping running jobs' messages out of the broker's redelivery sweep.
+
+With kombu's Redis transport a delivered, unacked message sits in the hash
+``unacked`` and in the sorted set ``unacked_index``, scored with its delivery
+time. Every consuming worker periodically moves back to its queue each
+message whose score is older than the visibility timeout: that is how the
+job of a worker killed with ``kill -9`` is redelivered, and also how a live
+worker's long generation would be redelivered to a second worker.
+
+So the worker refreshes the score of the messages it is running, once per
+heartbeat (``ZADD XX``: never re-adds a message that was acked or restored
+meanwhile). The visibility timeout then only bounds how long a dead worker's
+jobs wait, not how long a generation may run; a job whose worker stops
+refreshing is redelivered ``visibility_timeout`` (plus one sweep interval)
+after its last refresh.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import redis
+
+UNACKED_INDEX_KEY = "unacked_index"  # kombu's default, passed to it explicitly
+
+
+class DeliveryTracker:
+    """Delivery tags of the messages this worker runs, keyed by task id."""
+
+    def __init__(self, index_key: str = UNACKED_INDEX_KEY) -> None:
+        self._index_key = index_key
+        self._tags: dict[str, str] = {}
+        self._lock = threading.Lock()
+
+    def received(self, task_id: str, delivery_tag: str | None) -> None:
+        if delivery_tag is None:
+            return
+        with self._lock:
+            self._tags[task_id] = delivery_tag
+
+    def forget(self, task_id: str) -> None:
+        with self._lock:
+            self._tags.pop(task_id, None)
+
+    def renew(self, pipe: redis.client.Pipeline) -> None:
+        """Queue on ``pipe`` the refresh of every tracked message's score."""
+        with self._lock:
+            tags = list(self._tags.values())
+        if tags:
+            now = time.time()
+            pipe.zadd(self._index_key, dict.fromkeys(tags, now), xx=True)
+
+    def connect(self) -> None:
+        """Follow Celery's signals: a task is tracked from receipt until it has run."""
+        from celery import signals
+
+        signals.task_received.connect(self._on_received, weak=False)
+        signals.task_postrun.connect(self._on_postrun, weak=False)
+        signals.task_revoked.connect(self._on_revoked, weak=False)
+
+    def disconnect(self) -> None:
+        from celery import signals
+
+        signals.task_received.disconnect(self._on_received)
+        signals.task_postrun.disconnect(self._on_postrun)
+        signals.task_revoked.disconnect(self._on_revoked)
+
+    def _on_received(self, request: Any = None, **_: Any) -> None:
+        message = getattr(request, "message", None)
+        self.received(request.id, getattr(message, "delivery_tag", None))
+
+    def _on_postrun(self, task_id: str | None = None, **_: Any) -> None:
+        if task_id is not None:
+            self.forget(task_id)
+
+    def _on_revoked(self, request: Any = None, **_: Any) -> None:
+        if request is not None:
+            self.forget(request.id)
