@@ -13,7 +13,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -25,7 +25,7 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
-from api.backends.base import Backend
+from api.backends.base import Backend, ServedModel
 from api.errors import ApiError, bad_request
 from api.metrics import ServingMetrics
 from api.output_parser import OutputParser
@@ -62,6 +62,12 @@ class Settings:
     max_model_len: int | None = None
     max_num_seqs: int = 64
     preparation_threads: int = 8  # concurrent preparations; more wait their turn
+    # Distributed mode (workers behind Redis) when set; see api/admission.py for the policy.
+    redis_url: str | None = None
+    queue_timeout_s: float = 30.0  # a worker must start the request by then: 503
+    first_token_timeout_s: float = 60.0  # the first token must come by then: 504
+    total_timeout_s: float = 600.0  # the whole generation must end by then: 504
+    max_inflight: int = 256  # queued + in-flight requests per model before a 429
 
 
 def load_models(settings: Settings) -> tuple[ModelRegistry, ModelSpec]:
@@ -80,6 +86,7 @@ class Serving:
         self.limiter = anyio.CapacityLimiter(preparation_threads)
         self.metrics = ServingMetrics(backend.health)
         self._context: PreparationContext | None = None
+        self._served: list[ServedModel] = []
 
     @asynccontextmanager
     async def lifespan(self, app: FastAPI) -> AsyncIterator[None]:
@@ -99,10 +106,16 @@ class Serving:
                 "overloaded_error",
                 headers={"Retry-After": "5"},
             )
-        if self._context is None:
-            models = {model.spec.name: model for model in self.backend.models()}
-            self._context = PreparationContext(self.registry, models)
+        served = self.backend.models()
+        if self._context is None or served != self._served:  # a queue's context length can move
+            models = {model.spec.name: model for model in served}
+            self._context, self._served = PreparationContext(self.registry, models), served
         return self._context
+
+    def admission(self) -> AbstractAsyncContextManager[None]:
+        """Held while a request is prepared: a backend that admits (429/503) does it first."""
+        admit = getattr(self.backend, "admit", None)
+        return admit() if admit is not None else nullcontext()
 
     async def off_loop(self, function: Callable[..., T], *args: Any) -> T:
         """Run CPU work (rendering, tokenizing) in the bounded threadpool."""
@@ -132,8 +145,11 @@ def create_app(settings: Settings | None = None, backend: Backend | None = None)
     settings = settings or Settings()
     registry, spec = load_models(settings)
     serving = Serving(
-        registry, backend or _embedded_backend(spec, settings), settings.preparation_threads
+        registry, backend or _default_backend(spec, settings), settings.preparation_threads
     )
+    collector = getattr(serving.backend, "metrics_collector", None)
+    if collector is not None:  # per-model queue and worker gauges in distributed mode
+        serving.metrics.registry.register(collector)
     app = FastAPI(title="Sluice", lifespan=serving.lifespan)
     app.state.serving = serving
     for protocol in PROTOCOLS:
@@ -146,6 +162,15 @@ def create_app(settings: Settings | None = None, backend: Backend | None = None)
     app.add_api_route("/metrics", _metrics_route(serving), methods=["GET"])
     _install_error_handlers(app, serving)
     return app
+
+
+def _default_backend(spec: ModelSpec, settings: Settings) -> Backend:
+    """Workers behind Redis with ``redis_url`` (no torch here), else the embedded engine."""
+    if settings.redis_url:
+        from api.backends.distributed import DistributedBackend
+
+        return DistributedBackend(settings.redis_url, spec, settings)
+    return _embedded_backend(spec, settings)
 
 
 def _embedded_backend(spec: ModelSpec, settings: Settings) -> Backend:
@@ -167,7 +192,8 @@ def _embedded_backend(spec: ModelSpec, settings: Settings) -> Backend:
 def _generation_route(protocol: Protocol, serving: Serving) -> Callable[..., Awaitable[Response]]:
     async def generate(request: Request) -> Response:
         arrived = time.monotonic()
-        prepared = await serving.prepare(protocol, await read_json(request))
+        async with serving.admission():
+            prepared = await serving.prepare(protocol, await read_json(request))
         processor, events = serving.run(prepared, arrived)
         if prepared.request.stream:
             response = await event_source(processor, events, protocol.done_marker)

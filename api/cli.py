@@ -1,4 +1,4 @@
-"""The ``sluice`` command: serve, generate, bench.
+"""The ``sluice`` command: serve, worker, generate, bench.
 
 Each subcommand imports its side lazily, so ``sluice serve --redis`` never
 pulls in torch and ``sluice generate`` never pulls in the web stack.
@@ -49,6 +49,11 @@ def _serve(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
+        redis_url=args.redis,
+        queue_timeout_s=args.queue_timeout,
+        first_token_timeout_s=args.first_token_timeout,
+        total_timeout_s=args.total_timeout,
+        max_inflight=args.max_inflight,
     )
     try:
         load_models(settings)  # a bad --model or --config fails here, with a clear message
@@ -82,7 +87,41 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--config", default=None, help="TOML model registry ([models.<name>])")
+    serve.add_argument(
+        "--redis", default=None, metavar="URL", help="run on workers behind this Redis"
+    )
+    serve.add_argument(
+        "--queue-timeout",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="--redis: 503 if no worker starts a request within S seconds",
+    )
+    serve.add_argument(
+        "--first-token-timeout",
+        type=float,
+        default=60.0,
+        metavar="S",
+        help="--redis: 504 without a first token after S seconds",
+    )
+    serve.add_argument(
+        "--total-timeout",
+        type=float,
+        default=600.0,
+        metavar="S",
+        help="--redis: 504 if a generation runs longer than S seconds",
+    )
+    serve.add_argument(
+        "--max-inflight",
+        type=int,
+        default=256,
+        metavar="N",
+        help="--redis: 429 beyond N queued + running requests per model",
+    )
     serve.set_defaults(run=_serve)
+
+    # Listed for --help; its options belong to workers.main, which main() hands them to.
+    commands.add_parser("worker", help="run a GPU worker for distributed mode (--redis URL)")
 
     bench = commands.add_parser("bench", help="run a benchmark (engine)")
     bench.add_argument("which", choices=["engine"])
@@ -92,6 +131,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["worker"]:  # the worker parses its own options (sluice worker --help)
+        from workers.main import main as worker_main
+
+        return worker_main(argv[1:])
     args = build_parser().parse_args(argv)
     return args.run(args)
 

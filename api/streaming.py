@@ -18,6 +18,7 @@ import anyio
 from sse_starlette import EventSourceResponse, ServerSentEvent
 from tokenizers import Tokenizer, decoders
 
+from api.admission import error_for
 from api.errors import ApiError
 from api.output_parser import (
     ContentDelta,
@@ -30,12 +31,6 @@ from api.output_parser import (
 from api.protocols.base import FinishKind, LogprobEntry, ResponseBuilder, SSEChunk, Usage
 from shared.events import Error, Finish, FinishReason, InferenceEvent, Ready, Text, TokenLogprob
 from shared.tokenizer_loader import LoadedTokenizer
-
-# How an engine error kind becomes an HTTP status and error type.
-_ERROR_STATUS = {
-    "invalid_request": (400, "invalid_request_error"),
-    "overloaded": (503, "overloaded_error"),
-}
 
 
 class StreamProcessor:
@@ -145,8 +140,7 @@ class StreamProcessor:
         return self._builder.finish(kind, replace(self._usage), stop)
 
     def _error(self, event: Error) -> list[SSEChunk]:
-        status, error_type = _ERROR_STATUS.get(event.kind, (500, "api_error"))
-        self.error = ApiError(status, event.message, error_type)
+        self.error = error_for(event)  # the one table of kinds → statuses
         self.done = True
         return self._builder.stream_error(self.error)
 

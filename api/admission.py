@@ -1,0 +1,199 @@
+"""Who gets in and how long they may wait: the policy for queued (distributed) requests.
+
+Admission is decided before any preparation work, so a refused request costs
+one Redis round trip and no tokenizing. Three outcomes, each with the status
+a client can act on:
+
+- too much outstanding work for the model (queued + in flight ≥
+  ``max_inflight``): 429, retry later;
+- no live worker for the model, even after waiting up to the queue timeout
+  for one: 503, retry later;
+- otherwise the request is prepared and submitted with ``Deadlines``.
+
+Every way a request can end early is an ``Error`` event with a ``kind``;
+``ERROR_STATUSES`` is the one table that says which HTTP status and error type
+each kind becomes, for streamed and whole responses alike.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
+from dataclasses import dataclass
+
+from api.errors import ApiError
+from shared.events import Error
+from shared.wire import Deadlines
+
+
+@dataclass(frozen=True, slots=True)
+class ErrorStatus:
+    """How one ``Error.kind`` is answered: status, error type, and ``Retry-After`` seconds."""
+
+    status: int
+    type: str
+    retry_after: int | None = None
+
+
+ERROR_STATUSES: dict[str, ErrorStatus] = {
+    # The client sent something the engine cannot run (too long for a worker's context).
+    "invalid_request": ErrorStatus(400, "invalid_request_error"),
+    # Too much outstanding work for the model: the client should slow down.
+    "rate_limited": ErrorStatus(429, "rate_limit_exceeded", retry_after=1),
+    # The server is shutting down or a backend is saturated: another try may land elsewhere.
+    "overloaded": ErrorStatus(503, "overloaded_error", retry_after=1),
+    # No live worker, or Redis unreachable: nothing can run the request right now.
+    "unavailable": ErrorStatus(503, "overloaded_error", retry_after=2),
+    # No worker started the job before its queue deadline: the fleet is behind.
+    "queue_timeout": ErrorStatus(503, "overloaded_error", retry_after=5),
+    # A worker took the job but the generation ran out of time: retrying may not help.
+    "first_token_timeout": ErrorStatus(504, "timeout_error"),
+    "total_timeout": ErrorStatus(504, "timeout_error"),
+}
+_UNKNOWN_KIND = ErrorStatus(500, "api_error")
+
+
+def api_error(kind: str, message: str) -> ApiError:
+    """The ``ApiError`` an ``Error`` event of ``kind`` is answered with."""
+    status = ERROR_STATUSES.get(kind, _UNKNOWN_KIND)
+    headers = {"Retry-After": str(status.retry_after)} if status.retry_after else None
+    code = "rate_limit_exceeded" if kind == "rate_limited" else None
+    return ApiError(status.status, message, status.type, code=code, headers=headers)
+
+
+def error_for(event: Error) -> ApiError:
+    return api_error(event.kind, event.message)
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """Admission bound and deadlines (seconds), from ``Settings``.
+
+    ``queue_timeout_s`` bounds the wait for a worker to start the job (and,
+    at admission, for a live worker to exist); ``first_token_timeout_s`` and
+    ``total_timeout_s`` are counted from submission.
+    """
+
+    queue_timeout_s: float = 30.0
+    first_token_timeout_s: float = 60.0
+    total_timeout_s: float = 600.0
+    max_inflight: int = 256
+
+    def deadlines(self, start: float) -> Deadlines:
+        return Deadlines(
+            queue=start + self.queue_timeout_s,
+            first_token=start + self.first_token_timeout_s,
+            total=start + self.total_timeout_s,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerLoad:
+    """One worker's heartbeat (the JSON a worker writes every second or so)."""
+
+    worker_id: str
+    model: str
+    running: int = 0
+    waiting: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_total: int = 0
+    tokens_per_s: float = 0.0
+    capacity: int = 0
+    max_model_len: int = 0
+    steps: int = 0
+    generated_tokens: int = 0
+    aborted: int = 0
+    draining: bool = False
+    ts: float = 0.0
+
+    @classmethod
+    def from_json(cls, data: dict) -> WorkerLoad:
+        known = {name: data[name] for name in cls.__dataclass_fields__ if name in data}
+        return cls(**known)
+
+
+@dataclass(frozen=True, slots=True)
+class FleetSnapshot:
+    """What the workers of one model and the in-flight set said at ``taken_at``."""
+
+    workers: tuple[WorkerLoad, ...] = ()
+    outstanding: int = 0  # accepted and not finished: queued + running
+    taken_at: float = 0.0  # monotonic; 0 = never read
+
+    @property
+    def live(self) -> tuple[WorkerLoad, ...]:
+        """Workers that take new jobs (a draining worker only finishes what it has)."""
+        return tuple(worker for worker in self.workers if not worker.draining)
+
+    def desired_workers(self, default_capacity: int) -> int:
+        """``ceil(outstanding / per-worker capacity)``: the autoscaling signal.
+
+        Outstanding work, not the Celery list length: a worker reserves
+        (prefetches) jobs up to its free slots, and those leave the list
+        while still waiting for the GPU, so a short list can hide a saturated
+        fleet and an empty list would scale a busy fleet to zero.
+        """
+        capacities = [worker.capacity for worker in self.workers if worker.capacity > 0]
+        per_worker = min(capacities) if capacities else default_capacity
+        return math.ceil(self.outstanding / max(per_worker, 1))
+
+
+class Admission:
+    """The admission check of one served model (see the module docstring).
+
+    ``outstanding`` counts the model's in-flight set in Redis, shared by every
+    API process. Requests this process has admitted but not yet added to
+    that set (still preparing, or being submitted) are counted locally, so a
+    burst on one process cannot overshoot the bound; across processes the
+    bound can be exceeded by the requests in that short window.
+    """
+
+    def __init__(
+        self,
+        limits: Limits,
+        snapshot: Callable[[], FleetSnapshot],
+        outstanding: Callable[[], Awaitable[int]],
+        poll_s: float = 0.25,
+    ) -> None:
+        self._limits = limits
+        self._snapshot = snapshot
+        self._outstanding = outstanding
+        self._poll_s = poll_s
+        self._pending = 0
+
+    @asynccontextmanager
+    async def admit(self) -> AsyncIterator[None]:
+        """Hold a place while the request is prepared; raises 503 or 429 ``ApiError``s."""
+        await self._wait_for_worker()
+        if await self._outstanding() + self._pending >= self._limits.max_inflight:
+            raise api_error(
+                "rate_limited",
+                f"Too many requests in flight for this model (the limit is "
+                f"{self._limits.max_inflight}); retry after a short wait.",
+            )
+        with self.pending():
+            yield
+
+    @contextmanager
+    def pending(self) -> Iterator[None]:
+        """Count a request that is admitted but not yet in the in-flight set."""
+        self._pending += 1
+        try:
+            yield
+        finally:
+            self._pending -= 1
+
+    async def _wait_for_worker(self) -> None:
+        """Wait up to the queue timeout for a live worker heartbeat; 503 if none comes."""
+        deadline = time.monotonic() + self._limits.queue_timeout_s
+        while not self._snapshot().live:
+            if time.monotonic() >= deadline:
+                raise api_error(
+                    "unavailable",
+                    f"No worker is serving this model (waited "
+                    f"{self._limits.queue_timeout_s:g}s for one); retry later.",
+                )
+            await asyncio.sleep(self._poll_s)

@@ -1,0 +1,409 @@
+"""The distributed backend: requests go to GPU workers as Celery tasks over Redis.
+
+This process never loads a model (nor torch): it keeps the served model's
+tokenizer for preparation, sends each prepared request as a job on the
+model's queue, and reads the events workers write to the request's stream
+through the process-wide ``EventReader``. Who owns what:
+
+- ``infer`` owns one request: it submits the job (the request joins the
+  model's in-flight set), yields events until a ``Finish`` or ``Error``, and
+  enforces the deadlines. Closing it before the end publishes a cancellation;
+  its cleanup (cancel, leaving the in-flight set) runs as a task of its own,
+  so it completes even when the closing task is being cancelled.
+- A fleet watcher reads worker heartbeats and the in-flight set about once a
+  second; admission, ``health``, ``models`` and ``/metrics`` read that
+  snapshot, so none of them costs a Redis round trip per call.
+
+Unseeded sampling requests get a seed here, at submission: a job redelivered
+after its worker died then continues the same random draws, which is what
+makes a resumed stream indistinguishable from an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import math
+import random
+import time
+from collections.abc import AsyncIterator, Iterator
+from contextlib import AbstractAsyncContextManager
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Any
+
+from celery import Celery
+from kombu.exceptions import KombuError
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
+
+from api.admission import Admission, FleetSnapshot, Limits, WorkerLoad, api_error
+from api.backends.base import BackendHealth, ServedModel
+from api.backends.event_reader import EventReader, Subscription
+from shared import keys
+from shared.events import Error, Finish, InferenceEvent, Text
+from shared.registry import ModelSpec
+from shared.tokenizer_loader import LoadedTokenizer, load_tokenizer
+from shared.wire import Deadlines, Job, PreparedRequest, encode_job
+
+if TYPE_CHECKING:
+    from api.app import Settings
+
+log = logging.getLogger(__name__)
+
+FLEET_REFRESH_S = 1.0  # heartbeats are read at most this stale
+FLEET_STALE_S = 5.0  # no successful read for this long: Redis is unreachable, not ready
+SEND_TIMEOUT_S = 10.0  # publishing a job longer than this fails the request (503)
+CLEANUP_TIMEOUT_S = 5.0
+CELERY_PRIORITIES = range(10)  # kombu's Redis transport: 0 is served first, like the engine
+
+
+class DistributedBackend:
+    """Runs requests on workers through Redis; see the module docstring."""
+
+    def __init__(self, redis_url: str, spec: ModelSpec, settings: Settings) -> None:
+        self._spec = spec
+        self._model = spec.name
+        self._max_model_len = settings.max_model_len
+        self._default_capacity = settings.max_num_seqs
+        self._limits = Limits(
+            queue_timeout_s=settings.queue_timeout_s,
+            first_token_timeout_s=settings.first_token_timeout_s,
+            total_timeout_s=settings.total_timeout_s,
+            max_inflight=settings.max_inflight,
+        )
+        self._redis = Redis.from_url(
+            redis_url, decode_responses=True, socket_timeout=5, socket_connect_timeout=2
+        )
+        self._reader = EventReader(redis_url)
+        self._celery = _celery_app(redis_url)
+        self._snapshot = FleetSnapshot()
+        self._admission = Admission(self._limits, lambda: self._snapshot, self._outstanding)
+        self._tokenizer: LoadedTokenizer | None = None
+        self._served: ServedModel | None = None
+        self._load_error: str | None = None
+        self._tasks: set[asyncio.Task[Any]] = set()  # request cleanups in progress
+        self._watcher: asyncio.Task[None] | None = None
+        self.metrics_collector = FleetCollector(self)
+
+    # --- lifecycle -------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Load the tokenizer and start the stream reader and the fleet watcher."""
+        await self._reader.start()
+        self._watcher = asyncio.create_task(self._watch_fleet(), name="sluice-fleet-watcher")
+        try:
+            self._tokenizer = await asyncio.to_thread(load_tokenizer, self._spec.tokenizer)
+        except Exception as exc:  # reported by /ready, like a model that fails to load
+            log.exception("loading the tokenizer failed")
+            self._load_error = f"loading the tokenizer failed: {exc}"
+
+    async def stop(self) -> None:
+        """Stop reading and watching; open requests end with an ``Error``.
+
+        Cleanups in progress get a moment to finish; nothing here waits on
+        Redis without a limit (a cancelled call can hang in redis-py).
+        """
+        await self._reader.stop()
+        pending = [*self._tasks, *([self._watcher] if self._watcher else [])]
+        if self._watcher is not None:
+            self._watcher.cancel()
+        if pending:
+            await asyncio.wait(pending, timeout=CLEANUP_TIMEOUT_S)
+        await self._redis.aclose()
+        await asyncio.to_thread(self._celery.close)
+
+    # --- what the app reads ------------------------------------------------------
+
+    def admit(self) -> AbstractAsyncContextManager[None]:
+        """Admission for one request, entered before its preparation (429/503 ``ApiError``)."""
+        return self._admission.admit()
+
+    @property
+    def snapshot(self) -> FleetSnapshot:
+        return self._snapshot
+
+    @property
+    def model(self) -> str:
+        return self._model
+
+    @property
+    def default_capacity(self) -> int:
+        return self._default_capacity
+
+    def health(self) -> BackendHealth:
+        """Ready once the tokenizer is loaded, Redis answers and the context length is known.
+
+        The counters are the sums over the live workers' heartbeats.
+        """
+        snapshot = self._snapshot
+        workers = snapshot.workers
+        detail = self._not_ready_because(snapshot)
+        return BackendHealth(
+            ready=detail is None,
+            detail=detail or f"{len(snapshot.live)} live worker(s)",
+            running=sum(worker.running for worker in workers),
+            waiting=sum(worker.waiting for worker in workers),
+            aborted=sum(worker.aborted for worker in workers),
+            steps=sum(worker.steps for worker in workers),
+            generated_tokens=sum(worker.generated_tokens for worker in workers),
+        )
+
+    def _not_ready_because(self, snapshot: FleetSnapshot) -> str | None:
+        if self._load_error is not None:
+            return self._load_error
+        if self._tokenizer is None:
+            return "loading the tokenizer"
+        if time.monotonic() - snapshot.taken_at > FLEET_STALE_S or not self._reader.connected:
+            return "Redis is unreachable"
+        if self._context_length(snapshot) <= 0:
+            return "waiting for a worker to report the model's context length"
+        return None
+
+    def models(self) -> list[ServedModel]:
+        """The served model; its context length is the smallest any live worker allows."""
+        if self._tokenizer is None:
+            return []
+        length = self._context_length(self._snapshot)
+        if self._served is None or self._served.context_length != length:
+            self._served = ServedModel(self._spec, self._tokenizer, length)
+        return [self._served]
+
+    def _context_length(self, snapshot: FleetSnapshot) -> int:
+        limits = [self._spec.context_length, self._max_model_len or 0]
+        limits += [worker.max_model_len for worker in snapshot.workers]
+        positive = [limit for limit in limits if limit > 0]
+        return min(positive) if positive else 0
+
+    # --- one request ---------------------------------------------------------------
+
+    async def infer(self, request: PreparedRequest) -> AsyncIterator[InferenceEvent]:
+        """Submit ``request`` and yield its events; leaving early cancels it on the worker."""
+        request = _with_seed(request)
+        request_id = request.request_id
+        deadlines = self._limits.deadlines(time.time())
+        subscription = self._reader.open(request_id)
+        finished = False
+        try:
+            with self._admission.pending():  # counted until it is in the in-flight set
+                submitted = await self._submit(Job(request, deadlines))
+            if not submitted:
+                finished = True
+                message = "Could not queue the request: Redis is unreachable; retry later."
+                yield Error(request_id, message, "unavailable")
+                return
+            progress = _Progress()
+            while not finished:
+                event = await self._next_event(subscription, deadlines, progress)
+                finished = isinstance(event, Finish | Error)
+                yield event
+        finally:
+            self._reader.close(request_id)
+            self._spawn(self._end(request_id, cancel=not finished))
+
+    async def _submit(self, job: Job) -> bool:
+        """Join the in-flight set and publish the job; False if Redis is unreachable."""
+        request = job.request
+        try:
+            score = job.deadlines.total or time.time() + self._limits.total_timeout_s
+            await self._redis.zadd(keys.inflight(self._model), {request.request_id: score})
+            await asyncio.wait_for(asyncio.to_thread(self._send, job), SEND_TIMEOUT_S)
+        except (RedisError, OSError, KombuError, TimeoutError) as exc:
+            log.warning("submitting %s failed: %s", request.request_id, exc)
+            return False
+        return True
+
+    def _send(self, job: Job) -> None:
+        """Publish on the model's queue (a blocking call: runs on a thread)."""
+        request, deadlines = job.request, job.deadlines
+        expires = datetime.fromtimestamp(deadlines.queue, UTC) if deadlines.queue else None
+        self._celery.send_task(
+            keys.TASK_NAME,
+            args=[encode_job(job)],
+            queue=keys.queue_name(request.model),
+            priority=min(max(request.priority, CELERY_PRIORITIES[0]), CELERY_PRIORITIES[-1]),
+            expires=expires,
+        )
+
+    async def _next_event(
+        self, subscription: Subscription, deadlines: Deadlines, progress: _Progress
+    ) -> InferenceEvent:
+        """The next event, or a timeout ``Error`` (and a cancellation) at the pending deadline."""
+        deadline, kind = progress.pending_deadline(deadlines)
+        try:
+            async with asyncio.timeout(None if deadline is None else deadline - time.time()):
+                event = await subscription.events.get()
+        except TimeoutError:
+            self._spawn(self._end(subscription.request_id, cancel=True))
+            return Error(subscription.request_id, self._timeout_message(kind), kind)
+        progress.saw(event)
+        return event
+
+    def _timeout_message(self, kind: str) -> str:
+        limits = self._limits
+        return {
+            "queue_timeout": f"No worker started the request within {limits.queue_timeout_s:g}s; "
+            "the model's workers are busy, retry later.",
+            "first_token_timeout": "The model produced no token within "
+            f"{limits.first_token_timeout_s:g}s.",
+            "total_timeout": f"The generation did not finish within {limits.total_timeout_s:g}s.",
+        }[kind]
+
+    async def _end(self, request_id: str, *, cancel: bool) -> None:
+        """Leave the in-flight set and, for a request not run to its end, cancel it."""
+        ttl = math.ceil(self._limits.total_timeout_s) + 60
+        try:
+            async with asyncio.timeout(CLEANUP_TIMEOUT_S):
+                async with self._redis.pipeline(transaction=False) as pipe:
+                    if cancel:
+                        pipe.set(keys.cancel_flag(request_id), "1", ex=ttl)
+                        pipe.publish(keys.CANCEL_CHANNEL, request_id)
+                    pipe.zrem(keys.inflight(self._model), request_id)
+                    await pipe.execute()
+        except (RedisError, OSError, TimeoutError) as exc:  # its in-flight score expires anyway
+            log.warning("ending %s in Redis failed: %s", request_id, exc)
+
+    async def _outstanding(self) -> int:
+        """Queued + running requests of the model, from the shared in-flight set."""
+        try:
+            return await self._redis.zcount(keys.inflight(self._model), time.time(), "+inf")
+        except (RedisError, OSError) as exc:
+            raise api_error("unavailable", f"Redis is unreachable ({exc}); retry later.") from exc
+
+    # --- the fleet watcher -----------------------------------------------------------
+
+    async def _watch_fleet(self) -> None:
+        while True:
+            try:
+                self._snapshot = await self._read_fleet()
+            except (RedisError, OSError) as exc:
+                log.debug("reading worker heartbeats failed: %s", exc)
+            await asyncio.sleep(FLEET_REFRESH_S)
+
+    async def _read_fleet(self) -> FleetSnapshot:
+        """Every live heartbeat of the model, and the in-flight count (expired entries pruned)."""
+        inflight, now = keys.inflight(self._model), time.time()
+        names = [
+            name
+            async for name in self._redis.scan_iter(
+                match=keys.heartbeat_pattern(self._model), count=1000
+            )
+        ]
+        values = await self._redis.mget(names) if names else []
+        async with self._redis.pipeline(transaction=False) as pipe:
+            pipe.zremrangebyscore(inflight, "-inf", now)
+            pipe.zcard(inflight)
+            _, outstanding = await pipe.execute()
+        workers = tuple(_worker_loads(values))
+        return FleetSnapshot(workers, outstanding, time.monotonic())
+
+    def _spawn(self, coroutine: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coroutine)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+
+@dataclasses.dataclass(slots=True)
+class _Progress:
+    """How far a request got, which decides the deadline that applies next."""
+
+    started: bool = False  # any event: a worker took the job
+    first_token: bool = False
+
+    def saw(self, event: InferenceEvent) -> None:
+        self.started = True
+        self.first_token = self.first_token or (isinstance(event, Text) and bool(event.token_ids))
+
+    def pending_deadline(self, deadlines: Deadlines) -> tuple[float | None, str]:
+        """The earliest deadline still to meet, and the error kind when it passes."""
+        candidates = [(deadlines.total, "total_timeout")]
+        if not self.first_token:
+            candidates.append((deadlines.first_token, "first_token_timeout"))
+        if not self.started:
+            candidates.append((deadlines.queue, "queue_timeout"))
+        dated = [(deadline, kind) for deadline, kind in candidates if deadline is not None]
+        return min(dated) if dated else (None, "total_timeout")
+
+
+def _with_seed(request: PreparedRequest) -> PreparedRequest:
+    """A sampling request without a seed gets one, so every attempt draws the same tokens."""
+    sampling = request.sampling
+    if sampling.greedy or sampling.seed is not None:
+        return request
+    seeded = dataclasses.replace(sampling, seed=random.SystemRandom().getrandbits(63))
+    return dataclasses.replace(request, sampling=seeded)
+
+
+def _worker_loads(values: list[str | None]) -> Iterator[WorkerLoad]:
+    for value in values:
+        if value is None:  # expired between SCAN and MGET
+            continue
+        try:
+            yield WorkerLoad.from_json(json.loads(value))
+        except (ValueError, TypeError) as exc:
+            log.warning("ignoring a malformed worker heartbeat: %s", exc)
+
+
+def _celery_app(redis_url: str) -> Celery:
+    """A sending-only Celery app: fails fast rather than retrying while a client waits."""
+    app = Celery("sluice-api", broker=redis_url, set_as_current=False)
+    app.conf.update(
+        task_serializer="json",
+        accept_content=["json"],
+        broker_connection_timeout=2,
+        task_publish_retry_policy={
+            "max_retries": 2,
+            "interval_start": 0,
+            "interval_step": 0.2,
+            "interval_max": 0.5,
+        },
+    )
+    return app
+
+
+_FLEET_GAUGES = {
+    "sluice_requests_outstanding": "Queued + in-flight requests (the model's in-flight set).",
+    "sluice_workers_live": "Workers with a live heartbeat, draining ones included.",
+    "sluice_workers_draining": "Live workers that are draining (taking no new jobs).",
+    "sluice_workers_running_requests": "Sequences in the workers' running batches.",
+    "sluice_workers_waiting_requests": "Requests waiting inside the workers' engines.",
+    "sluice_kv_blocks_used": "KV cache blocks in use, summed over workers.",
+    "sluice_kv_blocks_total": "KV cache blocks, summed over workers.",
+    "sluice_desired_workers": "ceil((queued + in flight) / per-worker capacity): scale to this.",
+}
+
+
+def fleet_gauges(snapshot: FleetSnapshot, default_capacity: int) -> dict[str, int]:
+    """The values of ``_FLEET_GAUGES`` for one model's snapshot."""
+    workers = snapshot.workers
+    return {
+        "sluice_requests_outstanding": snapshot.outstanding,
+        "sluice_workers_live": len(workers),
+        "sluice_workers_draining": len(workers) - len(snapshot.live),
+        "sluice_workers_running_requests": sum(worker.running for worker in workers),
+        "sluice_workers_waiting_requests": sum(worker.waiting for worker in workers),
+        "sluice_kv_blocks_used": sum(worker.kv_blocks_used for worker in workers),
+        "sluice_kv_blocks_total": sum(worker.kv_blocks_total for worker in workers),
+        "sluice_desired_workers": snapshot.desired_workers(default_capacity),
+    }
+
+
+class FleetCollector(Collector):
+    """Per-model gauges for ``/metrics``, read from the fleet snapshot at scrape time."""
+
+    def __init__(self, backend: DistributedBackend) -> None:
+        self._backend = backend
+
+    def collect(self) -> Iterator[Metric]:
+        backend = self._backend
+        values = fleet_gauges(backend.snapshot, backend.default_capacity)
+        for name, value in values.items():
+            family = GaugeMetricFamily(name, _FLEET_GAUGES[name], labels=["model"])
+            family.add_metric([backend.model], value)
+            yield family
+
+
+__all__ = ["DistributedBackend", "FleetCollector", "fleet_gauges"]

@@ -1,0 +1,243 @@
+"""One reader of request event streams per API process, fanned out to per-request queues.
+
+A request in flight registers its stream with ``open``; one background task
+runs ``XREAD BLOCK`` over every registered stream and puts each decoded event
+on that request's ``asyncio.Queue``. One blocking connection serves any
+number of requests, and an idle process costs one blocked command.
+
+A new stream must not wait for the current block to time out, so the
+``XREAD`` also watches a wake stream of this process: registering appends to
+it (once per block), which returns the ``XREAD`` at once and the next one
+includes the new stream. Every stream is read from id ``0`` and its last id
+is kept, so whatever a worker wrote before the first read, or while a read was
+being rebuilt, is still delivered, in order and once.
+
+Fencing (workers write only while they hold the lease, so the stream holds
+current events) is repeated here cheaply: events of an attempt older than the
+newest one seen are dropped, and so is a second ``Ready`` (a resumed attempt
+may announce itself again).
+
+Redis going away must not leave clients hanging. The loop reconnects with
+backoff; if Redis stays unreachable for longer than ``outage_grace_s``, or
+comes back as a different server (its ``run_id`` changed: a restart without
+persistence lost the streams), every open request ends with an
+``Error(kind="unavailable")``. A short blip with the same server loses
+nothing: reading resumes from the last ids.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from redis.asyncio import Redis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import RedisError
+
+from shared import keys
+from shared.event_codec import decode_event
+from shared.events import Error, Finish, InferenceEvent, Ready
+
+log = logging.getLogger(__name__)
+
+WAKE_TTL_S = 600  # a dead process's wake stream disappears on its own
+STOP_TIMEOUT_S = 2.0
+
+
+@dataclass(slots=True)
+class Subscription:
+    """One request's place in the reader: its queue, read position and fence."""
+
+    request_id: str
+    events: asyncio.Queue[InferenceEvent] = field(default_factory=asyncio.Queue)
+    last_id: str = "0"
+    attempt: int = 0  # the newest attempt seen
+    ready_seen: bool = False
+    ended: bool = False  # a Finish or Error was delivered
+
+    def accept(self, attempt: int, event: InferenceEvent) -> bool:
+        """False for a stale attempt's event or a repeated ``Ready``."""
+        if attempt < self.attempt:
+            return False
+        self.attempt = attempt
+        if isinstance(event, Ready):
+            if self.ready_seen:
+                return False
+            self.ready_seen = True
+        return True
+
+    def deliver(self, event: InferenceEvent) -> None:
+        if self.ended:
+            return
+        self.ended = isinstance(event, Finish | Error)
+        self.events.put_nowait(event)
+
+
+class EventReader:
+    """The per-process multiplexed stream reader; see the module docstring."""
+
+    def __init__(
+        self,
+        redis_url: str,
+        *,
+        block_ms: int = 5000,
+        count: int = 256,
+        outage_grace_s: float = 2.0,
+        max_backoff_s: float = 2.0,
+    ) -> None:
+        self._client = Redis.from_url(
+            redis_url,
+            decode_responses=True,
+            socket_timeout=block_ms / 1000 + 5,
+            socket_connect_timeout=2,
+            retry=Retry(NoBackoff(), 0),  # a dropped connection must reach the loop, not be hidden
+        )
+        self._block_ms = block_ms
+        self._count = count
+        self._outage_grace_s = outage_grace_s
+        self._max_backoff_s = max_backoff_s
+        self._wake_key = f"{keys.PREFIX}:wake:{uuid.uuid4().hex}"
+        self._wake_last_id = "0"
+        self._subscriptions: dict[str, Subscription] = {}  # by stream key
+        self._blocked = False  # an XREAD is in flight
+        self._woken = False  # ... and a wake entry was already sent for it
+        self._background: set[asyncio.Task[Any]] = set()
+        self._task: asyncio.Task[None] | None = None
+        self._run_id: str | None = None
+        self._down_since: float | None = None
+        self._stopping = False
+        self.connected = False
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="sluice-event-reader")
+
+    async def stop(self) -> None:
+        """Stop reading; every open request ends with an ``Error``.
+
+        The loop is asked to end and woken rather than cancelled: cancelling
+        a blocked ``XREAD`` can leave redis-py waiting on the connection.
+        Only a loop that does not end soon (Redis gone) is cut off.
+        """
+        self._stopping = True
+        if self._task is not None:
+            await self._send_wake()
+            try:
+                await asyncio.wait_for(asyncio.shield(self._task), STOP_TIMEOUT_S)
+            except TimeoutError:
+                self._task.cancel()
+                await self._client.connection_pool.disconnect()
+        self._fail_all("the server is shutting down", "overloaded")
+        for task in list(self._background):
+            task.cancel()
+        await self._client.aclose()
+
+    def open(self, request_id: str) -> Subscription:
+        """Start delivering ``request_id``'s events, from the beginning of its stream."""
+        subscription = Subscription(request_id)
+        self._subscriptions[keys.event_stream(request_id)] = subscription
+        self._wake()
+        return subscription
+
+    def close(self, request_id: str) -> None:
+        self._subscriptions.pop(keys.event_stream(request_id), None)
+
+    @property
+    def open_count(self) -> int:
+        return len(self._subscriptions)
+
+    # --- waking a blocked read ------------------------------------------------
+
+    def _wake(self) -> None:
+        """Return the blocked ``XREAD`` so the next one includes the new stream."""
+        if not self._blocked or self._woken:
+            return  # the next XREAD is built from the current registrations anyway
+        self._woken = True
+        task = asyncio.create_task(self._send_wake())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _send_wake(self) -> None:
+        try:
+            async with self._client.pipeline(transaction=False) as pipe:
+                pipe.xadd(self._wake_key, {"w": "1"}, maxlen=1, approximate=False)
+                pipe.expire(self._wake_key, WAKE_TTL_S)
+                await pipe.execute()
+        except (RedisError, OSError) as exc:  # the read loop notices the outage itself
+            log.debug("waking the event reader failed: %s", exc)
+
+    # --- the loop ---------------------------------------------------------------
+
+    async def _run(self) -> None:
+        backoff = 0.05
+        while not self._stopping:
+            try:
+                await self._connect()
+                backoff = 0.05
+                while not self._stopping:
+                    await self._read_once()
+            except (RedisError, OSError) as exc:
+                self.connected = False
+                if self._stopping:
+                    return
+                self._note_outage(exc)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, self._max_backoff_s)
+
+    async def _connect(self) -> None:
+        """Check that Redis answers and is the server the open streams live on."""
+        run_id = (await self._client.info("server"))["run_id"]
+        if self._run_id is not None and run_id != self._run_id:
+            log.warning("Redis restarted (run_id changed); failing the requests in flight")
+            self._fail_all("Redis restarted and lost this request's events; retry it")
+        if self._down_since is not None:
+            log.info("reconnected to Redis after %.1fs", time.monotonic() - self._down_since)
+        self._run_id, self._down_since, self.connected = run_id, None, True
+
+    def _note_outage(self, exc: Exception) -> None:
+        now = time.monotonic()
+        if self._down_since is None:
+            log.warning("lost the connection to Redis: %s; reconnecting", exc)
+            self._down_since = now
+        if now - self._down_since >= self._outage_grace_s and self._subscriptions:
+            self._fail_all(f"lost the connection to Redis ({exc}); retry the request")
+
+    async def _read_once(self) -> None:
+        streams = {self._wake_key: self._wake_last_id}
+        streams.update({key: sub.last_id for key, sub in self._subscriptions.items()})
+        self._blocked, self._woken = True, False
+        try:
+            reply = await self._client.xread(streams, count=self._count, block=self._block_ms)
+        finally:
+            self._blocked = False
+        for key, entries in reply or []:  # RESP2: [[stream, [(id, fields), ...]], ...]
+            if key == self._wake_key:
+                self._wake_last_id = entries[-1][0]
+            else:
+                self._dispatch(key, entries)
+
+    def _dispatch(self, key: str, entries: list[tuple[str, dict[str, str]]]) -> None:
+        subscription = self._subscriptions.get(key)
+        if subscription is None:
+            return  # the request ended while the read was in flight
+        for entry_id, fields in entries:
+            subscription.last_id = entry_id
+            try:
+                attempt, event = decode_event(subscription.request_id, fields)
+            except (KeyError, ValueError, TypeError, IndexError) as exc:
+                log.error("skipping a malformed event in %s (%s): %s", key, entry_id, exc)
+                continue
+            if subscription.accept(attempt, event):
+                subscription.deliver(event)
+            if subscription.ended:
+                self._subscriptions.pop(key, None)
+                return
+
+    def _fail_all(self, message: str, kind: str = "unavailable") -> None:
+        for subscription in self._subscriptions.values():
+            subscription.deliver(Error(subscription.request_id, message, kind))
+        self._subscriptions.clear()

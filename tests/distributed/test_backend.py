@@ -1,0 +1,287 @@
+"""``DistributedBackend`` in this process against a real Redis, with no worker at all.
+
+The test plays the worker: it takes the job off the Celery list, writes
+events with the workers' codec and watches the cancel channel. That pins the
+API side of the contract (job shape, in-flight set, cancellation, deadlines,
+admission) in well under a second per test.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from api.admission import ERROR_STATUSES, api_error
+from api.app import Settings
+from api.backends.distributed import DistributedBackend
+from api.errors import ApiError
+from shared import keys
+from shared.event_codec import encode_event
+from shared.events import Error, Finish, FinishReason, Ready, Text
+from shared.registry import DEFAULT_MODEL, default_registry
+from shared.sampling import SamplingParams
+from shared.wire import Job, PreparedRequest, decode_job
+from tests.distributed.conftest import ROOT, RedisServer, wait_until
+
+pytestmark = pytest.mark.distributed
+
+SPEC = default_registry().resolve("default")
+
+
+def settings(server: RedisServer, **limits: float) -> Settings:
+    return Settings(redis_url=server.url, **limits)
+
+
+def request(request_id: str, **sampling: object) -> PreparedRequest:
+    params = SamplingParams(**{"max_tokens": 8, "temperature": 0.0, **sampling})
+    return PreparedRequest(request_id, DEFAULT_MODEL, [1, 2, 3], params, created=time.time())
+
+
+def fake_worker(server: RedisServer, worker_id: str = "fake", **load: object) -> None:
+    """A heartbeat, so admission sees a live worker (nothing consumes the queue)."""
+    beat = {"worker_id": worker_id, "model": DEFAULT_MODEL, "capacity": 4, "max_model_len": 512}
+    server.client.set(keys.heartbeat(DEFAULT_MODEL, worker_id), json.dumps({**beat, **load}), ex=30)
+
+
+def take_job(server: RedisServer) -> tuple[Job, dict]:
+    """Pop the next job from the model's Celery list, as a worker would receive it."""
+    raw = wait_until(
+        lambda: server.client.rpop(keys.queue_name(DEFAULT_MODEL)), 5, "a job on the queue"
+    )
+    message = json.loads(raw)
+    args, _, _ = json.loads(base64.b64decode(message["body"]))
+    return decode_job(args[0]), message
+
+
+def write(server: RedisServer, request_id: str, *events: object, attempt: int = 1) -> None:
+    for event in events:
+        server.client.xadd(keys.event_stream(request_id), encode_event(event, attempt))
+
+
+async def started(backend: DistributedBackend) -> DistributedBackend:
+    await backend.start()
+    while not backend.health().ready:
+        await asyncio.sleep(0.05)
+    return backend
+
+
+@pytest.fixture
+def server(own_redis: RedisServer) -> RedisServer:
+    own_redis.client.flushall()
+    fake_worker(own_redis)
+    return own_redis
+
+
+def test_the_module_does_not_import_torch(own_redis: RedisServer):
+    code = (
+        "import sys\n"
+        "from api.app import Settings, create_app\n"
+        f"create_app(Settings(redis_url={own_redis.url!r}))\n"
+        "heavy = [name for name in ('torch', 'engine', 'workers') if name in sys.modules]\n"
+        "assert not heavy, heavy\n"
+    )
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=60)
+
+
+def test_a_job_is_queued_and_its_events_come_back(server: RedisServer):
+    async def scenario() -> tuple[list, Job, dict, list[str]]:
+        backend = await started(DistributedBackend(server.url, SPEC, settings(server)))
+        try:
+            events = backend.infer(request("req-1"))
+            first = asyncio.ensure_future(anext(events))
+            job, message = await asyncio.to_thread(take_job, server)
+            inflight = server.client.zrange(keys.inflight(DEFAULT_MODEL), 0, -1)
+            write(server, "req-1", Ready("req-1", 3, 0), Text("req-1", "Hi", [5]),
+                  Finish("req-1", FinishReason.LENGTH, 1))  # fmt: skip
+            received = [await first] + [event async for event in events]
+            return received, job, message, inflight
+        finally:
+            await backend.stop()
+
+    received, job, message, inflight = asyncio.run(scenario())
+    assert [type(event) for event in received] == [Ready, Text, Finish]
+    assert (job.request.request_id, job.request.prompt_token_ids) == ("req-1", [1, 2, 3])
+    assert job.deadlines.queue < job.deadlines.first_token < job.deadlines.total
+    assert message["headers"]["task"] == keys.TASK_NAME
+    assert message["headers"]["expires"]  # the queue deadline, for Celery
+    assert inflight == ["req-1"]
+    wait_until(lambda: not server.client.exists(keys.inflight(DEFAULT_MODEL)), 5, "ZREM")
+    assert not server.client.exists(keys.cancel_flag("req-1"))  # it finished: nothing to cancel
+
+
+def test_an_unseeded_sampling_request_gets_a_seed(server: RedisServer):
+    async def scenario() -> Job:
+        backend = await started(DistributedBackend(server.url, SPEC, settings(server)))
+        try:
+            events = backend.infer(request("req-seed", temperature=0.8))
+            task = asyncio.ensure_future(anext(events))
+            job, _ = await asyncio.to_thread(take_job, server)
+            task.cancel()  # the client leaves while waiting for the first event
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            return job
+        finally:
+            await backend.stop()
+
+    assert asyncio.run(scenario()).request.sampling.seed is not None
+
+
+def test_closing_the_events_early_cancels_the_request(server: RedisServer):
+    listener = server.client.pubsub()
+    listener.subscribe(keys.CANCEL_CHANNEL)
+
+    async def scenario() -> None:
+        backend = await started(DistributedBackend(server.url, SPEC, settings(server)))
+        try:
+            events = backend.infer(request("req-gone"))
+            first = asyncio.ensure_future(anext(events))
+            await asyncio.to_thread(take_job, server)
+            write(server, "req-gone", Ready("req-gone", 3, 0))
+            assert isinstance(await first, Ready)
+            await events.aclose()  # the client went away
+            await asyncio.sleep(0.2)
+        finally:
+            await backend.stop()
+
+    asyncio.run(scenario())
+    assert server.client.exists(keys.cancel_flag("req-gone"))
+    messages = [listener.get_message(timeout=1) for _ in range(2)]
+    assert any(m and m["type"] == "message" and m["data"] == "req-gone" for m in messages)
+    assert not server.client.zrange(keys.inflight(DEFAULT_MODEL), 0, -1)
+
+
+@pytest.mark.parametrize(
+    ("written", "kind"),
+    [((), "queue_timeout"), ((Ready("req-late", 3, 0),), "first_token_timeout")],
+)
+def test_a_missed_deadline_ends_the_request_and_cancels_it(
+    server: RedisServer, written: tuple, kind: str
+):
+    limits = {"queue_timeout_s": 0.4, "first_token_timeout_s": 0.8, "total_timeout_s": 5}
+
+    async def scenario() -> list:
+        backend = await started(DistributedBackend(server.url, SPEC, settings(server, **limits)))
+        try:
+            events = backend.infer(request("req-late"))
+            first = asyncio.ensure_future(anext(events))
+            await asyncio.to_thread(take_job, server)
+            write(server, "req-late", *written)
+            received = [await first] + [event async for event in events]
+            await asyncio.sleep(0.2)
+            return received
+        finally:
+            await backend.stop()
+
+    received = asyncio.run(scenario())
+    assert isinstance(received[-1], Error) and received[-1].kind == kind
+    assert server.client.exists(keys.cancel_flag("req-late"))
+
+
+def test_admission_refuses_beyond_the_in_flight_bound(server: RedisServer):
+    server.client.zadd(keys.inflight(DEFAULT_MODEL), {"someone-else": time.time() + 60})
+
+    async def scenario() -> ApiError:
+        backend = await started(
+            DistributedBackend(server.url, SPEC, settings(server, max_inflight=1))
+        )
+        try:
+            with pytest.raises(ApiError) as refused:
+                async with backend.admit():
+                    pass
+            return refused.value
+        finally:
+            await backend.stop()
+
+    refused = asyncio.run(scenario())
+    assert refused.status == 429 and refused.headers == {"Retry-After": "1"}
+
+
+def test_admission_waits_for_a_worker_then_refuses(server: RedisServer):
+    server.client.delete(keys.heartbeat(DEFAULT_MODEL, "fake"))
+
+    async def scenario() -> tuple[ApiError, float]:
+        backend = DistributedBackend(server.url, SPEC, settings(server, queue_timeout_s=0.5))
+        await backend.start()
+        try:
+            begun = time.monotonic()
+            with pytest.raises(ApiError) as refused:
+                async with backend.admit():
+                    pass
+            return refused.value, time.monotonic() - begun
+        finally:
+            await backend.stop()
+
+    refused, waited = asyncio.run(scenario())
+    assert refused.status == 503 and "Retry-After" in (refused.headers or {})
+    assert 0.5 <= waited < 2
+
+
+def test_context_length_and_health_follow_the_heartbeats(server: RedisServer):
+    fake_worker(server, "other", max_model_len=256, running=2, kv_blocks_used=7)
+
+    async def scenario() -> tuple[int, int, int]:
+        backend = await started(DistributedBackend(server.url, SPEC, settings(server)))
+        try:
+            while len(backend.snapshot.workers) < 2:
+                await asyncio.sleep(0.05)
+            health = backend.health()
+            return backend.models()[0].context_length, health.running, len(backend.snapshot.live)
+        finally:
+            await backend.stop()
+
+    assert asyncio.run(scenario()) == (256, 2, 2)
+
+
+def test_every_error_kind_has_one_status():
+    assert {kind: status.status for kind, status in ERROR_STATUSES.items()} == {
+        "invalid_request": 400,
+        "rate_limited": 429,
+        "overloaded": 503,
+        "unavailable": 503,
+        "queue_timeout": 503,
+        "first_token_timeout": 504,
+        "total_timeout": 504,
+    }
+    assert api_error("queue_timeout", "late").headers == {"Retry-After": "5"}
+    assert api_error("something new", "boom").status == 500
+
+
+def test_a_worker_error_reaches_the_client(server: RedisServer):
+    async def scenario() -> list:
+        backend = await started(DistributedBackend(server.url, SPEC, settings(server)))
+        try:
+            events = backend.infer(request("req-bad"))
+            first = asyncio.ensure_future(anext(events))
+            await asyncio.to_thread(take_job, server)
+            write(
+                server, "req-bad", Error("req-bad", "too long for this worker", "invalid_request")
+            )
+            return [await first] + [event async for event in events]
+        finally:
+            await backend.stop()
+
+    assert asyncio.run(scenario()) == [
+        Error("req-bad", "too long for this worker", "invalid_request")
+    ]
+
+
+def test_redis_unreachable_at_submission_is_a_clean_error(server: RedisServer):
+    async def scenario() -> list:
+        backend = await started(DistributedBackend(server.url, SPEC, settings(server)))
+        try:
+            server.kill()
+            return [event async for event in backend.infer(request("req-down"))]
+        finally:
+            await backend.stop()
+            server.start()
+
+    received = asyncio.run(scenario())
+    assert len(received) == 1 and isinstance(received[0], Error)
+    assert received[0].kind == "unavailable"

@@ -1,0 +1,114 @@
+"""The multiplexed stream reader against a real Redis, with events written by hand.
+
+Events are written the way workers write them (``encode_event``), so these
+tests pin the reader's side of the contract without any worker: order, no
+loss before the first read, prompt pickup of new streams, fencing, and a
+Redis restart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from api.backends.event_reader import EventReader, Subscription
+from shared import keys
+from shared.event_codec import encode_event
+from shared.events import Error, Finish, FinishReason, InferenceEvent, Ready, Text
+from tests.distributed.conftest import RedisServer
+
+pytestmark = pytest.mark.distributed
+
+
+def write(server: RedisServer, request_id: str, attempt: int, *events: InferenceEvent) -> None:
+    for event in events:
+        server.client.xadd(keys.event_stream(request_id), encode_event(event, attempt))
+
+
+async def receive(subscription: Subscription, count: int, timeout: float = 5) -> list:
+    return [await asyncio.wait_for(subscription.events.get(), timeout) for _ in range(count)]
+
+
+def run(coroutine):  # noqa: ANN001, ANN201
+    return asyncio.run(coroutine)
+
+
+def test_events_written_before_the_first_read_arrive_in_order(own_redis: RedisServer):
+    events = [Ready("r1", 5, 0), Text("r1", "Hi", [1]), Text("r1", "!", [2]),
+              Finish("r1", FinishReason.STOP, 2)]  # fmt: skip
+    write(own_redis, "r1", 1, *events)
+
+    async def scenario() -> list:
+        reader = EventReader(own_redis.url)
+        await reader.start()
+        try:
+            subscription = reader.open("r1")
+            received = await receive(subscription, 4)
+            assert reader.open_count == 0  # a finished stream is no longer read
+            return received
+        finally:
+            await reader.stop()
+
+    assert run(scenario()) == events
+
+
+def test_a_new_stream_does_not_wait_for_the_blocked_read(own_redis: RedisServer):
+    async def scenario() -> float:
+        reader = EventReader(own_redis.url, block_ms=20_000)
+        await reader.start()
+        try:
+            reader.open("idle")
+            await asyncio.sleep(0.3)  # the reader is now blocked on "idle" alone
+            subscription = reader.open("late")
+            started = time.monotonic()
+            write(own_redis, "late", 1, Ready("late", 3, 0))
+            await receive(subscription, 1)
+            return time.monotonic() - started
+        finally:
+            await reader.stop()
+
+    assert run(scenario()) < 1.0
+
+
+def test_a_stale_attempt_and_a_second_ready_are_dropped(own_redis: RedisServer):
+    write(own_redis, "r2", 1, Ready("r2", 4, 0), Text("r2", "a", [7]))
+    write(own_redis, "r2", 2, Ready("r2", 4, 0), Text("r2", "b", [8]))
+    write(own_redis, "r2", 1, Text("r2", "stale", [9]))
+    write(own_redis, "r2", 2, Finish("r2", FinishReason.LENGTH, 2))
+
+    async def scenario() -> list:
+        reader = EventReader(own_redis.url)
+        await reader.start()
+        try:
+            return await receive(reader.open("r2"), 4)
+        finally:
+            await reader.stop()
+
+    received = run(scenario())
+    assert [type(event) for event in received] == [Ready, Text, Text, Finish]
+    assert [event.text for event in received[1:3]] == ["a", "b"]
+
+
+def test_a_redis_restart_fails_open_requests_and_reading_resumes(own_redis: RedisServer):
+    async def scenario() -> tuple[InferenceEvent, float, list]:
+        reader = EventReader(own_redis.url, block_ms=1000)
+        await reader.start()
+        try:
+            waiting = reader.open("lost")
+            await asyncio.sleep(0.3)
+            started = time.monotonic()
+            await asyncio.to_thread(own_redis.restart)
+            failure = (await receive(waiting, 1, timeout=10))[0]
+            elapsed = time.monotonic() - started
+            fresh = reader.open("fresh")
+            write(own_redis, "fresh", 1, Ready("fresh", 2, 0))
+            return failure, elapsed, await receive(fresh, 1, timeout=10)
+        finally:
+            await reader.stop()
+
+    failure, elapsed, after = run(scenario())
+    assert isinstance(failure, Error) and failure.kind == "unavailable"
+    assert elapsed < 5
+    assert after == [Ready("fresh", 2, 0)]
