@@ -1,12 +1,13 @@
 """The embedded backend: the engine runs in this process, on a thread of its own.
 
-``LLMEngine`` is not thread-safe, so exactly one thread owns it: it loads the
-model, applies the adds and aborts that the event loop queues for it, and
-calls ``step()`` while there is work. It sleeps on a condition when idle, so
-an idle server costs no CPU. Events go back to the event loop with
-``call_soon_threadsafe`` into one ``asyncio.Queue`` per request; the event
-loop never touches the engine. Anything the engine raises becomes an
-``Error`` event for the requests it concerns, so a client never waits forever.
+``LLMEngine`` is not thread-safe, so one ``engine.host.EngineThread`` owns it:
+it applies the adds and aborts that the event loop queues for it and steps
+while there is work, sleeping when idle. The model loads on a worker thread
+while the server already answers (``/ready`` says 503 until then). Events go
+back to the event loop with ``call_soon_threadsafe`` into one ``asyncio.Queue``
+per request; the event loop never touches the engine. Anything the engine
+raises becomes an ``Error`` event for the requests it concerns, so a client
+never waits forever.
 """
 
 from __future__ import annotations
@@ -14,11 +15,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import threading
-from collections import deque
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from api.backends.base import BackendHealth, ServedModel
 from engine.config import EngineArgs
@@ -27,21 +25,12 @@ from shared.registry import ModelSpec
 from shared.wire import PreparedRequest
 
 if TYPE_CHECKING:
+    from engine.host import EngineThread
     from engine.llm_engine import LLMEngine
 
 log = logging.getLogger(__name__)
 
 EngineFactory = Callable[[], "LLMEngine"]
-
-
-@dataclass(frozen=True, slots=True)
-class _Add:
-    request: PreparedRequest
-
-
-@dataclass(frozen=True, slots=True)
-class _Abort:
-    request_id: str
 
 
 def engine_args_for(
@@ -85,30 +74,25 @@ class EmbeddedBackend:
     ) -> None:
         self._spec = spec
         self._factory = engine_factory or _default_factory(engine_args or engine_args_for(spec))
-        self._commands: deque[_Add | _Abort] = deque()
-        self._wake = threading.Condition()
-        self._stopping = False
-        self._thread: threading.Thread | None = None
+        self._host: EngineThread | None = None
+        self._loading: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._streams: dict[str, asyncio.Queue[InferenceEvent]] = {}
         self._served: ServedModel | None = None
         self._health = BackendHealth(ready=False, detail="loading the model")
 
-    # --- the event loop side -------------------------------------------------
-
     async def start(self) -> None:
-        """Start the engine thread; the model loads there while the server answers."""
+        """Load the model off the event loop; the server answers meanwhile."""
         self._loop = asyncio.get_running_loop()
-        self._thread = threading.Thread(target=self._run, name="sluice-engine", daemon=True)
-        self._thread.start()
+        self._loading = asyncio.create_task(self._load())
 
     async def stop(self) -> None:
-        """Stop the thread and end every open stream with an ``Error``."""
-        with self._wake:
-            self._stopping = True
-            self._wake.notify()
-        if self._thread is not None:
-            await asyncio.to_thread(self._thread.join)
+        """Stop the engine thread and end every open stream with an ``Error``."""
+        if self._loading is not None:
+            with contextlib.suppress(Exception):
+                await self._loading
+        if self._host is not None:
+            await asyncio.to_thread(self._host.stop)
         for request_id, queue in list(self._streams.items()):
             queue.put_nowait(Error(request_id, "the server is shutting down", "overloaded"))
 
@@ -121,9 +105,12 @@ class EmbeddedBackend:
     async def infer(self, request: PreparedRequest) -> AsyncIterator[InferenceEvent]:
         """Yield the request's events; leaving early aborts it in the engine."""
         request_id = request.request_id
+        if self._host is None:
+            yield Error(request_id, self._health.detail, "overloaded")
+            return
         queue: asyncio.Queue[InferenceEvent] = asyncio.Queue()
         self._streams[request_id] = queue
-        self._submit(_Add(request))
+        self._host.call(lambda engine: self._add(engine, request))
         finished = False
         try:
             while not finished:
@@ -132,13 +119,22 @@ class EmbeddedBackend:
                 yield event
         finally:
             self._streams.pop(request_id, None)
-            if not finished:
-                self._submit(_Abort(request_id))
+            if not finished and self._host is not None:
+                self._host.call(lambda engine: engine.abort(request_id))
 
-    def _submit(self, command: _Add | _Abort) -> None:
-        with self._wake:
-            self._commands.append(command)
-            self._wake.notify()
+    async def _load(self) -> None:
+        from engine.host import EngineThread
+
+        try:
+            engine = await asyncio.to_thread(self._factory)
+        except Exception as exc:  # a load failure is reported by /ready, not raised
+            log.exception("loading the model failed")
+            self._health = BackendHealth(ready=False, detail=f"loading the model failed: {exc}")
+            return
+        self._served = ServedModel(self._spec, engine.tokenizer, engine.max_model_len)
+        self._host = EngineThread(engine, self._on_events, self._on_step_failure)
+        self._publish(engine)
+        self._host.start()
 
     def _deliver(self, events: list[InferenceEvent]) -> None:
         """Runs on the event loop: fan a step's events out to their requests."""
@@ -147,82 +143,28 @@ class EmbeddedBackend:
             if queue is not None:
                 queue.put_nowait(event)
 
-    # --- the engine thread ---------------------------------------------------
+    # --- on the engine thread --------------------------------------------------
 
-    def _run(self) -> None:
+    def _add(self, engine: LLMEngine, request: PreparedRequest) -> None:
         try:
-            engine = self._factory()
-        except Exception as exc:  # a load failure is reported by /ready, not raised
-            log.exception("loading the model failed")
-            self._health = BackendHealth(ready=False, detail=f"loading the model failed: {exc}")
-            self._fail_commands_until_stopped()
-            return
-        self._served = ServedModel(self._spec, engine.tokenizer, engine.max_model_len)
-        self._publish(engine)
-        while (commands := self._next_commands(engine)) is not None:
-            self._apply(engine, commands)
-            if engine.has_unfinished():
-                self._step(engine)
-            self._publish(engine)
+            engine.add_request(
+                request.request_id, request.prompt_token_ids, request.sampling, request.priority
+            )
+        except ValueError as exc:  # the engine refuses what it cannot run
+            self._send([Error(request.request_id, str(exc), "invalid_request")])
 
-    def _next_commands(self, engine: Any) -> list[_Add | _Abort] | None:
-        """Sleep until there is a command or engine work; None when stopping."""
-        with self._wake:
-            while not self._commands and not engine.has_unfinished() and not self._stopping:
-                self._wake.wait()
-            if self._stopping:
-                return None
-            commands = list(self._commands)
-            self._commands.clear()
-        return commands
-
-    def _apply(self, engine: Any, commands: list[_Add | _Abort]) -> None:
-        for command in commands:
-            if isinstance(command, _Abort):
-                engine.abort(command.request_id)
-                continue
-            request = command.request
-            try:
-                engine.add_request(
-                    request.request_id,
-                    request.prompt_token_ids,
-                    request.sampling,
-                    request.priority,
-                )
-            except ValueError as exc:  # the engine refuses what it cannot run
-                self._send([Error(request.request_id, str(exc), "invalid_request")])
-
-    def _step(self, engine: Any) -> None:
-        try:
-            events = engine.step()
-        except Exception as exc:
-            log.exception("engine step failed")
-            events = self._fail_running(engine, f"the engine failed: {exc}")
+    def _on_events(self, engine: LLMEngine, events: list[InferenceEvent]) -> None:
         if events:
             self._send(events)
+        self._publish(engine)
 
-    @staticmethod
-    def _fail_running(engine: Any, message: str) -> list[InferenceEvent]:
+    def _on_step_failure(self, engine: LLMEngine, exc: Exception) -> None:
         """End every request the engine holds with an Error; free their blocks."""
         request_ids = list(engine.sequences)
         for request_id in request_ids:
-            engine.abort(request_id)  # the ABORT finishes that follow reach no one
-        return [Error(request_id, message) for request_id in request_ids]
-
-    def _fail_commands_until_stopped(self) -> None:
-        """Without an engine, answer every add with an Error until stop()."""
-        while True:
-            with self._wake:
-                while not self._commands and not self._stopping:
-                    self._wake.wait()
-                if self._stopping:
-                    return
-                commands = list(self._commands)
-                self._commands.clear()
-            detail = self._health.detail
-            self._send(
-                [Error(c.request.request_id, detail) for c in commands if isinstance(c, _Add)]
-            )
+            engine.abort(request_id)
+        engine.step()  # drains the abort finishes, which reach no one
+        self._send([Error(request_id, f"the engine failed: {exc}") for request_id in request_ids])
 
     def _send(self, events: list[InferenceEvent]) -> None:
         loop = self._loop
@@ -231,7 +173,7 @@ class EmbeddedBackend:
         with contextlib.suppress(RuntimeError):  # the loop closed since the check
             loop.call_soon_threadsafe(self._deliver, events)
 
-    def _publish(self, engine: Any) -> None:
+    def _publish(self, engine: LLMEngine) -> None:
         """Refresh the health snapshot the event loop reads (one assignment)."""
         scheduler, stats = engine.scheduler, engine.stats
         self._health = BackendHealth(
