@@ -27,6 +27,8 @@ from starlette.exceptions import HTTPException
 
 from api.backends.base import Backend, ServedModel
 from api.errors import ApiError, bad_request
+from api.jobs.routes import jobs_router
+from api.jobs.store import JobStore, MemoryJobStore
 from api.metrics import ServingMetrics
 from api.output_parser import OutputParser
 from api.preparation import PreparationContext, Prepared, encode_request, prepare
@@ -68,6 +70,9 @@ class Settings:
     first_token_timeout_s: float = 60.0  # the first token must come by then: 504
     total_timeout_s: float = 600.0  # the whole generation must end by then: 504
     max_inflight: int = 256  # queued + in-flight requests per model before a 429
+    # Async jobs (api/jobs): kept this long after submission; a batch holds at most this many.
+    job_retention_s: float = 86_400.0
+    max_batch_jobs: int = 100
 
 
 def load_models(settings: Settings) -> tuple[ModelRegistry, ModelSpec]:
@@ -160,6 +165,7 @@ def create_app(settings: Settings | None = None, backend: Backend | None = None)
     app.add_api_route("/health", _health, methods=["GET"])
     app.add_api_route("/ready", _ready_route(serving), methods=["GET"])
     app.add_api_route("/metrics", _metrics_route(serving), methods=["GET"])
+    app.include_router(jobs_router(serving, _job_store(settings), settings))
     _install_error_handlers(app, serving)
     return app
 
@@ -171,6 +177,18 @@ def _default_backend(spec: ModelSpec, settings: Settings) -> Backend:
 
         return DistributedBackend(settings.redis_url, spec, settings)
     return _embedded_backend(spec, settings)
+
+
+def _job_store(settings: Settings) -> JobStore:
+    """Redis with workers (shared by replicas, kept across restarts), else this process's memory.
+
+    The in-memory store of the embedded mode does not survive a restart.
+    """
+    if settings.redis_url:
+        from api.jobs.redis_store import RedisJobStore
+
+        return RedisJobStore(settings.redis_url, settings.job_retention_s)
+    return MemoryJobStore(settings.job_retention_s)
 
 
 def _embedded_backend(spec: ModelSpec, settings: Settings) -> Backend:

@@ -54,6 +54,8 @@ def _serve(args: argparse.Namespace) -> int:
         first_token_timeout_s=args.first_token_timeout,
         total_timeout_s=args.total_timeout,
         max_inflight=args.max_inflight,
+        job_retention_s=args.job_retention,
+        max_batch_jobs=args.max_batch_jobs,
     )
     try:
         load_models(settings)  # a bad --model or --config fails here, with a clear message
@@ -117,6 +119,20 @@ def build_parser() -> argparse.ArgumentParser:
         default=256,
         metavar="N",
         help="--redis: 429 beyond N queued + running requests per model",
+    )
+    serve.add_argument(
+        "--job-retention",
+        type=float,
+        default=86_400.0,
+        metavar="S",
+        help="async jobs and their events are kept S seconds after submission",
+    )
+    serve.add_argument(
+        "--max-batch-jobs",
+        type=int,
+        default=100,
+        metavar="N",
+        help="POST /v1/jobs/batch: at most N",
     )
     serve.set_defaults(run=_serve)
 

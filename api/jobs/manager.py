@@ -1,0 +1,337 @@
+"""The jobs of one API process: submit, read, list and cancel them; run and adopt them.
+
+Submitting prepares the body exactly as the synchronous route would (same
+admission, same 400s), saves the record with this process's runner lease,
+and starts a ``JobRunner`` on the backend's event stream. The job's id and
+its response's id share one random part (``job_<hex>``, ``chatcmpl-<hex>``),
+and the response id is the engine's request id too.
+
+Adoption (a shared store in distributed mode): runners renew their leases
+every third of the lease TTL. A job that is queued or running with no lease
+has lost its runner (its API process stopped or crashed) while its
+generation goes on on a worker. Any process that meets such a job (reading
+it, or its periodic scan of unfinished jobs) takes the lease, re-prepares
+the body, re-attaches to the request's event stream from the start and
+continues: the replay rebuilds the chunks already stored and writes only
+the rest. On shutdown this process detaches its runners rather than
+cancelling them, and gives their leases back so that another process (or
+this one, restarted) adopts them at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+from fastapi import FastAPI
+from redis.exceptions import RedisError
+
+from api.errors import ApiError
+from api.jobs.reattach import RequestStreams
+from api.jobs.records import JobOutcome, JobRecord, JobStatus, StoredChunk, new_job_hex
+from api.jobs.runner import JobRunner, job_processor
+from api.jobs.store import JobStore
+from api.preparation import Prepared
+from api.protocols.base import Protocol
+
+if TYPE_CHECKING:
+    from api.app import Serving
+
+log = logging.getLogger(__name__)
+
+CANCEL_WAIT_S = 10.0  # a local runner ends within an engine step; this bounds a stuck one
+STOP_WAIT_S = 5.0
+DEFAULT_MAINTAIN_INTERVAL_S = 3.0
+
+
+@dataclass(slots=True)
+class JobRequest:
+    """One submission: the protocol the body is for, the body, the caller's metadata."""
+
+    protocol: Protocol
+    body: dict
+    metadata: dict[str, str]
+
+
+class SubmitError(Exception):
+    """A job body the synchronous route would have refused; rendered in its protocol's shape."""
+
+    def __init__(self, protocol: Protocol, error: ApiError, index: int) -> None:
+        super().__init__(error.message)
+        self.protocol = protocol
+        self.error = error
+        self.index = index  # the job's place in its batch
+
+
+class JobManager:
+    """See the module docstring; ``streams`` is set in distributed mode."""
+
+    def __init__(
+        self,
+        serving: Serving,
+        store: JobStore,
+        protocols: dict[str, Protocol],
+        *,
+        total_timeout_s: float,
+        streams: RequestStreams | None = None,
+    ) -> None:
+        self.serving = serving
+        self.store = store
+        self.protocols = protocols
+        self.holder = uuid.uuid4().hex
+        self._total_timeout_s = total_timeout_s
+        self._streams = streams
+        self._runners: dict[str, tuple[JobRunner, asyncio.Task[None]]] = {}
+        self._maintainer: asyncio.Task[None] | None = None
+        lease = getattr(store, "lease_ttl_s", None)
+        self._interval = lease / 3 if lease else DEFAULT_MAINTAIN_INTERVAL_S
+
+    @contextlib.asynccontextmanager
+    async def lifespan(self, app: FastAPI) -> AsyncIterator[None]:
+        if self._adopting:
+            self._maintainer = asyncio.create_task(self._maintain(), name="sluice-jobs")
+        try:
+            yield
+        finally:
+            await self.stop()
+
+    @property
+    def _adopting(self) -> bool:
+        return self._streams is not None and self.store.shared
+
+    # --- what the routes call ------------------------------------------------------
+
+    async def submit(self, jobs: list[JobRequest], owner: str | None) -> list[JobRecord]:
+        """Prepare every body first (one refused body queues nothing), then start them all."""
+        prepared = []
+        for index, job in enumerate(jobs):
+            job_hex = new_job_hex()
+            try:
+                prepared.append((job_hex, await self._prepare(job.protocol, job.body, job_hex)))
+            except ApiError as exc:
+                raise SubmitError(job.protocol, exc, index) from exc
+        records = []
+        for job, (job_hex, ready) in zip(jobs, prepared, strict=True):
+            record = self._new_record(job, job_hex, ready, owner)
+            await self.store.create(record, self.holder)
+            events = self.serving.metrics.track(
+                job.protocol.name, self.serving.backend.infer(ready.wire), time.monotonic()
+            )
+            self._launch(self._runner(record, ready, events))
+            records.append(record)
+        return records
+
+    async def get(self, job_id: str, owner: str | None) -> JobRecord:
+        """The job (or its tombstone), adopting it first if its runner is gone; else 404."""
+        record = await self.store.get(job_id)
+        if record is None or not record.visible_to(owner):
+            raise self._unknown(job_id)
+        await self._adopt_if_stranded(record)
+        return record
+
+    async def events(
+        self, job_id: str, owner: str | None, after: int
+    ) -> AsyncIterator[tuple[int, StoredChunk]]:
+        """The job's chunks after ``after``, live until it ends; 404 once expired."""
+        record = await self.get(job_id, owner)
+        if record.status is JobStatus.EXPIRED:
+            message = f"Job {job_id!r} expired: its retention ended and its events are gone."
+            raise ApiError(404, message, "not_found_error", code="job_expired")
+        return self.store.read(job_id, after)
+
+    async def list(
+        self, owner: str | None, status: JobStatus | None, limit: int, after: str | None
+    ) -> tuple[list[JobRecord], bool]:
+        return await self.store.list(owner=owner, status=status, limit=limit, after=after)
+
+    async def cancel(self, job_id: str, owner: str | None) -> JobRecord:
+        """Stop the job wherever it runs; a finished job is answered as it is."""
+        record = await self.get(job_id, owner)
+        if record.status.terminal:
+            return record
+        local = self._runners.get(job_id)
+        if local is not None and not local[0].detached:
+            runner, task = local
+            runner.cancel()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(task), CANCEL_WAIT_S)
+        else:  # another process runs it (or nobody does): end it here, stop its generation
+            await self.store.finish(job_id, JobOutcome(JobStatus.CANCELLED, record.usage))
+            if self._streams is not None:
+                await self._streams.cancel(record.response_id)
+        return await self.get(job_id, owner)
+
+    async def stop(self) -> None:
+        """Shutdown: detach from shared jobs (others adopt them), cancel in-memory ones.
+
+        A detached runner on the backend's events reads them to their end,
+        which the backend's own ``stop`` (right after this) brings at once.
+        """
+        if self._maintainer is not None:
+            self._maintainer.cancel()
+        if self._streams is not None:
+            self._streams.stopping = True
+        runners = list(self._runners.values())
+        for runner, _ in runners:
+            if self.store.shared:
+                runner.detach()
+                with contextlib.suppress(RedisError, OSError):
+                    await self.store.release(runner.job_id, self.holder)
+            else:
+                runner.cancel()
+        if not self.store.shared and runners:
+            await asyncio.wait([task for _, task in runners], timeout=STOP_WAIT_S)
+        if self._streams is not None:
+            await self._streams.close()
+        await self.store.close()
+
+    # --- running and adopting --------------------------------------------------------
+
+    async def _prepare(
+        self, protocol: Protocol, body: dict, job_hex: str, *, admit: bool = True
+    ) -> Prepared:
+        """The synchronous route's preparation, with the job's response (and request) id."""
+        async with self.serving.admission() if admit else contextlib.nullcontext():
+            prepared = await self.serving.prepare(protocol, body)
+        response_id = protocol.id_prefix + job_hex
+        context = replace(prepared.context, request_id=response_id)
+        wire = replace(prepared.wire, request_id=response_id)
+        return replace(prepared, context=context, wire=wire)
+
+    def _new_record(
+        self, job: JobRequest, job_hex: str, prepared: Prepared, owner: str | None
+    ) -> JobRecord:
+        now = time.time()
+        return JobRecord(
+            id=f"job_{job_hex}",
+            endpoint=job.protocol.path,
+            body=job.body,
+            metadata=job.metadata,
+            owner=owner,
+            response_id=prepared.context.request_id,
+            response_created=prepared.context.created,
+            created_at=now,
+            expires_at=now + self.store.retention_s,
+        )
+
+    def _runner(
+        self,
+        record: JobRecord,
+        prepared: Prepared,
+        events: AsyncIterator,
+        kept: list[StoredChunk] | None = None,
+    ) -> JobRunner:
+        return JobRunner(
+            self.store,
+            record,
+            job_processor(prepared, record),
+            events,
+            done_marker=prepared.protocol.done_marker,
+            holder=self.holder,
+            kept=kept,
+        )
+
+    def _launch(self, runner: JobRunner) -> None:
+        task = asyncio.create_task(runner.run(), name=f"sluice-{runner.job_id}")
+        self._runners[runner.job_id] = (runner, task)
+
+        def forget(done: asyncio.Task[None]) -> None:
+            if self._runners.get(runner.job_id, (None, None))[1] is done:
+                del self._runners[runner.job_id]
+            if not done.cancelled() and done.exception() is not None:
+                log.error("job %s failed", runner.job_id, exc_info=done.exception())
+
+        task.add_done_callback(forget)
+
+    def _runs_here(self, job_id: str) -> bool:
+        local = self._runners.get(job_id)
+        return local is not None and not local[0].detached
+
+    async def _adopt_if_stranded(self, record: JobRecord) -> None:
+        """Take over a job whose runner is gone (shared store, distributed mode)."""
+        if not self._adopting or record.status.terminal or self._runs_here(record.id):
+            return
+        if not self.serving.backend.health().ready:
+            return  # no tokenizer yet to re-prepare with; the scan comes back to it
+        if not await self.store.claim(record.id, self.holder):
+            return  # its runner is alive, elsewhere
+        try:
+            await self._adopt(record)
+        except Exception:
+            log.exception("adopting job %s failed", record.id)
+            await self.store.release(record.id, self.holder)
+
+    async def _adopt(self, record: JobRecord) -> None:
+        assert self._streams is not None
+        protocol = self.protocols[record.endpoint]
+        job_hex = record.id.removeprefix("job_")
+        try:
+            prepared = await self._prepare(protocol, record.body, job_hex, admit=False)
+        except ApiError as exc:  # e.g. the model this job asked for is no longer served
+            failure = {"status": exc.status, "type": exc.type, "message": exc.message}
+            await self.store.finish(record.id, JobOutcome(JobStatus.FAILED, error=failure))
+            return
+        kept = await self._stored_chunks(record.id)
+        deadline = record.created_at + self._total_timeout_s
+        events = self._streams.events(record.response_id, deadline)
+        log.info("adopting job %s (%d chunks already stored)", record.id, len(kept))
+        self._launch(self._runner(record, prepared, events, kept))
+
+    async def _stored_chunks(self, job_id: str) -> list[StoredChunk]:
+        count = await self.store.chunk_count(job_id)
+        kept: list[StoredChunk] = []
+        if count == 0:
+            return kept
+        reader = self.store.read(job_id, 0)
+        try:
+            async for _, chunk in reader:
+                kept.append(chunk)
+                if len(kept) == count:
+                    break
+        finally:
+            await reader.aclose()  # type: ignore[attr-defined]
+        return kept
+
+    async def _maintain(self) -> None:
+        """Renew this process's leases; adopt jobs whose runner is gone."""
+        while True:
+            await asyncio.sleep(self._interval)
+            try:
+                await self._renew()
+                for job_id in await self.store.unfinished():
+                    if not self._runs_here(job_id):
+                        record = await self.store.get(job_id)
+                        if record is not None:
+                            await self._adopt_if_stranded(record)
+            except (RedisError, OSError) as exc:
+                log.warning("job maintenance failed: %s", exc)
+
+    async def _renew(self) -> None:
+        mine = [job_id for job_id in list(self._runners) if self._runs_here(job_id)]
+        held = await self.store.renew(mine, self.holder)
+        for job_id in set(mine) - held:
+            log.warning("job %s: lost its runner lease; another process continues it", job_id)
+            self._runners[job_id][0].detach()
+
+    def _unknown(self, job_id: str) -> ApiError:
+        kept, tombstone = _duration(self.store.retention_s), _duration(self.store.tombstone_s)
+        message = (
+            f"No job {job_id!r}: it never existed, or it expired and was forgotten (a job is "
+            f"kept {kept} after submission, then answered as expired for {tombstone} more)."
+        )
+        return ApiError(404, message, "not_found_error", "job_id", "job_not_found")
+
+
+def _duration(seconds: float) -> str:
+    if seconds >= 3600 and seconds % 3600 == 0:
+        return f"{seconds / 3600:g}h"
+    return f"{seconds:g}s"
+
+
+__all__ = ["JobManager", "JobRequest", "SubmitError"]

@@ -1,0 +1,302 @@
+"""Jobs in Redis: shared by every API replica and kept across API restarts.
+
+Keys (all under ``sluice:job``), each expiring with the job's retention:
+
+- ``sluice:job:<id>`` — hash: ``record`` (the submitted record as JSON) and
+  the fields the runner changes (``status``, ``started_at``, ``finished_at``,
+  ``usage``, ``result``, ``error``).
+- ``sluice:job:<id>:events`` — stream of protocol chunks. Chunk ``n`` has the
+  explicit entry id ``n-0`` (its SSE id is ``n``), so Redis itself refuses a
+  second write of the same chunk. ``finish`` appends an ``end`` entry with an
+  automatic id (the current time in ms, far above any chunk number): after
+  it no chunk can be appended, and readers stop there.
+- ``sluice:job:<id>:runner`` — the runner lease: the holder's id, with a short
+  TTL its runner keeps renewing. A lapsed lease on an unfinished job means
+  its runner is gone, and any replica may adopt the job.
+- ``sluice:job:<id>:tombstone`` — the record's identity with status
+  ``expired``, kept ``tombstone_s`` longer than the record.
+- ``sluice:jobs`` (sorted set by submission time) lists jobs;
+  ``sluice:jobs:active`` (set) holds the unfinished ones, for adoption.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator, Iterable, Sequence
+from typing import Any
+
+from redis.asyncio import Redis
+
+from api.jobs.records import JobOutcome, JobRecord, JobStatus, StoredChunk
+from api.jobs.store import DEFAULT_RETENTION_S, JobEnded
+from shared import keys
+
+LEASE_TTL_S = 10.0  # a runner renews its lease every LEASE_TTL_S / 3
+READ_BLOCK_MS = 5000
+LIST_BATCH = 100
+INDEX = f"{keys.PREFIX}:jobs"
+ACTIVE = f"{keys.PREFIX}:jobs:active"
+_MUTABLE = ("started_at", "finished_at", "usage", "result", "error")
+
+# KEYS: record, events, active. ARGV: job id, status, field/value pairs.
+_FINISH = """
+local status = redis.call('HGET', KEYS[1], 'status')
+if status ~= 'queued' and status ~= 'running' then return 0 end
+redis.call('HSET', KEYS[1], 'status', ARGV[2], unpack(ARGV, 3))
+redis.call('XADD', KEYS[2], '*', 'end', ARGV[2])
+redis.call('PEXPIREAT', KEYS[2], redis.call('HGET', KEYS[1], 'expires_ms'))
+redis.call('SREM', KEYS[3], ARGV[1])
+return 1
+"""
+# KEYS: record, events. ARGV: index of the first chunk, then data/event pairs ("": no event).
+# Refused (0) once the job ended or expired, or when an index is taken.
+_APPEND = """
+local expires = redis.call('HGET', KEYS[1], 'expires_ms')
+local status = redis.call('HGET', KEYS[1], 'status')
+if (not expires) or (status ~= 'queued' and status ~= 'running') then return 0 end
+local index = tonumber(ARGV[1])
+for i = 2, #ARGV, 2 do
+  local reply
+  if ARGV[i + 1] == '' then
+    reply = redis.pcall('XADD', KEYS[2], index .. '-0', 'd', ARGV[i])
+  else
+    reply = redis.pcall('XADD', KEYS[2], index .. '-0', 'd', ARGV[i], 'e', ARGV[i + 1])
+  end
+  if type(reply) == 'table' and reply.err then return 0 end
+  index = index + 1
+end
+redis.call('PEXPIREAT', KEYS[2], expires)
+return 1
+"""
+# KEYS: record. ARGV: started_at.
+_MARK_RUNNING = """
+if redis.call('HGET', KEYS[1], 'status') ~= 'queued' then return 0 end
+redis.call('HSET', KEYS[1], 'status', 'running', 'started_at', ARGV[1])
+return 1
+"""
+# KEYS: leases. ARGV: holder, ttl (ms). Returns 1/0 per lease: still held.
+_RENEW = """
+local held = {}
+for i, key in ipairs(KEYS) do
+  if redis.call('GET', key) == ARGV[1] then
+    redis.call('PEXPIRE', key, ARGV[2])
+    held[i] = 1
+  else
+    held[i] = 0
+  end
+end
+return held
+"""
+_RELEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
+
+def record_key(job_id: str) -> str:
+    return f"{keys.PREFIX}:job:{job_id}"
+
+
+def events_key(job_id: str) -> str:
+    return f"{record_key(job_id)}:events"
+
+
+def lease_key(job_id: str) -> str:
+    return f"{record_key(job_id)}:runner"
+
+
+def tombstone_key(job_id: str) -> str:
+    return f"{record_key(job_id)}:tombstone"
+
+
+class RedisJobStore:
+    """The shared store; see the module docstring for the keys and ``JobStore`` for the rules."""
+
+    shared = True
+
+    def __init__(
+        self,
+        redis_url: str,
+        retention_s: float = DEFAULT_RETENTION_S,
+        *,
+        tombstone_s: float | None = None,
+        lease_ttl_s: float = LEASE_TTL_S,
+    ) -> None:
+        self.retention_s = retention_s
+        self.tombstone_s = retention_s if tombstone_s is None else tombstone_s
+        self.lease_ttl_s = lease_ttl_s
+        options: dict[str, Any] = {"decode_responses": True, "socket_connect_timeout": 2}
+        self._redis = Redis.from_url(redis_url, socket_timeout=5, **options)
+        # Live readers block in XREAD; they get connections with a longer timeout.
+        self._blocking = Redis.from_url(
+            redis_url, socket_timeout=READ_BLOCK_MS / 1000 + 5, **options
+        )
+        self._append = self._redis.register_script(_APPEND)
+        self._finish = self._redis.register_script(_FINISH)
+        self._mark_running = self._redis.register_script(_MARK_RUNNING)
+        self._renew = self._redis.register_script(_RENEW)
+        self._release = self._redis.register_script(_RELEASE)
+
+    @property
+    def client(self) -> Redis:
+        return self._redis
+
+    async def create(self, record: JobRecord, holder: str) -> None:
+        job_id, expires_ms = record.id, _ms(record.expires_at)
+        tombstone = json.dumps(record.tombstone().to_dict())
+        async with self._redis.pipeline(transaction=True) as pipe:
+            pipe.hset(
+                record_key(job_id),
+                mapping={
+                    "record": json.dumps(record.to_dict()),
+                    "status": record.status.value,
+                    "expires_ms": expires_ms,
+                },
+            )
+            pipe.pexpireat(record_key(job_id), expires_ms)
+            pipe.set(tombstone_key(job_id), tombstone, pxat=expires_ms + _ms(self.tombstone_s))
+            pipe.zadd(INDEX, {job_id: record.created_at})
+            pipe.sadd(ACTIVE, job_id)
+            pipe.set(lease_key(job_id), holder, px=_ms(self.lease_ttl_s))
+            await pipe.execute()
+
+    async def get(self, job_id: str) -> JobRecord | None:
+        return (await self._get_many([job_id]))[0]
+
+    async def list(
+        self, *, owner: str | None, status: JobStatus | None, limit: int, after: str | None
+    ) -> tuple[list[JobRecord], bool]:
+        await self._redis.zremrangebyscore(INDEX, "-inf", time.time() - self._kept_s)
+        start = 0
+        if after is not None:
+            rank = await self._redis.zrevrank(INDEX, after)
+            if rank is None:
+                return [], False
+            start = rank + 1
+        found: list[JobRecord] = []
+        while len(found) <= limit:
+            ids = await self._redis.zrevrange(INDEX, start, start + LIST_BATCH - 1)
+            if not ids:
+                break
+            start += len(ids)
+            for record in await self._get_many(ids):
+                if record is None or not record.visible_to(owner):
+                    continue
+                if status is None or record.status == status:
+                    found.append(record)
+        return found[:limit], len(found) > limit
+
+    async def mark_running(self, job_id: str, started_at: float) -> bool:
+        done = await self._mark_running(keys=[record_key(job_id)], args=[json.dumps(started_at)])
+        return bool(done)
+
+    async def finish(self, job_id: str, outcome: JobOutcome) -> bool:
+        fields = {
+            "finished_at": outcome.finished_at,
+            "usage": outcome.usage,
+            "result": outcome.result,
+            "error": outcome.error,
+        }
+        args: list[Any] = [job_id, outcome.status.value]
+        for name, value in fields.items():
+            args += [name, json.dumps(value)]
+        done = await self._finish(keys=[record_key(job_id), events_key(job_id), ACTIVE], args=args)
+        return bool(done)
+
+    async def append(self, job_id: str, first: int, chunks: Sequence[StoredChunk]) -> None:
+        args: list[Any] = [first]
+        for chunk in chunks:
+            args += [chunk.data, chunk.event or ""]
+        if not await self._append(keys=[record_key(job_id), events_key(job_id)], args=args):
+            raise JobEnded(job_id)
+
+    async def chunk_count(self, job_id: str) -> int:
+        last = await self._redis.xrevrange(events_key(job_id), count=1)
+        if not last:
+            return 0
+        entry_id, fields = last[0]
+        if "end" in fields:  # an ended job: count the chunks before the end entry
+            return await self._redis.xlen(events_key(job_id)) - 1
+        return int(entry_id.split("-")[0])
+
+    async def read(self, job_id: str, after: int) -> AsyncIterator[tuple[int, StoredChunk]]:
+        key, last = events_key(job_id), f"{after}-0"
+        while True:
+            reply = await self._blocking.xread({key: last}, count=256, block=READ_BLOCK_MS)
+            if not reply:
+                if not await self._redis.exists(record_key(job_id)):
+                    return  # expired while read
+                continue
+            for entry_id, fields in reply[0][1]:
+                if "end" in fields:
+                    return
+                last = entry_id
+                yield int(entry_id.split("-")[0]), StoredChunk(fields["d"], fields.get("e"))
+
+    async def claim(self, job_id: str, holder: str) -> bool:
+        return bool(
+            await self._redis.set(lease_key(job_id), holder, nx=True, px=_ms(self.lease_ttl_s))
+        )
+
+    async def renew(self, job_ids: Iterable[str], holder: str) -> set[str]:
+        ids = list(job_ids)
+        if not ids:
+            return set()
+        held = await self._renew(
+            keys=[lease_key(i) for i in ids], args=[holder, _ms(self.lease_ttl_s)]
+        )
+        return {job_id for job_id, flag in zip(ids, held, strict=True) if flag}
+
+    async def release(self, job_id: str, holder: str) -> None:
+        await self._release(keys=[lease_key(job_id)], args=[holder])
+
+    async def unfinished(self) -> list[str]:
+        """Unfinished ids; expired ones found on the way leave the set."""
+        ids = sorted(await self._redis.smembers(ACTIVE))
+        if not ids:
+            return []
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for job_id in ids:
+                pipe.exists(record_key(job_id))
+            alive = await pipe.execute()
+        gone = [job_id for job_id, exists in zip(ids, alive, strict=True) if not exists]
+        if gone:
+            await self._redis.srem(ACTIVE, *gone)
+        return [job_id for job_id, exists in zip(ids, alive, strict=True) if exists]
+
+    async def close(self) -> None:
+        await self._blocking.aclose()
+        await self._redis.aclose()
+
+    @property
+    def _kept_s(self) -> float:
+        return self.retention_s + self.tombstone_s
+
+    async def _get_many(self, job_ids: list[str]) -> list[JobRecord | None]:
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for job_id in job_ids:
+                pipe.hgetall(record_key(job_id))
+                pipe.get(tombstone_key(job_id))
+            replies = await pipe.execute()
+        pairs = zip(replies[::2], replies[1::2], strict=True)
+        return [_record(fields, tombstone) for fields, tombstone in pairs]
+
+
+def _record(fields: dict[str, str], tombstone: str | None) -> JobRecord | None:
+    """A record from its hash (the static JSON plus what changed), or its tombstone."""
+    if "record" not in fields:
+        return JobRecord.from_dict(json.loads(tombstone)) if tombstone else None
+    data = json.loads(fields["record"])
+    data["status"] = fields["status"]
+    for name in _MUTABLE:
+        if name in fields:
+            data[name] = json.loads(fields[name])
+    return JobRecord.from_dict(data)
+
+
+def _ms(seconds: float) -> int:
+    return int(seconds * 1000)
+
+
+__all__ = ["LEASE_TTL_S", "RedisJobStore", "events_key", "lease_key", "record_key"]

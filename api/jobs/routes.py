@@ -1,0 +1,203 @@
+"""The jobs API: submit now, fetch or stream later, resume after a reconnect, cancel.
+
+- ``POST /v1/jobs`` ``{"endpoint", "body", "metadata"}`` → 202 and the job;
+  ``POST /v1/jobs/batch`` takes a list of those (bare, or as ``{"jobs": [...]}``)
+  and answers the jobs in the same order. A body the synchronous endpoint would
+  refuse is refused here, with the same status and in that protocol's error
+  shape; in a batch one refused body queues nothing.
+- ``GET /v1/jobs/{id}`` → the job: status, timestamps, usage and, once
+  completed, ``result``: the synchronous non-stream response.
+- ``GET /v1/jobs/{id}/events`` → the protocol's stream as SSE from the
+  beginning (live while the job runs); every event has an ``id:``, and
+  ``Last-Event-ID`` (or ``?after=``) resumes after that event.
+- ``DELETE /v1/jobs/{id}`` cancels; ``GET /v1/jobs?status=&limit=&after=`` lists.
+
+Errors that are not about a job body (unknown job, bad envelope) answer in
+OpenAI's shape, like every path outside the protocol table. Jobs belong to
+the API key that submitted them once authentication sets
+``request.state.api_key``; until then every job is everyone's.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+from fastapi import APIRouter, Request, Response
+from fastapi.responses import JSONResponse
+from sse_starlette import EventSourceResponse, ServerSentEvent
+
+from api.errors import ApiError, bad_request
+from api.jobs.manager import JobManager, JobRequest, SubmitError
+from api.jobs.reattach import RequestStreams
+from api.jobs.records import JobRecord, JobStatus, StoredChunk, read_metadata
+from api.jobs.store import JobStore
+from api.protocols.base import Protocol
+
+if TYPE_CHECKING:
+    from api.app import Serving, Settings
+
+DEFAULT_LIST_LIMIT = 20
+MAX_LIST_LIMIT = 100
+
+
+def jobs_router(serving: Serving, store: JobStore, settings: Settings) -> APIRouter:
+    """The routes, with a ``JobManager`` whose lifespan is the router's."""
+    from api.app import PROTOCOLS, read_json  # api.app includes this router
+
+    protocols = {protocol.path: protocol for protocol in PROTOCOLS}
+    streams = RequestStreams(settings.redis_url) if settings.redis_url and store.shared else None
+    manager = JobManager(
+        serving, store, protocols, total_timeout_s=settings.total_timeout_s, streams=streams
+    )
+    router = APIRouter(prefix="/v1/jobs", lifespan=manager.lifespan)
+
+    @router.post("")
+    async def submit_job(request: Request) -> Response:
+        job = _job_request(await read_json(request), protocols, "")
+        return await _submitted(manager, [job], _owner(request), batch=False)
+
+    @router.post("/batch")
+    async def submit_jobs(request: Request) -> Response:
+        items = await _batch_items(request, read_json, settings.max_batch_jobs)
+        jobs = [_job_request(item, protocols, f"jobs[{i}].") for i, item in enumerate(items)]
+        return await _submitted(manager, jobs, _owner(request), batch=True)
+
+    @router.get("")
+    async def list_jobs(
+        request: Request,
+        status: str | None = None,
+        limit: int = DEFAULT_LIST_LIMIT,
+        after: str | None = None,
+    ) -> Response:
+        wanted, limit = _status(status), _limit(limit)
+        records, more = await manager.list(_owner(request), wanted, limit, after)
+        return JSONResponse(_page(records, more))
+
+    @router.get("/{job_id}")
+    async def get_job(job_id: str, request: Request) -> Response:
+        return JSONResponse((await manager.get(job_id, _owner(request))).view())
+
+    @router.get("/{job_id}/events")
+    async def job_events(job_id: str, request: Request, after: str | None = None) -> Response:
+        start = _last_event_id(request.headers.get("last-event-id", after))
+        chunks = await manager.events(job_id, _owner(request), start)
+        return EventSourceResponse(_sse(chunks), sep="\n")
+
+    @router.delete("/{job_id}")
+    async def cancel_job(job_id: str, request: Request) -> Response:
+        return JSONResponse((await manager.cancel(job_id, _owner(request))).view())
+
+    return router
+
+
+async def _submitted(
+    manager: JobManager, jobs: list[JobRequest], owner: str | None, *, batch: bool
+) -> Response:
+    """202 with the jobs, or the refused body's error in its protocol's shape."""
+    try:
+        records = await manager.submit(jobs, owner)
+    except SubmitError as exc:
+        error = exc.error
+        if batch:
+            error.message = f"jobs[{exc.index}].body: {error.message}"
+            error.param = f"jobs[{exc.index}].body.{error.param}" if error.param else None
+        body = exc.protocol.error_body(error)
+        return JSONResponse(body, status_code=error.status, headers=error.headers)
+    if batch:
+        data = [record.view() for record in records]
+        return JSONResponse({"object": "list", "data": data}, status_code=202)
+    return JSONResponse(records[0].view(), status_code=202)
+
+
+def _job_request(item: Any, protocols: dict[str, Protocol], where: str) -> JobRequest:
+    """``{"endpoint", "body", "metadata"}``; 400s name the field."""
+    if not isinstance(item, dict):
+        raise bad_request(f"{where or 'the job'} must be an object, got {type(item).__name__}")
+    endpoint = item.get("endpoint")
+    if endpoint not in protocols:
+        accepted = ", ".join(repr(path) for path in protocols)
+        raise bad_request(
+            f"{where}endpoint must be one of {accepted}, got {endpoint!r}", f"{where}endpoint"
+        )
+    body = item.get("body")
+    if not isinstance(body, dict):
+        raise bad_request(
+            f"{where}body must be the request body (an object), got {type(body).__name__}",
+            f"{where}body",
+        )
+    try:
+        metadata = read_metadata(item.get("metadata"))
+    except ApiError as exc:
+        raise bad_request(where + exc.message, where + (exc.param or "metadata")) from None
+    return JobRequest(protocols[endpoint], body, metadata)
+
+
+async def _batch_items(request: Request, read_json: Any, most: int) -> list[Any]:
+    """A bare JSON array of jobs, or ``{"jobs": [...]}``; between 1 and ``most`` of them."""
+    try:
+        items = (await read_json(request)).get("jobs")
+    except ApiError:
+        try:
+            items = json.loads(await request.body())
+        except ValueError:
+            items = None
+        if not isinstance(items, list):
+            raise
+    if not isinstance(items, list) or not 1 <= len(items) <= most:
+        count = len(items) if isinstance(items, list) else type(items).__name__
+        raise bad_request(f"jobs must be a list of 1 to {most} jobs, got {count}", "jobs")
+    return items
+
+
+def _status(value: str | None) -> JobStatus | None:
+    if value is None:
+        return None
+    try:
+        return JobStatus(value)
+    except ValueError:
+        accepted = ", ".join(status.value for status in JobStatus)
+        raise bad_request(f"status must be one of {accepted}, got {value!r}", "status") from None
+
+
+def _limit(value: int) -> int:
+    if not 1 <= value <= MAX_LIST_LIMIT:
+        raise bad_request(f"limit must be between 1 and {MAX_LIST_LIMIT}, got {value}", "limit")
+    return value
+
+
+def _last_event_id(value: str | None) -> int:
+    """The event to resume after: 0 (the beginning) when absent."""
+    if value is None or value == "":
+        return 0
+    if not value.isdigit():
+        raise bad_request(
+            f"Last-Event-ID must be an event id from this stream (a number), got {value!r}",
+            "Last-Event-ID",
+        )
+    return int(value)
+
+
+def _page(records: list[JobRecord], more: bool) -> dict[str, Any]:
+    """OpenAI's list shape; results are left out (fetch the job for its result)."""
+    return {
+        "object": "list",
+        "data": [record.view(with_result=False) for record in records],
+        "first_id": records[0].id if records else None,
+        "last_id": records[-1].id if records else None,
+        "has_more": more,
+    }
+
+
+async def _sse(chunks: AsyncIterator[tuple[int, StoredChunk]]) -> AsyncIterator[ServerSentEvent]:
+    async for index, chunk in chunks:
+        yield ServerSentEvent(data=chunk.data, event=chunk.event, id=str(index))
+
+
+def _owner(request: Request) -> str | None:
+    """The caller's API key once authentication records it; None (everyone) until then."""
+    return getattr(request.state, "api_key", None)
+
+
+__all__ = ["jobs_router"]
