@@ -222,11 +222,9 @@ class RedisJobStore:
 
     async def read(self, job_id: str, after: int) -> AsyncIterator[tuple[int, StoredChunk]]:
         key, last = events_key(job_id), f"{after}-0"
-        while True:
+        while await self._redis.exists(record_key(job_id)):  # until it expires, at the latest
             reply = await self._blocking.xread({key: last}, count=256, block=READ_BLOCK_MS)
             if not reply:
-                if not await self._redis.exists(record_key(job_id)):
-                    return  # expired while read
                 continue
             for entry_id, fields in reply[0][1]:
                 if "end" in fields:

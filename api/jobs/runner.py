@@ -203,8 +203,9 @@ class JobRunner:
             if event is None:
                 break
             if isinstance(event, _Cancelled):
-                await self._write(processor.push(self._abort()))
-                await self._end_stream()
+                if self._started:  # the stream ends like an aborted one; unstarted, it is empty
+                    await self._write(processor.push(self._abort()))
+                    await self._end_stream()
                 return JobOutcome(JobStatus.CANCELLED, self._usage())
             await self._mark_running()
             await self._write(processor.push(event))
