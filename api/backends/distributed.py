@@ -181,28 +181,33 @@ class DistributedBackend:
     # --- one request ---------------------------------------------------------------
 
     async def infer(self, request: PreparedRequest) -> AsyncIterator[InferenceEvent]:
-        """Submit ``request`` and yield its events; leaving early cancels it on the worker."""
+        """Submit ``request`` and yield its events; leaving early cancels it on the worker.
+
+        Any end but a ``Finish`` (the client gone, a deadline, Redis lost, an
+        error) publishes a cancellation: a worker may still be generating for
+        a request this side has given up on, and cancelling a job that has
+        already ended costs nothing.
+        """
         request = _with_seed(request)
         request_id = request.request_id
         deadlines = self._limits.deadlines(time.time())
         subscription = self._reader.open(request_id)
-        finished = False
+        last: InferenceEvent | None = None
         try:
             with self._admission.pending():  # counted until it is in the in-flight set
                 submitted = await self._submit(Job(request, deadlines))
             if not submitted:
-                finished = True
                 message = "Could not queue the request: Redis is unreachable; retry later."
-                yield Error(request_id, message, "unavailable")
+                last = Error(request_id, message, "unavailable")
+                yield last
                 return
             progress = _Progress()
-            while not finished:
-                event = await self._next_event(subscription, deadlines, progress)
-                finished = isinstance(event, Finish | Error)
-                yield event
+            while not isinstance(last, Finish | Error):
+                last = await self._next_event(subscription, deadlines, progress)
+                yield last
         finally:
             self._reader.close(request_id)
-            self._spawn(self._end(request_id, cancel=not finished))
+            self._spawn(self._end(request_id, cancel=not isinstance(last, Finish)))
 
     async def _submit(self, job: Job) -> bool:
         """Join the in-flight set and publish the job; False if Redis is unreachable."""
@@ -231,13 +236,12 @@ class DistributedBackend:
     async def _next_event(
         self, subscription: Subscription, deadlines: Deadlines, progress: _Progress
     ) -> InferenceEvent:
-        """The next event, or a timeout ``Error`` (and a cancellation) at the pending deadline."""
+        """The next event, or a timeout ``Error`` once the pending deadline has passed."""
         deadline, kind = progress.pending_deadline(deadlines)
         try:
             async with asyncio.timeout(None if deadline is None else deadline - time.time()):
                 event = await subscription.events.get()
         except TimeoutError:
-            self._spawn(self._end(subscription.request_id, cancel=True))
             return Error(subscription.request_id, self._timeout_message(kind), kind)
         progress.saw(event)
         return event

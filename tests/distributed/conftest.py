@@ -317,3 +317,27 @@ def own_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]
         yield server
     finally:
         server.kill()
+
+
+@pytest.fixture
+def openai_client(api: str):  # noqa: ANN201
+    from openai import OpenAI
+
+    return OpenAI(base_url=f"{api}/v1", api_key="sk-local", max_retries=0, timeout=120)
+
+
+@pytest.fixture
+def anthropic_client(api: str):  # noqa: ANN201
+    from anthropic import Anthropic
+
+    return Anthropic(base_url=api, api_key="sk-local", max_retries=0, timeout=120)
+
+
+def stream_chat(client, messages: list[dict], max_tokens: int):  # noqa: ANN001, ANN201
+    """A streamed greedy chat completion, as an iterator of (request id, text delta, finish)."""
+    stream = client.chat.completions.create(
+        model="default", messages=messages, max_tokens=max_tokens, temperature=0, stream=True
+    )
+    for chunk in stream:
+        for choice in chunk.choices:
+            yield chunk.id, choice.delta.content or "", choice.finish_reason

@@ -1,0 +1,316 @@
+"""What the queue costs: the same streamed requests, embedded engine vs workers behind Redis.
+
+    python -m bench.queue [--streams 32] [--max-tokens 64] [--models default,tiny]
+
+For each model it runs, in turn, ``sluice serve`` with the engine in the API
+process (the baseline) and then ``redis-server`` + one ``sluice worker`` +
+``sluice serve --redis``, with the same engine settings (one engine, batch =
+``--streams``), and sends both the same ``--streams`` concurrent greedy
+streams through the Chat Completions API. It prints time to first token and
+inter-token latency (p50/p99, measured by the client between content
+chunks), the distributed minus embedded difference, and the API process's
+CPU seconds per streamed token (embedded: that process also runs the model;
+distributed: only HTTP, preparation and stream fan-out).
+
+``tiny`` is a two-layer random-weight Llama with the default model's
+tokenizer, written once to a temporary directory: its steps take almost no
+time, so what is left of its latencies is serving and queue overhead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+MAX_MODEL_LEN = 1024
+STARTUP_TIMEOUT_S = 300
+TOPICS = ["the sea", "a mountain", "a city at night", "an old library", "a robot", "winter",
+          "a lighthouse", "the desert"]  # fmt: skip
+
+
+@dataclass(slots=True)
+class StreamTiming:
+    ttft_s: float
+    gaps_s: list[float]
+    tokens: int
+
+
+@dataclass(slots=True)
+class RunResult:
+    streams: list[StreamTiming]
+    wall_s: float
+    api_cpu_s: float
+
+    @property
+    def tokens(self) -> int:
+        return sum(stream.tokens for stream in self.streams)
+
+    def ttft(self, q: float) -> float:
+        return percentile([stream.ttft_s for stream in self.streams], q)
+
+    def itl(self, q: float) -> float:
+        return percentile([gap for stream in self.streams for gap in stream.gaps_s], q)
+
+    @property
+    def cpu_per_token(self) -> float:
+        return self.api_cpu_s / max(self.tokens, 1)
+
+
+@dataclass
+class Processes:
+    """Everything started for one configuration, stopped in reverse order."""
+
+    children: list[subprocess.Popen] = field(default_factory=list)
+
+    def spawn(self, command: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen:
+        with log.open("w") as handle:
+            child = subprocess.Popen(
+                command, cwd=ROOT, env=env, stdout=handle, stderr=subprocess.STDOUT
+            )
+        self.children.append(child)
+        return child
+
+    def stop(self) -> None:
+        for child in reversed(self.children):
+            if child.poll() is None:
+                child.send_signal(signal.SIGTERM)
+            try:
+                child.wait(30)
+            except subprocess.TimeoutExpired:
+                child.kill()
+                child.wait()
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Nearest-rank percentile; NaN for no values."""
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q / 100 * len(ordered)) - 1))]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (Linux ``/proc``)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+# --- the tiny random model ------------------------------------------------------
+
+
+def tiny_model(directory: Path) -> Path:
+    """A two-layer random Llama (HF safetensors) with the default model's tokenizer."""
+    config_path = directory / "registry.toml"
+    if config_path.is_file():
+        return config_path
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from shared.registry import smollm2_gguf_path
+    from shared.tokenizer_loader import load_tokenizer
+
+    weights = directory / "tiny-llama"
+    weights.mkdir(parents=True, exist_ok=True)
+    tokenizer = load_tokenizer(smollm2_gguf_path())
+    tokenizer.tokenizer.save(str(weights / "tokenizer.json"))
+    spell = tokenizer.tokenizer.id_to_token
+    settings = {
+        "bos_token": spell(tokenizer.bos_token_id),
+        "eos_token": spell(tokenizer.eos_token_id),
+        "add_bos_token": tokenizer.add_bos_token,
+        "chat_template": tokenizer.chat_template,
+    }
+    (weights / "tokenizer_config.json").write_text(json.dumps(settings))
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=tokenizer.tokenizer.get_vocab_size(),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=MAX_MODEL_LEN * 2,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    LlamaForCausalLM(config).save_pretrained(weights, safe_serialization=True)
+    config_path.write_text(
+        f'[models.tiny]\nweights = "{weights}"\nprompt_format = "chatml"\n'
+        f"context_length = {MAX_MODEL_LEN}\n"
+    )
+    return config_path
+
+
+# --- one configuration ------------------------------------------------------------
+
+
+def model_options(model: str, workdir: Path) -> list[str]:
+    if model == "tiny":
+        return ["--config", str(tiny_model(workdir)), "--model", "tiny"]
+    return ["--model", model]
+
+
+def wait_ready(base_url: str, api: subprocess.Popen, log: Path) -> None:
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if api.poll() is not None:
+            raise RuntimeError(f"the API exited:\n{log.read_text()[-3000:]}")
+        try:
+            if httpx.get(f"{base_url}/ready", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.3)
+    raise RuntimeError(f"the API was not ready after {STARTUP_TIMEOUT_S}s")
+
+
+def start_redis(processes: Processes, workdir: Path, env: dict[str, str]) -> str:
+    port = free_port()
+    command = ["redis-server", "--port", str(port), "--save", "", "--appendonly", "no"]
+    processes.spawn(command, workdir / "redis.log", env)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        with socket.socket() as sock:
+            if sock.connect_ex(("127.0.0.1", port)) == 0:
+                return f"redis://127.0.0.1:{port}/0"
+        time.sleep(0.05)
+    raise RuntimeError("redis-server did not start")
+
+
+def run_configuration(mode: str, model: str, args: argparse.Namespace, workdir: Path) -> RunResult:
+    """Start ``mode``'s processes, warm up, measure ``--streams`` streams, stop everything."""
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+    engine = ["--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", str(args.streams)]
+    processes = Processes()
+    try:
+        extra: list[str] = []
+        if mode == "distributed":
+            redis_url = start_redis(processes, workdir, env)
+            worker = [sys.executable, "-m", "workers.main", "--redis", redis_url,
+                      *model_options(model, workdir), *engine, "--loglevel", "WARNING"]  # fmt: skip
+            processes.spawn(worker, workdir / f"worker-{model}.log", env)
+            extra = ["--redis", redis_url, "--queue-timeout", "300"]
+        port = free_port()
+        log = workdir / f"api-{mode}-{model}.log"
+        command = [sys.executable, "-m", "api.server", "--port", str(port),
+                   *model_options(model, workdir), *engine, *extra]  # fmt: skip
+        api = processes.spawn(command, log, env)
+        base_url = f"http://127.0.0.1:{port}"
+        wait_ready(base_url, api, log)
+        served = "tiny" if model == "tiny" else "default"
+        asyncio.run(run_streams(base_url, served, 1, 4))  # warm-up (and waits for the worker)
+        before = cpu_seconds(api.pid)
+        started = time.perf_counter()
+        streams = asyncio.run(run_streams(base_url, served, args.streams, args.max_tokens))
+        wall = time.perf_counter() - started
+        return RunResult(streams, wall, cpu_seconds(api.pid) - before)
+    finally:
+        processes.stop()
+
+
+async def run_streams(base_url: str, model: str, count: int, max_tokens: int) -> list[StreamTiming]:
+    limits = httpx.Limits(max_connections=count + 1)
+    async with httpx.AsyncClient(base_url=base_url, timeout=600, limits=limits) as client:
+        return await asyncio.gather(
+            *(one_stream(client, model, i, max_tokens) for i in range(count))
+        )
+
+
+async def one_stream(
+    client: httpx.AsyncClient, model: str, index: int, max_tokens: int
+) -> StreamTiming:
+    """One greedy stream; times every chunk that carries content."""
+    body = {
+        "model": model,
+        "messages": [
+            {"role": "user", "content": f"Write a story {index} about {TOPICS[index % 8]}."}
+        ],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    sent = time.perf_counter()
+    arrivals: list[float] = []
+    tokens = 0
+    async with client.stream("POST", "/v1/chat/completions", json=body) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+            if any(choice["delta"].get("content") for choice in chunk["choices"]):
+                arrivals.append(time.perf_counter())
+    if not arrivals:
+        return StreamTiming(math.nan, [], tokens)
+    gaps = [later - earlier for earlier, later in zip(arrivals, arrivals[1:], strict=False)]
+    return StreamTiming(arrivals[0] - sent, gaps, tokens)
+
+
+# --- the table ---------------------------------------------------------------------
+
+
+def report(model: str, embedded: RunResult, distributed: RunResult) -> None:
+    def ms(value: float) -> str:
+        return f"{value * 1e3:9.1f}"
+
+    def row(label: str, values: list[float], cpu: str, tokens: str, wall: str) -> None:
+        print(f"{label:<13}{tokens:>8}{wall:>8}" + "".join(ms(v) for v in values) + f"{cpu:>14}")
+
+    def metrics(result: RunResult) -> list[float]:
+        return [result.ttft(50), result.ttft(99), result.itl(50), result.itl(99)]
+
+    print(f"\nmodel {model}: {len(embedded.streams)} concurrent streams")
+    print(f"{'':<13}{'tokens':>8}{'wall s':>8}{'TTFT p50':>9}{'TTFT p99':>9}"
+          f"{'ITL p50':>9}{'ITL p99':>9}{'API CPU/tok':>14}   (ms, CPU in ms)")  # fmt: skip
+    for label, result in (("embedded", embedded), ("distributed", distributed)):
+        cpu = f"{result.cpu_per_token * 1e3:.3f}"
+        row(label, metrics(result), cpu, str(result.tokens), f"{result.wall_s:.2f}")
+    difference = [d - e for d, e in zip(metrics(distributed), metrics(embedded), strict=True)]
+    cpu_difference = (distributed.cpu_per_token - embedded.cpu_per_token) * 1e3
+    row("difference", difference, f"{cpu_difference:+.3f}", "", "")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--streams", type=int, default=32)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--models", default="default,tiny", help="comma-separated: default, tiny")
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="sluice-bench-queue-") as directory:
+        workdir = Path(directory)
+        for model in args.models.split(","):
+            results = {
+                mode: run_configuration(mode, model, args, workdir)
+                for mode in ("embedded", "distributed")
+            }
+            report(model, results["embedded"], results["distributed"])
+    print(f"\n{os.cpu_count()} CPUs; client, API, worker and Redis share them.")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,58 @@
+"""All three protocols, streamed and whole, through Redis and a worker: same text as offline.
+
+Greedy decoding makes the text a function of the prompt ids, so every path
+(queue, worker engine, event stream, multiplexed reader, protocol builder)
+must reproduce ``engine.LLM`` on the ids the server itself tokenized.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.distributed.conftest import stream_chat, tokenize
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
+MESSAGES = [{"role": "user", "content": "Write one sentence about the sea."}]
+MAX_TOKENS = 16
+GREEDY = {"extra_body": {"temperature": 0}}  # the Anthropic SDK has no temperature argument
+
+
+@pytest.fixture
+def expected(api: str, reference) -> str:  # noqa: ANN001
+    return reference(tokenize(api, MESSAGES), MAX_TOKENS)
+
+
+def test_chat_completions(openai_client, expected: str):  # noqa: ANN001
+    whole = openai_client.chat.completions.create(
+        model="default", messages=MESSAGES, max_tokens=MAX_TOKENS, temperature=0
+    )
+    assert whole.choices[0].message.content == expected
+    assert whole.usage.completion_tokens == MAX_TOKENS
+    deltas = list(stream_chat(openai_client, MESSAGES, MAX_TOKENS))
+    assert "".join(text for _, text, _ in deltas) == expected
+    assert deltas[-1][2] == "length"
+
+
+def test_responses(openai_client, expected: str):  # noqa: ANN001
+    options = {"model": "default", "input": MESSAGES, "max_output_tokens": MAX_TOKENS}
+    whole = openai_client.responses.create(temperature=0, **options)
+    assert whole.output_text == expected
+    text, final = "", None
+    for event in openai_client.responses.create(temperature=0, stream=True, **options):
+        if event.type == "response.output_text.delta":
+            text += event.delta
+        if event.type in ("response.completed", "response.incomplete"):
+            final = event.response
+    assert text == expected and final is not None and final.output_text == expected
+
+
+def test_messages(anthropic_client, expected: str):  # noqa: ANN001
+    options = {"model": "default", "messages": MESSAGES, "max_tokens": MAX_TOKENS, **GREEDY}
+    whole = anthropic_client.messages.create(**options)
+    assert whole.content[0].text == expected
+    assert whole.stop_reason == "max_tokens"
+    with anthropic_client.messages.stream(**options) as stream:
+        text = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert text == expected and final.usage.output_tokens == MAX_TOKENS

@@ -1,0 +1,63 @@
+"""A Redis restart: requests in flight fail cleanly, later ones succeed, nothing restarted.
+
+The server runs without persistence, so a restart loses every queue, stream
+and lease, like a crashed Redis. A streamed request in flight must end with
+an in-stream error and a whole one with a 503, promptly rather than at their
+deadlines; then, once the workers have reconnected on their own, a new
+request must get the exact greedy text from the same API process.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import openai
+import pytest
+
+from tests.distributed.conftest import Fleet, RedisServer, stream_chat, tokenize
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
+LONG = [{"role": "user", "content": "Write a long story about a dragon who learns to fly."}]
+SHORT = [{"role": "user", "content": "Write one sentence about the sea."}]
+
+
+def test_a_redis_restart_fails_requests_in_flight_and_later_ones_succeed(
+    api: str, fleet: Fleet, redis_server: RedisServer, openai_client, reference
+):  # noqa: ANN001
+    expected = reference(tokenize(api, SHORT), 12)
+    whole_failure: list[BaseException] = []
+
+    def whole_request() -> None:
+        try:
+            openai_client.chat.completions.create(
+                model="default", messages=LONG, max_tokens=600, temperature=0
+            )
+        except openai.APIStatusError as exc:
+            whole_failure.append(exc)
+
+    deltas = stream_chat(openai_client, LONG, 600)
+    next(deltas)  # the stream has started
+    whole = threading.Thread(target=whole_request)
+    whole.start()
+    time.sleep(0.5)  # the whole request is queued or running too
+
+    restarted = time.monotonic()
+    redis_server.restart()
+    with pytest.raises(openai.APIError) as in_stream:
+        for _ in deltas:
+            pass
+    stream_failed_after = time.monotonic() - restarted
+    whole.join(timeout=30)
+    assert "Redis" in in_stream.value.message
+    assert [failure.status_code for failure in whole_failure] == [503]
+    assert whole_failure[0].response.headers["retry-after"]
+    assert stream_failed_after < 5
+
+    fleet.wait_live(timeout=30)  # the workers reconnect by themselves
+    again = openai_client.chat.completions.create(
+        model="default", messages=SHORT, max_tokens=12, temperature=0
+    )
+    assert again.choices[0].message.content == expected
+    assert time.monotonic() - restarted < 30
