@@ -259,15 +259,21 @@ class JobManager:
             return
         if not self.serving.backend.health().ready:
             return  # no tokenizer yet to re-prepare with; the scan comes back to it
-        if not await self.store.claim(record.id, self.holder):
-            return  # its runner is alive, elsewhere
-        try:
-            await self._adopt(record)
-        except Exception:
-            log.exception("adopting job %s failed", record.id)
-            await self.store.release(record.id, self.holder)
+        if await self.store.claim(record.id, self.holder):  # else its runner is alive elsewhere
+            await self._adopt(record.id)
 
-    async def _adopt(self, record: JobRecord) -> None:
+    async def _adopt(self, job_id: str) -> None:
+        """With the lease taken: run the job from its request's event stream, or give it back."""
+        try:
+            record = await self.store.get(job_id)  # fresh: it may have ended meanwhile
+            if record is not None and not record.status.terminal:
+                await self._replay(record)
+                return
+        except Exception:
+            log.exception("adopting job %s failed", job_id)
+        await self.store.release(job_id, self.holder)
+
+    async def _replay(self, record: JobRecord) -> None:
         assert self._streams is not None
         protocol = self.protocols[record.endpoint]
         job_hex = record.id.removeprefix("job_")
@@ -304,11 +310,11 @@ class JobManager:
             await asyncio.sleep(self._interval)
             try:
                 await self._renew()
+                if not self.serving.backend.health().ready:
+                    continue
                 for job_id in await self.store.unfinished():
-                    if not self._runs_here(job_id):
-                        record = await self.store.get(job_id)
-                        if record is not None:
-                            await self._adopt_if_stranded(record)
+                    if not self._runs_here(job_id) and await self.store.claim(job_id, self.holder):
+                        await self._adopt(job_id)
             except (RedisError, OSError) as exc:
                 log.warning("job maintenance failed: %s", exc)
 

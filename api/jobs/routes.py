@@ -43,7 +43,7 @@ MAX_LIST_LIMIT = 100
 
 
 def jobs_router(serving: Serving, store: JobStore, settings: Settings) -> APIRouter:
-    """The routes, with a ``JobManager`` whose lifespan is the router's."""
+    """The routes, with a ``JobManager`` whose lifespan is the router's (it closes ``store``)."""
     from api.app import PROTOCOLS, read_json  # api.app includes this router
 
     protocols = {protocol.path: protocol for protocol in PROTOCOLS}

@@ -138,14 +138,20 @@ class MemoryJobStore:
     async def list(
         self, *, owner: str | None, status: JobStatus | None, limit: int, after: str | None
     ) -> tuple[list[JobRecord], bool]:
-        records = [r for r in [await self.get(i) for i in reversed(self._entries)] if r]
-        if after is not None:
-            ids = [record.id for record in records]
-            records = records[ids.index(after) + 1 :] if after in ids else []
-        records = [
-            r for r in records if r.visible_to(owner) and (status is None or r.status == status)
-        ]
-        return records[:limit], len(records) > limit
+        found: list[JobRecord] = []
+        passed = after is None
+        for job_id in reversed(list(self._entries)):  # newest first
+            if not passed:
+                passed = job_id == after
+                continue
+            record = await self.get(job_id)
+            if record is None or not record.visible_to(owner):
+                continue
+            if status is None or record.status == status:
+                found.append(record)
+                if len(found) > limit:
+                    break
+        return found[:limit], len(found) > limit
 
     async def mark_running(self, job_id: str, started_at: float) -> bool:
         entry = self._live(job_id)

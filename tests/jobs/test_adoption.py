@@ -112,7 +112,7 @@ class StreamBackend:
 @pytest.fixture
 def worker(redis_url: str) -> WorkerThread:
     redis.Redis.from_url(redis_url).flushdb()
-    return WorkerThread(redis_url, WORDS + TOOL_CALL)
+    return WorkerThread(redis_url, WORDS + TOOL_CALL, interval=0.05)
 
 
 def app_for(redis_url: str, worker: WorkerThread) -> Any:

@@ -102,7 +102,7 @@ def test_the_result_and_the_events_are_the_synchronous_response_and_stream(
 
 
 def test_events_resume_after_the_last_event_id_while_the_job_runs(http: httpx.Client) -> None:
-    job = submit(http, CHAT, 40)  # about a second of generation
+    job = submit(http, CHAT, 100)  # about two seconds of generation
     first: list[dict[str, str]] = []
     with http.stream("GET", f"/v1/jobs/{job['id']}/events") as response:
         for event in sse_events(response.iter_lines()):
@@ -116,7 +116,7 @@ def test_events_resume_after_the_last_event_id_while_the_job_runs(http: httpx.Cl
     assert [e["id"] for e in whole] == [str(n) for n in range(1, len(whole) + 1)]
     assert whole[-1]["data"] == "[DONE]"
     text = "".join(_json(e["data"])["choices"][0]["delta"].get("content") or "" for e in whole[:-1])
-    assert text == "".join(f"w{n} " for n in range(40))
+    assert text == "".join(f"w{n} " for n in range(100))
     after = http.get(f"/v1/jobs/{job['id']}/events?after=3")
     assert [e["id"] for e in sse_events(after.text.splitlines())][0] == "4"
 
@@ -137,7 +137,7 @@ def test_a_cancelled_running_job_stops_at_once(http: httpx.Client, backend: Pace
     time.sleep(0.1)
     started = time.monotonic()
     cancelled = http.delete(f"/v1/jobs/{job['id']}").json()
-    assert time.monotonic() - started < 1
+    assert time.monotonic() - started < 2  # it would take ten
     assert cancelled["status"] == "cancelled"
     assert 0 < cancelled["usage"]["completion_tokens"] < 500
     assert "msg_" + job["id"].removeprefix("job_") in backend.closed_early
