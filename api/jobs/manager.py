@@ -1,10 +1,12 @@
 """The jobs of one API process: submit, read, list and cancel them; run and adopt them.
 
 Submitting prepares the body exactly as the synchronous route would (same
-admission, same 400s), saves the record with this process's runner lease,
-and starts a ``JobRunner`` on the backend's event stream. The job's id and
-its response's id share one random part (``job_<hex>``, ``chatcmpl-<hex>``),
-and the response id is the engine's request id too.
+admission, same 400s), starts the generation (embedded: the backend's
+``infer``; distributed: the workers' queue, see ``worker_queue``), saves the
+record with this process's runner lease and starts a ``JobRunner`` on the
+events. The job's id and its response's id share one random part
+(``job_<hex>``, ``chatcmpl-<hex>``), and the response id is the engine's
+request id too.
 
 Adoption (a shared store in distributed mode): runners renew their leases
 every third of the lease TTL. A job that is queued or running with no lease
@@ -33,10 +35,10 @@ from fastapi import FastAPI
 from redis.exceptions import RedisError
 
 from api.errors import ApiError
-from api.jobs.reattach import RequestStreams
 from api.jobs.records import JobOutcome, JobRecord, JobStatus, StoredChunk, new_job_hex
 from api.jobs.runner import JobRunner, job_processor
 from api.jobs.store import JobStore
+from api.jobs.worker_queue import WorkerQueue
 from api.preparation import Prepared
 from api.protocols.base import Protocol
 
@@ -70,23 +72,20 @@ class SubmitError(Exception):
 
 
 class JobManager:
-    """See the module docstring; ``streams`` is set in distributed mode."""
+    """See the module docstring; ``queue`` is set in distributed mode."""
 
     def __init__(
         self,
         serving: Serving,
         store: JobStore,
         protocols: dict[str, Protocol],
-        *,
-        total_timeout_s: float,
-        streams: RequestStreams | None = None,
+        queue: WorkerQueue | None = None,
     ) -> None:
         self.serving = serving
         self.store = store
         self.protocols = protocols
         self.holder = uuid.uuid4().hex
-        self._total_timeout_s = total_timeout_s
-        self._streams = streams
+        self._queue = queue
         self._runners: dict[str, tuple[JobRunner, asyncio.Task[None]]] = {}
         self._maintainer: asyncio.Task[None] | None = None
         lease = getattr(store, "lease_ttl_s", None)
@@ -94,6 +93,8 @@ class JobManager:
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app: FastAPI) -> AsyncIterator[None]:
+        if self._queue is not None:
+            await self._queue.start()
         if self._adopting:
             self._maintainer = asyncio.create_task(self._maintain(), name="sluice-jobs")
         try:
@@ -103,7 +104,7 @@ class JobManager:
 
     @property
     def _adopting(self) -> bool:
-        return self._streams is not None and self.store.shared
+        return self._queue is not None and self.store.shared
 
     # --- what the routes call ------------------------------------------------------
 
@@ -117,12 +118,13 @@ class JobManager:
             except ApiError as exc:
                 raise SubmitError(job.protocol, exc, index) from exc
         records = []
-        for job, (job_hex, ready) in zip(jobs, prepared, strict=True):
+        for index, (job, (job_hex, ready)) in enumerate(zip(jobs, prepared, strict=True)):
             record = self._new_record(job, job_hex, ready, owner)
+            try:
+                events = await self._generate(record, ready)
+            except ApiError as exc:  # the queue refused it: nothing runs, nothing is kept
+                raise SubmitError(job.protocol, exc, index) from exc
             await self.store.create(record, self.holder)
-            events = self.serving.metrics.track(
-                job.protocol.name, self.serving.backend.infer(ready.wire), time.monotonic()
-            )
             self._launch(self._runner(record, ready, events))
             records.append(record)
         return records
@@ -163,20 +165,20 @@ class JobManager:
                 await asyncio.wait_for(asyncio.shield(task), CANCEL_WAIT_S)
         else:  # another process runs it (or nobody does): end it here, stop its generation
             await self.store.finish(job_id, JobOutcome(JobStatus.CANCELLED, record.usage))
-            if self._streams is not None:
-                await self._streams.cancel(record.response_id)
+            if self._queue is not None:
+                await self._queue.cancel(record.response_id)
         return await self.get(job_id, owner)
 
     async def stop(self) -> None:
         """Shutdown: detach from shared jobs (others adopt them), cancel in-memory ones.
 
-        A detached runner on the backend's events reads them to their end,
-        which the backend's own ``stop`` (right after this) brings at once.
+        Closing the worker queue then ends the detached runners' event
+        streams without cancelling the generations.
         """
         if self._maintainer is not None:
             self._maintainer.cancel()
-        if self._streams is not None:
-            self._streams.stopping = True
+        if self._queue is not None:
+            self._queue.stopping = True
         runners = list(self._runners.values())
         for runner, _ in runners:
             if self.store.shared:
@@ -187,8 +189,8 @@ class JobManager:
                 runner.cancel()
         if not self.store.shared and runners:
             await asyncio.wait([task for _, task in runners], timeout=STOP_WAIT_S)
-        if self._streams is not None:
-            await self._streams.close()
+        if self._queue is not None:
+            await self._queue.close()
         await self.store.close()
 
     # --- running and adopting --------------------------------------------------------
@@ -203,6 +205,19 @@ class JobManager:
         context = replace(prepared.context, request_id=response_id)
         wire = replace(prepared.wire, request_id=response_id)
         return replace(prepared, context=context, wire=wire)
+
+    async def _generate(self, record: JobRecord, prepared: Prepared) -> AsyncIterator:
+        """Start the generation: on the workers' queue, or on this process's backend."""
+        arrived, name = time.monotonic(), prepared.protocol.name
+        if self._queue is None:
+            return self.serving.metrics.track(
+                name, self.serving.backend.infer(prepared.wire), arrived
+            )
+        deadlines = self._queue.deadlines(record.created_at)
+        await self._queue.submit(prepared.wire, deadlines)
+        return self.serving.metrics.track(
+            name, self._queue.events(prepared.wire, deadlines), arrived
+        )
 
     def _new_record(
         self, job: JobRequest, job_hex: str, prepared: Prepared, owner: str | None
@@ -274,7 +289,7 @@ class JobManager:
         await self.store.release(job_id, self.holder)
 
     async def _replay(self, record: JobRecord) -> None:
-        assert self._streams is not None
+        assert self._queue is not None
         protocol = self.protocols[record.endpoint]
         job_hex = record.id.removeprefix("job_")
         try:
@@ -284,8 +299,8 @@ class JobManager:
             await self.store.finish(record.id, JobOutcome(JobStatus.FAILED, error=failure))
             return
         kept = await self._stored_chunks(record.id)
-        deadline = record.created_at + self._total_timeout_s
-        events = self._streams.events(record.response_id, deadline)
+        deadlines = self._queue.adoption_deadlines(record.created_at)
+        events = self._queue.events(prepared.wire, deadlines)
         log.info("adopting job %s (%d chunks already stored)", record.id, len(kept))
         self._launch(self._runner(record, prepared, events, kept))
 

@@ -30,9 +30,9 @@ from sse_starlette import EventSourceResponse, ServerSentEvent
 
 from api.errors import ApiError, bad_request
 from api.jobs.manager import JobManager, JobRequest, SubmitError
-from api.jobs.reattach import RequestStreams
 from api.jobs.records import JobRecord, JobStatus, StoredChunk, read_metadata
 from api.jobs.store import JobStore
+from api.jobs.worker_queue import WorkerQueue
 from api.protocols.base import Protocol
 
 if TYPE_CHECKING:
@@ -47,10 +47,8 @@ def jobs_router(serving: Serving, store: JobStore, settings: Settings) -> APIRou
     from api.app import PROTOCOLS, read_json  # api.app includes this router
 
     protocols = {protocol.path: protocol for protocol in PROTOCOLS}
-    streams = RequestStreams(settings.redis_url) if settings.redis_url and store.shared else None
-    manager = JobManager(
-        serving, store, protocols, total_timeout_s=settings.total_timeout_s, streams=streams
-    )
+    queue = WorkerQueue(settings.redis_url, settings) if settings.redis_url else None
+    manager = JobManager(serving, store, protocols, queue)
     router = APIRouter(prefix="/v1/jobs", lifespan=manager.lifespan)
 
     @router.post("")

@@ -17,10 +17,9 @@ chunks it skips.
 
 Ownership: the runner owns ``events``. It closes them (in a shielded scope)
 when it ends, which cancels the request, exactly as the synchronous routes
-do, except when it was told to ``detach``: then it stops writing and reads
-the events to their end without cancelling anything, so the generation
-carries on for whoever adopts the job (this is how an API shutdown in
-distributed mode leaves its jobs running on the workers).
+do, except when it was told to ``detach`` (shutdown, a lost lease, a failing
+store): then it stops writing and reads the events to their end, cancelling
+nothing itself, so the generation carries on for whoever adopts the job.
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
-"""Jobs outlive the API process that ran them (Redis store, distributed mode's design).
+"""Jobs outlive the API process that ran them (distributed mode, without a model).
 
-The generation is played by ``WorkerThread``, a stand-in for a GPU worker:
-it writes a request's events to the request's Redis Stream at its own pace,
-whatever happens to the API, and stops when the cancel flag is set. The
-backend reads those streams with the real ``EventReader``. So the test can
+The API apps are the real ones in distributed mode: jobs go on the model's
+Celery queue in Redis and their events are read back from Redis. The
+worker is ``WorkerThread``, a stand-in that takes jobs off the queue and
+writes each request's events to its Redis Stream at its own pace, whatever
+happens to the API, stopping when the cancel flag is set. So the test can
 stop one API app mid-job, start another, and check that the second adopts
 the job and finishes it with a stream that has no gap, no repeat and one
 spelling for every id.
@@ -11,10 +12,11 @@ spelling for every id.
 
 from __future__ import annotations
 
+import base64
 import json
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -22,16 +24,13 @@ import pytest
 import redis
 
 from api.app import Settings, create_app
-from api.backends.base import BackendHealth, ServedModel
-from api.backends.event_reader import EventReader
 from api.jobs.runner import seeded_tool_call_ids
 from shared import keys
 from shared.event_codec import encode_event
-from shared.events import Error, Finish, FinishReason, InferenceEvent, Ready, Text
-from shared.registry import default_registry
-from shared.tokenizer_loader import load_tokenizer
-from shared.wire import PreparedRequest
-from tests.jobs.conftest import serve_in_thread, sse_events
+from shared.events import Finish, FinishReason, InferenceEvent, Ready, Text
+from shared.registry import DEFAULT_MODEL
+from shared.wire import decode_job
+from tests.jobs.conftest import PacedBackend, serve_in_thread, sse_events
 
 WORDS = [f"w{n} " for n in range(30)]
 TOOL_CALL = ['<tool_call>{"name": "get_weather", ', '"arguments": {"city": "Paris"}}</tool_call>']
@@ -39,16 +38,36 @@ TOOLS = [{"type": "function", "name": "get_weather", "parameters": {"type": "obj
 
 
 class WorkerThread:
-    """Plays every submitted request into Redis from a thread, like a worker."""
+    """A stand-in worker: takes jobs off the model's queue and plays ``pieces`` into Redis.
 
-    def __init__(self, redis_url: str, pieces: list[str], interval: float = 0.03) -> None:
+    Each request's events go to its stream at the worker's own pace; a set
+    cancel flag ends the request with ``Finish(abort)``, as on a real worker.
+    """
+
+    def __init__(self, redis_url: str, pieces: list[str], interval: float) -> None:
         self._client = redis.Redis.from_url(redis_url)
         self._pieces = pieces
         self._interval = interval
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._take_jobs, daemon=True)
         self.finished: dict[str, FinishReason] = {}
 
-    def submit(self, request_id: str) -> None:
-        threading.Thread(target=self._play, args=(request_id,), daemon=True).start()
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopped.set()
+        self._thread.join(5)
+
+    def _take_jobs(self) -> None:
+        queue = keys.queue_name(DEFAULT_MODEL)
+        while not self._stopped.is_set():
+            item = self._client.brpop([queue], timeout=0.1)
+            if item is not None:
+                message = json.loads(item[1])
+                args = json.loads(base64.b64decode(message["body"]))[0]
+                request_id = decode_job(args[0]).request.request_id
+                threading.Thread(target=self._play, args=(request_id,), daemon=True).start()
 
     def _play(self, request_id: str) -> None:
         self._write(Ready(request_id, 5, 0))
@@ -68,62 +87,27 @@ class WorkerThread:
         self._client.xadd(keys.event_stream(event.request_id), encode_event(event, 1))
 
 
-class StreamBackend:
-    """The distributed backend's shape without Celery: submit to ``WorkerThread``, read Redis."""
-
-    def __init__(self, redis_url: str, worker: WorkerThread) -> None:
-        spec = default_registry().resolve("default")
-        self._served = ServedModel(spec, load_tokenizer(spec.tokenizer), 2048)
-        self._redis_url = redis_url
-        self._worker = worker
-        self._reader: EventReader | None = None
-
-    async def start(self) -> None:
-        self._reader = EventReader(self._redis_url)
-        await self._reader.start()
-
-    async def stop(self) -> None:
-        assert self._reader is not None
-        await self._reader.stop()  # open requests end with an Error, as in the real backend
-
-    def health(self) -> BackendHealth:
-        return BackendHealth(ready=True)
-
-    def models(self) -> list[ServedModel]:
-        return [self._served]
-
-    async def infer(self, request: PreparedRequest) -> AsyncIterator[InferenceEvent]:
-        assert self._reader is not None
-        subscription = self._reader.open(request.request_id)
-        self._worker.submit(request.request_id)
-        finished = False
-        try:
-            while not finished:
-                event = await subscription.events.get()
-                finished = isinstance(event, Finish | Error)
-                yield event
-        finally:
-            self._reader.close(request.request_id)
-            if not finished:  # what the real backend does when its reader leaves early
-                client = redis.Redis.from_url(self._redis_url)
-                client.set(keys.cancel_flag(request.request_id), "1")
-
-
 @pytest.fixture
-def worker(redis_url: str) -> WorkerThread:
+def worker(redis_url: str) -> Iterator[WorkerThread]:
     redis.Redis.from_url(redis_url).flushdb()
-    return WorkerThread(redis_url, WORDS + TOOL_CALL, interval=0.05)
+    worker = WorkerThread(redis_url, WORDS + TOOL_CALL, interval=0.05)
+    worker.start()
+    try:
+        yield worker
+    finally:
+        worker.stop()
 
 
-def app_for(redis_url: str, worker: WorkerThread) -> Any:
-    return create_app(Settings(redis_url=redis_url), backend=StreamBackend(redis_url, worker))
+def app_for(redis_url: str) -> Any:
+    """An API process of distributed mode; jobs go to the queue, not to the backend."""
+    return create_app(Settings(redis_url=redis_url), backend=PacedBackend())
 
 
 @pytest.fixture
 def replica(redis_url: str, worker: WorkerThread) -> Iterator[httpx.Client]:
     """A second API process on the same Redis."""
     with (
-        serve_in_thread(app_for(redis_url, worker)) as url,
+        serve_in_thread(app_for(redis_url)) as url,
         httpx.Client(base_url=url, timeout=30) as client,
     ):
         yield client
@@ -149,7 +133,7 @@ def test_a_job_whose_api_stopped_is_adopted_and_finished_without_gap_or_repeat(
     redis_url: str, worker: WorkerThread
 ) -> None:
     with (
-        serve_in_thread(app_for(redis_url, worker)) as first,
+        serve_in_thread(app_for(redis_url)) as first,
         httpx.Client(base_url=first, timeout=30) as client,
     ):
         job = submit_responses_job(client)
@@ -163,7 +147,7 @@ def test_a_job_whose_api_stopped_is_adopted_and_finished_without_gap_or_repeat(
     assert not stored.exists(keys.cancel_flag(response_id))
 
     with (
-        serve_in_thread(app_for(redis_url, worker)) as second,
+        serve_in_thread(app_for(redis_url)) as second,
         httpx.Client(base_url=second, timeout=30) as client,
     ):
         done = wait_until(
@@ -190,7 +174,7 @@ def test_a_job_is_cancelled_from_a_replica_that_does_not_run_it(
     redis_url: str, worker: WorkerThread, replica: httpx.Client
 ) -> None:
     with (
-        serve_in_thread(app_for(redis_url, worker)) as first,
+        serve_in_thread(app_for(redis_url)) as first,
         httpx.Client(base_url=first, timeout=30) as client,
     ):
         job = submit_responses_job(client)
@@ -203,3 +187,22 @@ def test_a_job_is_cancelled_from_a_replica_that_does_not_run_it(
         assert client.get(f"/v1/jobs/{job['id']}").json()["status"] == "cancelled"
     assert len(events) < len(WORDS)
     assert [event["id"] for event in events] == [str(n) for n in range(1, len(events) + 1)]
+
+
+def test_a_job_cancelled_where_it_runs_stops_its_worker(
+    redis_url: str, worker: WorkerThread
+) -> None:
+    with (
+        serve_in_thread(app_for(redis_url)) as url,
+        httpx.Client(base_url=url, timeout=30) as client,
+    ):
+        job = submit_responses_job(client)
+        wait_until(lambda: client.get(f"/v1/jobs/{job['id']}").json()["status"] == "running")
+        cancelled = client.delete(f"/v1/jobs/{job['id']}").json()
+        assert cancelled["status"] == "cancelled"
+        response_id = "resp_" + job["id"].removeprefix("job_")
+        assert wait_until(lambda: worker.finished.get(response_id)) is FinishReason.ABORT
+        events = list(sse_events(client.get(f"/v1/jobs/{job['id']}/events").text.splitlines()))
+    assert json.loads(events[-1]["data"])["response"]["status"] == "incomplete"
+    inflight = redis.Redis.from_url(redis_url).zcard(keys.inflight(DEFAULT_MODEL))
+    assert inflight == 0  # it left the model's in-flight set
