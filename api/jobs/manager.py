@@ -38,12 +38,12 @@ from api.errors import ApiError
 from api.jobs.records import JobOutcome, JobRecord, JobStatus, StoredChunk, new_job_hex
 from api.jobs.runner import JobRunner, job_processor
 from api.jobs.store import JobStore
-from api.jobs.worker_queue import WorkerQueue
 from api.preparation import Prepared
 from api.protocols.base import Protocol
 
 if TYPE_CHECKING:
     from api.app import Serving
+    from api.jobs.worker_queue import WorkerQueue
 
 log = logging.getLogger(__name__)
 

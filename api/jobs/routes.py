@@ -32,7 +32,6 @@ from api.errors import ApiError, bad_request
 from api.jobs.manager import JobManager, JobRequest, SubmitError
 from api.jobs.records import JobRecord, JobStatus, StoredChunk, read_metadata
 from api.jobs.store import JobStore
-from api.jobs.worker_queue import WorkerQueue
 from api.protocols.base import Protocol
 
 if TYPE_CHECKING:
@@ -47,7 +46,11 @@ def jobs_router(serving: Serving, store: JobStore, settings: Settings) -> APIRou
     from api.app import PROTOCOLS, read_json  # api.app includes this router
 
     protocols = {protocol.path: protocol for protocol in PROTOCOLS}
-    queue = WorkerQueue(settings.redis_url, settings) if settings.redis_url else None
+    queue = None
+    if settings.redis_url:  # Celery is imported in distributed mode only
+        from api.jobs.worker_queue import WorkerQueue
+
+        queue = WorkerQueue(settings.redis_url, settings)
     manager = JobManager(serving, store, protocols, queue)
     router = APIRouter(prefix="/v1/jobs", lifespan=manager.lifespan)
 
