@@ -21,13 +21,16 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 import httpx
 import pytest
 import redis
+from anthropic import Anthropic
+from openai import OpenAI
 
 from shared import keys
 from shared.registry import DEFAULT_MODEL
@@ -38,6 +41,8 @@ WORKER_SEQS = 4
 VISIBILITY_TIMEOUT_S = 3  # a killed worker's job is redelivered this soon (plus one sweep)
 STARTUP_TIMEOUT_S = 180
 CHILD_ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+Greedy = Callable[[list[int], int], str]  # (prompt ids, max tokens) -> text
+T = TypeVar("T")
 API_OPTIONS = ("--queue-timeout", "60", "--first-token-timeout", "90", "--total-timeout", "120")
 
 
@@ -47,7 +52,7 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def wait_until(condition, timeout: float, what: str, interval: float = 0.05):  # noqa: ANN001, ANN201
+def wait_until(condition: Callable[[], T], timeout: float, what: str, interval: float = 0.05) -> T:
     """Poll ``condition`` until it returns something truthy; fail naming ``what``."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -274,7 +279,7 @@ def api(api_process: Api, fleet: Fleet) -> str:
 
 
 @pytest.fixture(scope="session")
-def reference(fleet: Fleet):  # noqa: ANN201
+def reference(fleet: Fleet) -> Greedy:
     """Offline greedy decoding with ``engine.LLM``: what every path must reproduce.
 
     Depends on ``fleet`` only so that the workers start loading first.
@@ -320,20 +325,18 @@ def own_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]
 
 
 @pytest.fixture
-def openai_client(api: str):  # noqa: ANN201
-    from openai import OpenAI
-
+def openai_client(api: str) -> OpenAI:
     return OpenAI(base_url=f"{api}/v1", api_key="sk-local", max_retries=0, timeout=120)
 
 
 @pytest.fixture
-def anthropic_client(api: str):  # noqa: ANN201
-    from anthropic import Anthropic
-
+def anthropic_client(api: str) -> Anthropic:
     return Anthropic(base_url=api, api_key="sk-local", max_retries=0, timeout=120)
 
 
-def stream_chat(client, messages: list[dict], max_tokens: int):  # noqa: ANN001, ANN201
+def stream_chat(
+    client: OpenAI, messages: list[dict], max_tokens: int
+) -> Iterator[tuple[str, str, str | None]]:
     """A streamed greedy chat completion, as an iterator of (request id, text delta, finish)."""
     stream = client.chat.completions.create(
         model="default", messages=messages, max_tokens=max_tokens, temperature=0, stream=True

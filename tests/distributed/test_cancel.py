@@ -57,7 +57,9 @@ class CancelWatcher:
         self._pubsub.close()
 
 
-def test_a_client_that_leaves_stops_its_generation(api: str, fleet: Fleet, redis_server):  # noqa: ANN001
+def test_a_client_that_leaves_stops_its_generation(
+    api: str, fleet: Fleet, redis_server: RedisServer
+):
     watcher = CancelWatcher(redis_server)
     aborted_before = sum(beat["aborted"] for beat in fleet.heartbeats().values())
     with httpx.stream("POST", f"{api}/v1/chat/completions", json=BODY, timeout=60) as response:

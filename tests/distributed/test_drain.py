@@ -14,8 +14,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from openai import OpenAI
 
-from tests.distributed.conftest import WORKER_SEQS, Fleet, stream_chat, tokenize, wait_until
+from tests.distributed.conftest import WORKER_SEQS, Fleet, Greedy, stream_chat, tokenize, wait_until
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -29,8 +30,8 @@ def messages(topic: str) -> list[dict]:
 
 
 def test_a_burst_is_shared_and_a_drained_worker_loses_nothing(
-    api: str, fleet: Fleet, openai_client, reference
-):  # noqa: ANN001
+    api: str, fleet: Fleet, openai_client: OpenAI, reference: Greedy
+):
     assert len(TOPICS) > 2 * WORKER_SEQS  # some requests must wait in the queue
     expected = [reference(tokenize(api, messages(topic)), MAX_TOKENS) for topic in TOPICS]
 

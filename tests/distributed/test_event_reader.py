@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Coroutine
+from typing import Any, TypeVar
 
 import pytest
 
@@ -21,6 +23,8 @@ from tests.distributed.conftest import RedisServer
 
 pytestmark = pytest.mark.distributed
 
+T = TypeVar("T")
+
 
 def write(server: RedisServer, request_id: str, attempt: int, *events: InferenceEvent) -> None:
     for event in events:
@@ -31,7 +35,7 @@ async def receive(subscription: Subscription, count: int, timeout: float = 5) ->
     return [await asyncio.wait_for(subscription.events.get(), timeout) for _ in range(count)]
 
 
-def run(coroutine):  # noqa: ANN001, ANN201
+def run(coroutine: Coroutine[Any, Any, T]) -> T:
     return asyncio.run(coroutine)
 
 

@@ -8,8 +8,10 @@ must reproduce ``engine.LLM`` on the ids the server itself tokenized.
 from __future__ import annotations
 
 import pytest
+from anthropic import Anthropic
+from openai import OpenAI
 
-from tests.distributed.conftest import stream_chat, tokenize
+from tests.distributed.conftest import Greedy, stream_chat, tokenize
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -19,11 +21,11 @@ GREEDY = {"extra_body": {"temperature": 0}}  # the Anthropic SDK has no temperat
 
 
 @pytest.fixture
-def expected(api: str, reference) -> str:  # noqa: ANN001
+def expected(api: str, reference: Greedy) -> str:
     return reference(tokenize(api, MESSAGES), MAX_TOKENS)
 
 
-def test_chat_completions(openai_client, expected: str):  # noqa: ANN001
+def test_chat_completions(openai_client: OpenAI, expected: str):
     whole = openai_client.chat.completions.create(
         model="default", messages=MESSAGES, max_tokens=MAX_TOKENS, temperature=0
     )
@@ -34,7 +36,7 @@ def test_chat_completions(openai_client, expected: str):  # noqa: ANN001
     assert deltas[-1][2] == "length"
 
 
-def test_responses(openai_client, expected: str):  # noqa: ANN001
+def test_responses(openai_client: OpenAI, expected: str):
     options = {"model": "default", "input": MESSAGES, "max_output_tokens": MAX_TOKENS}
     whole = openai_client.responses.create(temperature=0, **options)
     assert whole.output_text == expected
@@ -47,7 +49,7 @@ def test_responses(openai_client, expected: str):  # noqa: ANN001
     assert text == expected and final is not None and final.output_text == expected
 
 
-def test_messages(anthropic_client, expected: str):  # noqa: ANN001
+def test_messages(anthropic_client: Anthropic, expected: str):
     options = {"model": "default", "messages": MESSAGES, "max_tokens": MAX_TOKENS, **GREEDY}
     whole = anthropic_client.messages.create(**options)
     assert whole.content[0].text == expected

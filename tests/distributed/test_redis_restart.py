@@ -14,8 +14,9 @@ import time
 
 import openai
 import pytest
+from openai import OpenAI
 
-from tests.distributed.conftest import Fleet, RedisServer, stream_chat, tokenize
+from tests.distributed.conftest import Fleet, Greedy, RedisServer, stream_chat, tokenize
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -24,8 +25,8 @@ SHORT = [{"role": "user", "content": "Write one sentence about the sea."}]
 
 
 def test_a_redis_restart_fails_requests_in_flight_and_later_ones_succeed(
-    api: str, fleet: Fleet, redis_server: RedisServer, openai_client, reference
-):  # noqa: ANN001
+    api: str, fleet: Fleet, redis_server: RedisServer, openai_client: OpenAI, reference: Greedy
+):
     expected = reference(tokenize(api, SHORT), 12)
     whole_failure: list[BaseException] = []
 

@@ -14,9 +14,10 @@ import signal
 import time
 
 import pytest
+from openai import OpenAI
 
 from shared import keys
-from tests.distributed.conftest import Fleet, RedisServer, stream_chat, tokenize, wait_until
+from tests.distributed.conftest import Fleet, Greedy, RedisServer, stream_chat, tokenize, wait_until
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -27,8 +28,13 @@ ROUNDS = 10
 
 @pytest.mark.parametrize("round_", range(ROUNDS))
 def test_a_killed_worker_s_stream_completes_on_the_other(
-    round_: int, api: str, fleet: Fleet, redis_server: RedisServer, openai_client, reference
-):  # noqa: ANN001
+    round_: int,
+    api: str,
+    fleet: Fleet,
+    redis_server: RedisServer,
+    openai_client: OpenAI,
+    reference: Greedy,
+):
     expected = reference(tokenize(api, MESSAGES), MAX_TOKENS)
     deltas = stream_chat(openai_client, MESSAGES, MAX_TOKENS)
     request_id, text, _ = next(deltas)
