@@ -1,10 +1,12 @@
 """Engine throughput against Hugging Face transformers on the default model.
 
-    python -m bench.engine [--new-tokens 128] [--skip-transformers]
+    python -m bench.engine [--new-tokens 128] [--dtypes float32,bfloat16] [--skip-transformers]
 
 Prints single-stream decode tok/s, aggregate tok/s at 8 and 32 concurrent
-requests and time to first token, for Sluice and for transformers ``generate``
-(batch 1 and a left-padded batch of 32) on the same GGUF in fp32, with ratios.
+requests and time to first token, for Sluice (in each dtype asked for) and for
+transformers ``generate`` (batch 1 and left-padded batches) on the same GGUF in
+fp32, with ratios. bfloat16 halves the bytes read per token; its greedy output
+may differ from fp32's.
 """
 
 from __future__ import annotations
@@ -94,20 +96,23 @@ def load_transformers():  # noqa: ANN201
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--skip-transformers", action="store_true")
     args = parser.parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-    engine = LLMEngine(EngineArgs(max_num_seqs=32, max_num_batched_tokens=2048))
-    run_sluice(engine, ["warm up"], 8)
-    rows = {
-        "batch 1": run_sluice(engine, [PROMPT], args.new_tokens),
-        "8 concurrent": run_sluice(engine, prompts(8), args.new_tokens),
-        "32 concurrent": run_sluice(engine, prompts(32), args.new_tokens),
-    }
+    results: dict[str, dict[str, Result]] = {}
+    for dtype in args.dtypes.split(","):
+        engine = LLMEngine(EngineArgs(dtype=dtype, max_num_seqs=32, max_num_batched_tokens=2048))
+        run_sluice(engine, ["warm up"], 8)
+        results[dtype] = {
+            "batch 1": run_sluice(engine, [PROMPT], args.new_tokens),
+            "8 concurrent": run_sluice(engine, prompts(8), args.new_tokens),
+            "32 concurrent": run_sluice(engine, prompts(32), args.new_tokens),
+        }
+        del engine
     baseline: dict[str, Result] = {}
     if not args.skip_transformers:
-        del engine
         model, tokenizer = load_transformers()
         run_transformers(model, tokenizer, ["warm up"], 4)
         baseline = {
@@ -116,21 +121,22 @@ def main(argv: list[str] | None = None) -> int:
             "32 concurrent": run_transformers(model, tokenizer, prompts(32), args.new_tokens),
         }
     print(
-        f"default model, fp32, greedy, {args.new_tokens} new tokens, "
-        f"{torch.get_num_threads()} threads"
+        f"default model, greedy, {args.new_tokens} new tokens, {torch.get_num_threads()} threads;"
+        " baseline: transformers generate in fp32"
     )
     print(
-        f"{'workload':<15}{'sluice tok/s':>14}{'hf tok/s':>10}{'ratio':>8}"
+        f"{'sluice dtype':<14}{'workload':<15}{'sluice tok/s':>14}{'hf tok/s':>10}{'ratio':>8}"
         f"{'sluice TTFT ms':>16}{'hf TTFT ms':>12}"
     )
-    for name, ours in rows.items():
-        ref = baseline.get(name)
-        ratio = f"{ours.tokens_per_s / ref.tokens_per_s:.2f}x" if ref else "-"
-        print(
-            f"{name:<15}{ours.tokens_per_s:>14.1f}"
-            f"{(f'{ref.tokens_per_s:.1f}' if ref else '-'):>10}{ratio:>8}"
-            f"{ours.ttft_ms:>16.1f}{(f'{ref.ttft_ms:.1f}' if ref else '-'):>12}"
-        )
+    for dtype, rows in results.items():
+        for name, ours in rows.items():
+            ref = baseline.get(name)
+            ratio = f"{ours.tokens_per_s / ref.tokens_per_s:.2f}x" if ref else "-"
+            print(
+                f"{dtype:<14}{name:<15}{ours.tokens_per_s:>14.1f}"
+                f"{(f'{ref.tokens_per_s:.1f}' if ref else '-'):>10}{ratio:>8}"
+                f"{ours.ttft_ms:>16.1f}{(f'{ref.ttft_ms:.1f}' if ref else '-'):>12}"
+            )
     return 0
 
 

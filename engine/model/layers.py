@@ -61,17 +61,29 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", torch.cat((cos, cos), -1), persistent=False)
         self.register_buffer("sin", torch.cat((-sin, sin), -1), persistent=False)
 
+    def _apply(self, fn, recurse=True):  # noqa: ANN001, ANN202
+        """Moves with the model but stays float32 when the model is cast."""
+        cos, sin = self.cos, self.sin
+        super()._apply(fn, recurse)
+        self.cos = cos.to(self.cos.device)
+        self.sin = sin.to(self.sin.device)
+        return self
+
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Tables for these positions, shaped to broadcast over heads."""
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
 
 def rotate(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """x ``[tokens, heads, head_dim]`` rotated: x·cos + rotate_half(x)·sin."""
+    """x ``[tokens, heads, head_dim]`` rotated: x·cos + rotate_half(x)·sin.
+
+    Computed in float32 (the tables stay float32) and cast back, as the
+    reference does for half-precision models.
+    """
     cos, sin = rope
     half = x.shape[-1] // 2
     swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + swapped * sin
+    return (x.float() * cos + swapped.float() * sin).to(x.dtype)
 
 
 def _scale_inv_freq(inv_freq: torch.Tensor, scaling: RopeScaling | None) -> torch.Tensor:
