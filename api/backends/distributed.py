@@ -26,14 +26,11 @@ import dataclasses
 import json
 import logging
 import math
-import random
 import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import AbstractAsyncContextManager
-from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
-from celery import Celery
 from kombu.exceptions import KombuError
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -43,11 +40,12 @@ from redis.exceptions import RedisError
 from api.admission import Admission, FleetSnapshot, Limits, WorkerLoad, api_error
 from api.backends.base import BackendHealth, ServedModel
 from api.backends.event_reader import EventReader, Subscription
+from api.backends.job_queue import SEND_TIMEOUT_S, send_job, sending_app, with_seed
 from shared import keys
 from shared.events import Error, Finish, InferenceEvent, Text
 from shared.registry import ModelSpec
 from shared.tokenizer_loader import LoadedTokenizer, load_tokenizer
-from shared.wire import Deadlines, Job, PreparedRequest, encode_job
+from shared.wire import Deadlines, Job, PreparedRequest
 
 if TYPE_CHECKING:
     from api.app import Settings
@@ -56,9 +54,7 @@ log = logging.getLogger(__name__)
 
 FLEET_REFRESH_S = 1.0  # heartbeats are read at most this stale
 FLEET_STALE_S = 5.0  # no successful read for this long: Redis is unreachable, not ready
-SEND_TIMEOUT_S = 10.0  # publishing a job longer than this fails the request (503)
 CLEANUP_TIMEOUT_S = 5.0
-CELERY_PRIORITIES = range(10)  # kombu's Redis transport: 0 is served first, like the engine
 
 
 class DistributedBackend:
@@ -79,7 +75,7 @@ class DistributedBackend:
             redis_url, decode_responses=True, socket_timeout=5, socket_connect_timeout=2
         )
         self._reader = EventReader(redis_url)
-        self._celery = _celery_app(redis_url)
+        self._celery = sending_app(redis_url)
         self._snapshot = FleetSnapshot()
         self._admission = Admission(self._limits, lambda: self._snapshot, self._outstanding)
         self._tokenizer: LoadedTokenizer | None = None
@@ -188,7 +184,7 @@ class DistributedBackend:
         a request this side has given up on, and cancelling a job that has
         already ended costs nothing.
         """
-        request = _with_seed(request)
+        request = with_seed(request)
         request_id = request.request_id
         deadlines = self._limits.deadlines(time.time())
         subscription = self._reader.open(request_id)
@@ -215,23 +211,11 @@ class DistributedBackend:
         try:
             score = job.deadlines.total or time.time() + self._limits.total_timeout_s
             await self._redis.zadd(keys.inflight(self._model), {request.request_id: score})
-            await asyncio.wait_for(asyncio.to_thread(self._send, job), SEND_TIMEOUT_S)
+            await asyncio.wait_for(asyncio.to_thread(send_job, self._celery, job), SEND_TIMEOUT_S)
         except (RedisError, OSError, KombuError, TimeoutError) as exc:
             log.warning("submitting %s failed: %s", request.request_id, exc)
             return False
         return True
-
-    def _send(self, job: Job) -> None:
-        """Publish on the model's queue (a blocking call: runs on a thread)."""
-        request, deadlines = job.request, job.deadlines
-        expires = datetime.fromtimestamp(deadlines.queue, UTC) if deadlines.queue else None
-        self._celery.send_task(
-            keys.TASK_NAME,
-            args=[encode_job(job)],
-            queue=keys.queue_name(request.model),
-            priority=min(max(request.priority, CELERY_PRIORITIES[0]), CELERY_PRIORITIES[-1]),
-            expires=expires,
-        )
 
     async def _next_event(
         self, subscription: Subscription, deadlines: Deadlines, progress: _Progress
@@ -332,15 +316,6 @@ class _Progress:
         return min(dated) if dated else (None, "total_timeout")
 
 
-def _with_seed(request: PreparedRequest) -> PreparedRequest:
-    """A sampling request without a seed gets one, so every attempt draws the same tokens."""
-    sampling = request.sampling
-    if sampling.greedy or sampling.seed is not None:
-        return request
-    seeded = dataclasses.replace(sampling, seed=random.SystemRandom().getrandbits(63))
-    return dataclasses.replace(request, sampling=seeded)
-
-
 def _worker_loads(values: list[str | None]) -> Iterator[WorkerLoad]:
     for value in values:
         if value is None:  # expired between SCAN and MGET
@@ -349,23 +324,6 @@ def _worker_loads(values: list[str | None]) -> Iterator[WorkerLoad]:
             yield WorkerLoad.from_json(json.loads(value))
         except (ValueError, TypeError) as exc:
             log.warning("ignoring a malformed worker heartbeat: %s", exc)
-
-
-def _celery_app(redis_url: str) -> Celery:
-    """A sending-only Celery app: fails fast rather than retrying while a client waits."""
-    app = Celery("sluice-api", broker=redis_url, set_as_current=False)
-    app.conf.update(
-        task_serializer="json",
-        accept_content=["json"],
-        broker_connection_timeout=2,
-        task_publish_retry_policy={
-            "max_retries": 2,
-            "interval_start": 0,
-            "interval_step": 0.2,
-            "interval_max": 0.5,
-        },
-    )
-    return app
 
 
 _FLEET_GAUGES = {

@@ -21,34 +21,29 @@ away and the generation goes on for the job's next runner.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
-import random
 import time
 from collections.abc import AsyncIterator
-from datetime import UTC, datetime
 from typing import TYPE_CHECKING
 
 import anyio
-from celery import Celery
 from kombu.exceptions import KombuError
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from api.backends.event_reader import EventReader
+from api.backends.job_queue import SEND_TIMEOUT_S, send_job, sending_app, with_seed
 from api.errors import ApiError
 from shared import keys
 from shared.events import Error, Finish, InferenceEvent
-from shared.wire import Deadlines, Job, PreparedRequest, encode_job
+from shared.wire import Deadlines, Job, PreparedRequest
 
 if TYPE_CHECKING:
     from api.app import Settings
 
 log = logging.getLogger(__name__)
 
-SEND_TIMEOUT_S = 10.0
 CLEANUP_TIMEOUT_S = 5.0
-CELERY_PRIORITIES = range(10)  # kombu's Redis transport: 0 is served first
 
 
 class WorkerQueue:
@@ -61,7 +56,7 @@ class WorkerQueue:
             redis_url, decode_responses=True, socket_timeout=5, socket_connect_timeout=2
         )
         self._reader = EventReader(redis_url)
-        self._celery = _celery_app(redis_url)
+        self._celery = sending_app(redis_url, "sluice-jobs")
         self.stopping = False
 
     async def start(self) -> None:
@@ -87,12 +82,12 @@ class WorkerQueue:
 
     async def submit(self, request: PreparedRequest, deadlines: Deadlines) -> None:
         """Join the model's in-flight set and queue the request; a 503 if Redis refuses."""
-        request = _with_seed(request)
+        request = with_seed(request)
         score = deadlines.total or time.time() + self._total_timeout_s
         try:
             await self._redis.zadd(keys.inflight(request.model), {request.request_id: score})
             job = Job(request, deadlines)
-            await asyncio.wait_for(asyncio.to_thread(self._send, job), SEND_TIMEOUT_S)
+            await asyncio.wait_for(asyncio.to_thread(send_job, self._celery, job), SEND_TIMEOUT_S)
         except (RedisError, OSError, KombuError, TimeoutError) as exc:
             log.warning("queueing %s failed: %s", request.request_id, exc)
             message = "Could not queue the job: Redis is unreachable; retry later."
@@ -144,18 +139,6 @@ class WorkerQueue:
         except (RedisError, OSError, TimeoutError) as exc:  # in-flight scores expire anyway
             log.warning("signalling the workers failed: %s", exc)
 
-    def _send(self, job: Job) -> None:
-        """Publish on the model's queue (blocking: runs on a thread)."""
-        request, deadlines = job.request, job.deadlines
-        expires = datetime.fromtimestamp(deadlines.queue, UTC) if deadlines.queue else None
-        self._celery.send_task(
-            keys.TASK_NAME,
-            args=[encode_job(job)],
-            queue=keys.queue_name(request.model),
-            priority=min(max(request.priority, CELERY_PRIORITIES[0]), CELERY_PRIORITIES[-1]),
-            expires=expires,
-        )
-
 
 def _pending(deadlines: Deadlines, started: bool) -> tuple[float | None, str]:
     """The deadline that applies now: the queue one until the first event, then the total."""
@@ -168,32 +151,6 @@ def _timeout_message(kind: str) -> str:
     if kind == "queue_timeout":
         return "No worker started the job before its queue deadline; the workers are busy."
     return "The generation did not finish before its deadline."
-
-
-def _with_seed(request: PreparedRequest) -> PreparedRequest:
-    """An unseeded sampling request gets a seed, so a redelivered attempt draws the same."""
-    sampling = request.sampling
-    if sampling.greedy or sampling.seed is not None:
-        return request
-    seeded = dataclasses.replace(sampling, seed=random.SystemRandom().getrandbits(63))
-    return dataclasses.replace(request, sampling=seeded)
-
-
-def _celery_app(redis_url: str) -> Celery:
-    """A sending-only Celery app that fails fast rather than retrying for long."""
-    app = Celery("sluice-jobs", broker=redis_url, set_as_current=False)
-    app.conf.update(
-        task_serializer="json",
-        accept_content=["json"],
-        broker_connection_timeout=2,
-        task_publish_retry_policy={
-            "max_retries": 2,
-            "interval_start": 0,
-            "interval_step": 0.2,
-            "interval_max": 0.5,
-        },
-    )
-    return app
 
 
 __all__ = ["WorkerQueue"]
