@@ -220,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.chats < 1 or args.repeat < 1:
         parser.error("--chats and --repeat must be at least 1")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # as `sluice serve` runs
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")  # as `sluice serve` runs
 
     corpus = chats(args.chats, args.seed)
     measured = benchmark(corpus, args.repeat, preparation_context(), transformers_tokenizer())
