@@ -21,7 +21,7 @@ from api.backends.base import ServedModel
 from api.errors import ApiError, bad_request
 from api.output_parser import HERMES_TOOL_CALL, THINK, Delimiters, ParserConfig
 from api.protocols.base import GenerationRequest, Protocol, ResponseContext
-from shared.conversation import Conversation, ConversationError
+from shared.conversation import Conversation, ConversationError, has_images
 from shared.prompting import PromptFormatError, RenderedPrompt, render
 from shared.registry import ModelRegistry, ModelSpec, UnknownModel
 from shared.sampling import SamplingParams
@@ -104,12 +104,27 @@ def prepare(protocol: Protocol, body: dict[str, Any], ctx: PreparationContext) -
 def encode_request(request: GenerationRequest, ctx: PreparationContext) -> Encoded:
     """Resolve the model, render the conversation in its format and encode it safely."""
     model = resolve_model(request.model, ctx)
+    _require_image_support(request.conversation, model.spec)
     rendered = render_conversation(request.conversation, model)
     try:
         token_ids = encode_prompt(rendered, model.tokenizer)
     except PromptEncodingError as exc:  # the renderer or the tokenizer is at fault, not the client
         raise ApiError(500, str(exc), "api_error") from exc
     return Encoded(request, model, rendered, token_ids)
+
+
+def _require_image_support(conversation: Conversation, spec: ModelSpec) -> None:
+    """A 400 rather than silently dropping images the model cannot see."""
+    if "images" in spec.capabilities:
+        return
+    for index, message in enumerate(conversation.messages):
+        if has_images(getattr(message, "content", [])):
+            raise bad_request(
+                f"model {spec.name!r} does not accept images (its capabilities: "
+                f"{', '.join(sorted(spec.capabilities)) or 'none'}); "
+                f"message {index} contains one",
+                "messages",
+            )
 
 
 def resolve_model(name: str, ctx: PreparationContext) -> ServedModel:

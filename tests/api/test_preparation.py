@@ -272,3 +272,24 @@ def test_tool_call_markup_is_parsed_only_when_tools_may_be_called(ctx: Preparati
     body = {"model": "default", "tools": ["get_weather"], "tool_choice": "none"}
     assert prepare(MINIMAL, body, ctx).wire.parsing.tool_calls is None
     assert prepare(MINIMAL, {"model": "default"}, ctx).wire.parsing.tool_calls is None
+
+
+def test_images_are_refused_for_a_model_that_cannot_see_them(default_spec: ModelSpec):
+    from api.protocols import chat_completions
+
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
+    body = {
+        "model": "default",
+        "max_tokens": 4,
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "What is it?"}, image]}],
+    }
+    error = _error(prepare, chat_completions.PROTOCOL, body, _context(default_spec))
+    assert (error.status, error.param) == (400, "messages")
+    assert "does not accept images" in error.message
+
+    seeing = ModelSpec(
+        "seer", default_spec.weights, prompt_format="chatml", capabilities=frozenset({"images"})
+    )
+    body["model"] = "seer"
+    prepared = prepare(chat_completions.PROTOCOL, body, _context(seeing))
+    assert prepared.wire.prompt_token_ids
