@@ -144,7 +144,10 @@ def _render(template: jinja2.Template, variables: dict[str, Any]) -> str:
         raise ConversationError(
             f"the model's chat template rejected the conversation: {exc.message}"
         ) from exc
-    except jinja2.TemplateError as exc:
+    except (jinja2.TemplateError, TypeError, ValueError, KeyError, AttributeError) as exc:
+        # A template that cannot handle this conversation's shape (say, list
+        # content with images) is the model's configuration at fault, reported
+        # as such rather than as an unexplained crash.
         raise PromptFormatError(f"the chat template failed to render: {exc}") from exc
 
 
