@@ -12,6 +12,7 @@ import torch
 
 from engine.sequence import Sequence
 from shared.events import TokenLogprob
+from shared.sampling import SamplingParams
 
 _MIX = 0x9E3779B97F4A7C15  # spreads (seed, index) pairs over the seed space
 
@@ -38,28 +39,52 @@ def ban_stops_before_min_tokens(logits: torch.Tensor, seqs: list[Sequence]) -> N
             logits[row, list(seq.stop_token_ids)] = float("-inf")
 
 
-def filter_logits(row: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
-    """Mask everything outside top-k, the top-p nucleus and the min-p floor."""
-    if top_k and top_k < row.numel():
-        kth = torch.topk(row, top_k).values[-1]
-        row = row.masked_fill(row < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(row, descending=True)
-        probs = sorted_logits.softmax(-1)
-        outside = probs.cumsum(-1) - probs > top_p  # keep the token that crosses top_p
-        row = row.scatter(0, order[outside], float("-inf"))
-    if min_p > 0.0:
-        probs = row.softmax(-1)
-        row = row.masked_fill(probs < min_p * probs.max(), float("-inf"))
-    return row
+def candidates(row: torch.Tensor, p: SamplingParams) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Logits of the tokens that survive top-k, then top-p, then min-p, and their ids.
+
+    ``None`` ids mean every token survived. Only the survivors are sorted:
+    sorting a whole vocabulary per row cost more than the model step.
+    """
+    values, ids = row, None
+    if p.top_k and p.top_k < row.numel():
+        values, ids = torch.topk(row, p.top_k)
+    if p.top_p < 1.0:
+        values, ids = _nucleus(values, ids, p.top_p)
+    if p.min_p > 0.0:
+        probs = values.softmax(-1)
+        keep = (probs >= p.min_p * probs.max()).nonzero().squeeze(1)
+        values, ids = values[keep], keep if ids is None else ids[keep]
+    return values, ids
+
+
+def _nucleus(
+    values: torch.Tensor, ids: torch.Tensor | None, top_p: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The smallest most-probable set whose mass reaches ``top_p`` (the crossing token kept).
+
+    Every token of that set is at least as probable as any token outside it,
+    so when the tokens above a small floor already carry ``top_p`` of the
+    mass, sorting just those gives the same set as sorting everything.
+    """
+    probs = values.softmax(-1)
+    subset = torch.arange(probs.numel())
+    for floor in (1e-4, 1e-6):
+        above = (probs >= floor).nonzero().squeeze(1)
+        if float(probs[above].sum()) >= top_p:
+            subset = above
+            break
+    sorted_probs, order = probs[subset].sort(descending=True)
+    kept = subset[order[sorted_probs.cumsum(0) - sorted_probs <= top_p]]
+    return values[kept], kept if ids is None else ids[kept]
 
 
 def draw(probs: torch.Tensor, seed: int, index: int) -> int:
-    """Sample one token: argmax of p / Exp(1) noise is a draw from p."""
+    """Sample an index of ``probs`` by inverting its CDF at one seeded uniform."""
     generator = torch.Generator(device=probs.device)
     generator.manual_seed((seed * _MIX + index) & 0x7FFF_FFFF_FFFF_FFFF)
-    noise = torch.empty_like(probs).exponential_(generator=generator)
-    return int((probs / noise).argmax())
+    cdf = probs.cumsum(0)
+    point = torch.rand(1, generator=generator, device=probs.device) * cdf[-1]
+    return int(torch.searchsorted(cdf, point, right=True).clamp(max=probs.numel() - 1))
 
 
 def top_logprobs(logprobs: torch.Tensor, token: int, n: int) -> TokenLogprob:
@@ -89,8 +114,9 @@ class Sampler:
         for row, seq in enumerate(seqs):
             p = seq.params
             if not p.greedy:
-                scaled = filter_logits(logits[row] / p.temperature, p.top_k, p.top_p, p.min_p)
-                tokens[row] = draw(scaled.softmax(-1), seq.seed, seq.num_output_tokens)
+                values, ids = candidates(logits[row] / p.temperature, p)
+                choice = draw(values.softmax(-1), seq.seed, seq.num_output_tokens)
+                tokens[row] = choice if ids is None else int(ids[choice])
         return tokens, self._logprobs(raw, seqs, tokens)
 
     def _logprobs(
