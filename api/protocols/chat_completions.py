@@ -56,6 +56,7 @@ from api.protocols.openai_common import (
     read_json_schema,
     read_metadata,
     read_stop,
+    read_tool_choice,
     show,
     token_logprob,
     validated,
@@ -73,7 +74,6 @@ from shared.conversation import (
     TextPart,
     Tool,
     ToolCall,
-    ToolChoice,
     ToolMessage,
     UserMessage,
 )
@@ -105,7 +105,7 @@ def parse(body: Any) -> GenerationRequest:
     conversation = Conversation(
         messages=_messages(fields),
         tools=tools,
-        tool_choice=_tool_choice(fields, tools),
+        tool_choice=read_tool_choice(fields, tools, nested=True),
         response_format=_response_format(fields),
     )
     apply_effort(conversation, read_effort(fields, "reasoning_effort"))
@@ -257,30 +257,6 @@ def _tools(fields: Fields) -> list[Tool]:
             raise tool.error("type", "'function' (custom tools are not supported)")
         tools.append(read_function(Fields(tool.required("function"), tool.where("function"))))
     return tools
-
-
-def _tool_choice(fields: Fields, tools: list[Tool]) -> ToolChoice:
-    value = fields.get("tool_choice")
-    if value is None:
-        return ToolChoice()
-    if isinstance(value, str) and value in ("none", "auto", "required"):
-        if value == "required" and not tools:
-            raise bad_request(
-                "tool_choice 'required' needs at least one tool in tools", "tool_choice"
-            )
-        return ToolChoice(value)  # type: ignore[arg-type]
-    if not isinstance(value, dict) or value.get("type") != "function":
-        raise fields.error(
-            "tool_choice",
-            '\'none\', \'auto\', \'required\' or {"type": "function", "function": {"name": ...}}',
-        )
-    choice = Fields(value, "tool_choice")
-    function = Fields(choice.required("function"), "tool_choice.function")
-    name = function.string("name", required=True, non_empty=True)
-    names = [tool.name for tool in tools]
-    if name not in names:
-        raise function.error("name", f"the name of a function in tools ({', '.join(names)})")
-    return ToolChoice("function", name)
 
 
 def _response_format(fields: Fields) -> ResponseFormat:

@@ -25,6 +25,7 @@ from shared.conversation import (
     ImageSource,
     ResponseFormat,
     Tool,
+    ToolChoice,
 )
 
 # OpenAI reports -9999.0 for a token the model all but ruled out; JSON has no -inf.
@@ -339,3 +340,32 @@ def error_body(error: ApiError) -> dict[str, Any]:
             "code": error.code,
         }
     }
+
+
+def read_tool_choice(fields: Fields, tools: list[Tool], *, nested: bool) -> ToolChoice:
+    """``tool_choice``: a mode, or a named function that must be among ``tools``.
+
+    Chat Completions nests the name (``{"type": "function", "function":
+    {"name": ...}}``); Responses does not (``{"type": "function", "name": ...}``).
+    """
+    value = fields.get("tool_choice")
+    if value is None:
+        return ToolChoice()
+    if isinstance(value, str) and value in ("none", "auto", "required"):
+        if value == "required" and not tools:
+            raise bad_request(
+                "tool_choice 'required' needs at least one tool in tools", "tool_choice"
+            )
+        return ToolChoice(value)  # type: ignore[arg-type]
+    if not isinstance(value, dict) or value.get("type") != "function":
+        named = '"function": {"name": ...}' if nested else '"name": ...'
+        accepted = f"'none', 'auto', 'required' or {{\"type\": \"function\", {named}}}"
+        raise fields.error("tool_choice", accepted)
+    choice = Fields(value, "tool_choice")
+    if nested:
+        choice = Fields(choice.required("function"), "tool_choice.function")
+    name = choice.string("name", required=True, non_empty=True)
+    names = [tool.name for tool in tools]
+    if name not in names:
+        raise choice.error("name", f"the name of a function in tools ({', '.join(names)})")
+    return ToolChoice("function", name)

@@ -54,6 +54,7 @@ from api.protocols.openai_common import (
     read_function,
     read_json_schema,
     read_metadata,
+    read_tool_choice,
     responses_usage,
     show,
     token_logprob,
@@ -100,7 +101,7 @@ def parse(body: Any) -> GenerationRequest:
     conversation = Conversation(
         messages=_messages(fields, instructions),
         tools=tools,
-        tool_choice=_tool_choice(fields, tools),
+        tool_choice=read_tool_choice(fields, tools, nested=False),
         response_format=_text_format(fields),
     )
     reasoning = fields.object("reasoning")
@@ -297,28 +298,6 @@ def _tools(fields: Fields) -> tuple[list[Tool], list[dict[str, Any]]]:
             }
         )
     return tools, echoes
-
-
-def _tool_choice(fields: Fields, tools: list[Tool]) -> ToolChoice:
-    value = fields.get("tool_choice")
-    if value is None:
-        return ToolChoice()
-    if isinstance(value, str) and value in ("none", "auto", "required"):
-        if value == "required" and not tools:
-            raise bad_request(
-                "tool_choice 'required' needs at least one tool in tools", "tool_choice"
-            )
-        return ToolChoice(value)  # type: ignore[arg-type]
-    if not isinstance(value, dict) or value.get("type") != "function":
-        raise fields.error(
-            "tool_choice", """'none', 'auto', 'required' or {"type": "function", "name": ...}"""
-        )
-    choice = Fields(value, "tool_choice")
-    name = choice.string("name", required=True, non_empty=True)
-    names = [tool.name for tool in tools]
-    if name not in names:
-        raise choice.error("name", f"the name of a function in tools ({', '.join(names)})")
-    return ToolChoice("function", name)
 
 
 def _text_format(fields: Fields) -> ResponseFormat:
