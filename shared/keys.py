@@ -47,3 +47,27 @@ def heartbeat_pattern(model: str) -> str:
 def inflight(model: str) -> str:
     """Sorted set of request ids accepted for a model and not yet finished (score: deadline)."""
     return f"{PREFIX}:inflight:{model}"
+
+
+JOB_INDEX = f"{PREFIX}:jobs"  # sorted set of async job ids by creation time
+JOB_ACTIVE = f"{PREFIX}:jobs:active"  # set of async jobs not yet finished
+
+
+def job_record(job_id: str) -> str:
+    """Hash of an async job's record; its siblings below share its expiry."""
+    return f"{PREFIX}:job:{job_id}"
+
+
+def job_events(job_id: str) -> str:
+    """Stream of a job's protocol chunks; entry ``n-0`` is SSE event ``n``."""
+    return f"{job_record(job_id)}:events"
+
+
+def job_runner(job_id: str) -> str:
+    """The lease of the API process running a job (renewed; expires when it dies)."""
+    return f"{job_record(job_id)}:runner"
+
+
+def job_tombstone(job_id: str) -> str:
+    """What remains of an expired job, for as long again as its retention."""
+    return f"{job_record(job_id)}:tombstone"

@@ -35,8 +35,8 @@ from shared import keys
 LEASE_TTL_S = 10.0  # a runner renews its lease every LEASE_TTL_S / 3
 READ_BLOCK_MS = 5000
 LIST_BATCH = 100
-INDEX = f"{keys.PREFIX}:jobs"
-ACTIVE = f"{keys.PREFIX}:jobs:active"
+INDEX = keys.JOB_INDEX
+ACTIVE = keys.JOB_ACTIVE
 _MUTABLE = ("started_at", "finished_at", "usage", "result", "error")
 
 # KEYS: record, events, active. ARGV: job id, status, field/value pairs.
@@ -94,22 +94,6 @@ return 0
 """
 
 
-def record_key(job_id: str) -> str:
-    return f"{keys.PREFIX}:job:{job_id}"
-
-
-def events_key(job_id: str) -> str:
-    return f"{record_key(job_id)}:events"
-
-
-def lease_key(job_id: str) -> str:
-    return f"{record_key(job_id)}:runner"
-
-
-def tombstone_key(job_id: str) -> str:
-    return f"{record_key(job_id)}:tombstone"
-
-
 class RedisJobStore:
     """The shared store; see the module docstring for the keys and ``JobStore`` for the rules."""
 
@@ -147,18 +131,18 @@ class RedisJobStore:
         tombstone = json.dumps(record.tombstone().to_dict())
         async with self._redis.pipeline(transaction=True) as pipe:
             pipe.hset(
-                record_key(job_id),
+                keys.job_record(job_id),
                 mapping={
                     "record": json.dumps(record.to_dict()),
                     "status": record.status.value,
                     "expires_ms": expires_ms,
                 },
             )
-            pipe.pexpireat(record_key(job_id), expires_ms)
-            pipe.set(tombstone_key(job_id), tombstone, pxat=expires_ms + _ms(self.tombstone_s))
+            pipe.pexpireat(keys.job_record(job_id), expires_ms)
+            pipe.set(keys.job_tombstone(job_id), tombstone, pxat=expires_ms + _ms(self.tombstone_s))
             pipe.zadd(INDEX, {job_id: record.created_at})
             pipe.sadd(ACTIVE, job_id)
-            pipe.set(lease_key(job_id), holder, px=_ms(self.lease_ttl_s))
+            pipe.set(keys.job_runner(job_id), holder, px=_ms(self.lease_ttl_s))
             await pipe.execute()
 
     async def get(self, job_id: str) -> JobRecord | None:
@@ -188,7 +172,9 @@ class RedisJobStore:
         return found[:limit], len(found) > limit
 
     async def mark_running(self, job_id: str, started_at: float) -> bool:
-        done = await self._mark_running(keys=[record_key(job_id)], args=[json.dumps(started_at)])
+        done = await self._mark_running(
+            keys=[keys.job_record(job_id)], args=[json.dumps(started_at)]
+        )
         return bool(done)
 
     async def finish(self, job_id: str, outcome: JobOutcome) -> bool:
@@ -201,28 +187,32 @@ class RedisJobStore:
         args: list[Any] = [job_id, outcome.status.value]
         for name, value in fields.items():
             args += [name, json.dumps(value)]
-        done = await self._finish(keys=[record_key(job_id), events_key(job_id), ACTIVE], args=args)
+        done = await self._finish(
+            keys=[keys.job_record(job_id), keys.job_events(job_id), ACTIVE], args=args
+        )
         return bool(done)
 
     async def append(self, job_id: str, first: int, chunks: Sequence[StoredChunk]) -> None:
         args: list[Any] = [first]
         for chunk in chunks:
             args += [chunk.data, chunk.event or ""]
-        if not await self._append(keys=[record_key(job_id), events_key(job_id)], args=args):
+        if not await self._append(
+            keys=[keys.job_record(job_id), keys.job_events(job_id)], args=args
+        ):
             raise JobEnded(job_id)
 
     async def chunk_count(self, job_id: str) -> int:
-        last = await self._redis.xrevrange(events_key(job_id), count=1)
+        last = await self._redis.xrevrange(keys.job_events(job_id), count=1)
         if not last:
             return 0
         entry_id, fields = last[0]
         if "end" in fields:  # an ended job: count the chunks before the end entry
-            return await self._redis.xlen(events_key(job_id)) - 1
+            return await self._redis.xlen(keys.job_events(job_id)) - 1
         return int(entry_id.split("-")[0])
 
     async def read(self, job_id: str, after: int) -> AsyncIterator[tuple[int, StoredChunk]]:
-        key, last = events_key(job_id), f"{after}-0"
-        while await self._redis.exists(record_key(job_id)):  # until it expires, at the latest
+        key, last = keys.job_events(job_id), f"{after}-0"
+        while await self._redis.exists(keys.job_record(job_id)):  # until it expires, at the latest
             reply = await self._blocking.xread({key: last}, count=256, block=READ_BLOCK_MS)
             if not reply:
                 continue
@@ -234,7 +224,9 @@ class RedisJobStore:
 
     async def claim(self, job_id: str, holder: str) -> bool:
         return bool(
-            await self._redis.set(lease_key(job_id), holder, nx=True, px=_ms(self.lease_ttl_s))
+            await self._redis.set(
+                keys.job_runner(job_id), holder, nx=True, px=_ms(self.lease_ttl_s)
+            )
         )
 
     async def renew(self, job_ids: Iterable[str], holder: str) -> set[str]:
@@ -242,12 +234,12 @@ class RedisJobStore:
         if not ids:
             return set()
         held = await self._renew(
-            keys=[lease_key(i) for i in ids], args=[holder, _ms(self.lease_ttl_s)]
+            keys=[keys.job_runner(i) for i in ids], args=[holder, _ms(self.lease_ttl_s)]
         )
         return {job_id for job_id, flag in zip(ids, held, strict=True) if flag}
 
     async def release(self, job_id: str, holder: str) -> None:
-        await self._release(keys=[lease_key(job_id)], args=[holder])
+        await self._release(keys=[keys.job_runner(job_id)], args=[holder])
 
     async def unfinished(self) -> list[str]:
         """Unfinished ids; expired ones found on the way leave the set."""
@@ -256,7 +248,7 @@ class RedisJobStore:
             return []
         async with self._redis.pipeline(transaction=False) as pipe:
             for job_id in ids:
-                pipe.exists(record_key(job_id))
+                pipe.exists(keys.job_record(job_id))
             alive = await pipe.execute()
         gone = [job_id for job_id, exists in zip(ids, alive, strict=True) if not exists]
         if gone:
@@ -274,8 +266,8 @@ class RedisJobStore:
     async def _get_many(self, job_ids: list[str]) -> list[JobRecord | None]:
         async with self._redis.pipeline(transaction=False) as pipe:
             for job_id in job_ids:
-                pipe.hgetall(record_key(job_id))
-                pipe.get(tombstone_key(job_id))
+                pipe.hgetall(keys.job_record(job_id))
+                pipe.get(keys.job_tombstone(job_id))
             replies = await pipe.execute()
         pairs = zip(replies[::2], replies[1::2], strict=True)
         return [_record(fields, tombstone) for fields, tombstone in pairs]
@@ -297,4 +289,4 @@ def _ms(seconds: float) -> int:
     return int(seconds * 1000)
 
 
-__all__ = ["LEASE_TTL_S", "RedisJobStore", "events_key", "lease_key", "record_key"]
+__all__ = ["LEASE_TTL_S", "RedisJobStore"]

@@ -85,7 +85,7 @@ def test_a_job_survives_the_restart_of_the_api_that_took_it(
     job = httpx.post(
         f"{base_url}/v1/jobs", json={"endpoint": "/v1/chat/completions", "body": BODY}
     ).json()
-    events_key = f"sluice:job:{job['id']}:events"
+    events_key = keys.job_events(job["id"])
     wait_until(lambda: jobs_redis.client.xlen(events_key) >= 4, 60, "the first chunks")
     first.stop(stop)
     stored_before = jobs_redis.client.xlen(events_key)
