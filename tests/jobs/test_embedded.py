@@ -10,23 +10,18 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from tests.jobs.conftest import free_port, sse_events, stable
+from tests.jobs.conftest import sse_events, stable
+from tests.servers import running_server
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[2]
-STARTUP_TIMEOUT_S = 300
 HI = [{"role": "user", "content": "Say hi in five words."}]
 COUNT = [{"role": "user", "content": "Count from 1 to 300, separated by commas."}]
 BODIES: dict[str, dict[str, Any]] = {
@@ -38,37 +33,9 @@ BODIES: dict[str, dict[str, Any]] = {
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    port = free_port()
-    log_path = tmp_path_factory.mktemp("jobs-server") / "server.log"
-    command = [
-        sys.executable, "-m", "api.server", "--port", str(port),
-        "--max-model-len", "1024", "--max-num-seqs", "1",
-    ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    with log_path.open("w") as log:
-        process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=log)
-    base_url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while not _ready(base_url):
-            if process.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"the server did not start:\n{log_path.read_text()}")
-            time.sleep(0.5)
+    args = ["--max-model-len", "1024", "--max-num-seqs", "1"]
+    with running_server(args, tmp_path_factory.mktemp("jobs-server")) as base_url:
         yield base_url
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-
-
-def _ready(base_url: str) -> bool:
-    try:
-        return httpx.get(f"{base_url}/ready", timeout=2).status_code == 200
-    except httpx.TransportError:
-        return False
 
 
 @pytest.fixture

@@ -1,0 +1,64 @@
+"""A real ``python -m api.server`` process for tests, as ``sluice serve`` would run it."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+STARTUP_TIMEOUT_S = 300
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextmanager
+def running_server(args: list[str], log_dir: Path) -> Iterator[str]:
+    """Start the server with ``args`` on a free port; yield its base URL once ``/ready``.
+
+    One OpenMP thread and no tokenizer threads: the test process and the server
+    share two cores. The process is terminated (then killed) on exit.
+    """
+    port = free_port()
+    log_path = log_dir / "server.log"
+    command = [sys.executable, "-m", "api.server", "--port", str(port), *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    with log_path.open("w") as log:
+        process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=log)
+    base_url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_ready(base_url, process, log_path)
+        yield base_url
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def _wait_ready(base_url: str, process: subprocess.Popen, log_path: Path) -> None:
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            pytest.fail(f"the server exited with {process.returncode}:\n{log_path.read_text()}")
+        try:
+            if httpx.get(f"{base_url}/ready", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.5)
+    pytest.fail(f"the server was not ready after {STARTUP_TIMEOUT_S}s:\n{log_path.read_text()}")
