@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -34,6 +33,7 @@ from openai import OpenAI
 
 from shared import keys
 from shared.registry import DEFAULT_MODEL
+from tests.servers import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 MAX_MODEL_LEN = 1024
@@ -44,12 +44,6 @@ CHILD_ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "fa
 Greedy = Callable[[list[int], int], str]  # (prompt ids, max tokens) -> text
 T = TypeVar("T")
 API_OPTIONS = ("--queue-timeout", "60", "--first-token-timeout", "90", "--total-timeout", "120")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def wait_until(condition: Callable[[], T], timeout: float, what: str, interval: float = 0.05) -> T:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
 import subprocess
 import threading
 import time
@@ -27,6 +26,7 @@ from shared.events import Finish, FinishReason, InferenceEvent, Ready, Text
 from shared.registry import default_registry
 from shared.tokenizer_loader import load_tokenizer
 from shared.wire import PreparedRequest
+from tests.servers import free_port
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -38,12 +38,6 @@ def pytest_configure(config: pytest.Config) -> None:
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="session")

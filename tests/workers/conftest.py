@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import socket
 import subprocess
 import time
 import uuid
@@ -31,6 +30,7 @@ from shared.events import Error, Finish, InferenceEvent, Text
 from shared.registry import DEFAULT_MODEL
 from shared.sampling import SamplingParams
 from shared.wire import Deadlines, Job, PreparedRequest, encode_job
+from tests.servers import free_port
 
 if TYPE_CHECKING:
     from engine.llm_engine import LLMEngine
@@ -57,15 +57,9 @@ def wait_until(condition: Callable[[], object], timeout: float, what: str) -> ob
     pytest.fail(f"timed out after {timeout:g}s waiting for {what}")
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="session")
 def redis_url() -> Iterator[str]:
-    port = _free_port()
+    port = free_port()
     command = ["redis-server", "--port", str(port), "--save", "", "--appendonly", "no"]
     server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     client = redis.Redis(port=port)
