@@ -61,6 +61,7 @@ class Settings:
     host: str = "127.0.0.1"
     port: int = 8000
     dtype: str = "auto"
+    quantization: str | None = None
     max_model_len: int | None = None
     max_num_seqs: int = 64
     preparation_threads: int = 8  # concurrent preparations; more wait their turn
@@ -197,6 +198,7 @@ def _embedded_backend(spec: ModelSpec, settings: Settings) -> Backend:
     args = engine_args_for(
         spec,
         dtype=settings.dtype,
+        quantization=settings.quantization,
         max_model_len=settings.max_model_len,
         max_num_seqs=settings.max_num_seqs,
         registry_file=str(settings.config) if settings.config else None,

@@ -13,6 +13,12 @@ import sys
 def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="default", help="model name, alias or path")
     parser.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
+    parser.add_argument(
+        "--quantization",
+        default=None,
+        choices=["int8"],
+        help="int8: weight-only int8 linear layers, bfloat16 compute (CPU; fastest single stream)",
+    )
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--max-num-seqs", type=int, default=64)
 
@@ -23,6 +29,7 @@ def _generate(args: argparse.Namespace) -> int:
     llm = LLM(
         args.model,
         dtype=args.dtype,
+        quantization=args.quantization,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
     )
@@ -47,6 +54,7 @@ def _serve(args: argparse.Namespace) -> int:
         host=args.host,
         port=args.port,
         dtype=args.dtype,
+        quantization=args.quantization,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         redis_url=args.redis,

@@ -1,12 +1,14 @@
 """Engine throughput against Hugging Face transformers on the default model.
 
-    python -m bench.engine [--new-tokens 128] [--dtypes float32,bfloat16] [--skip-transformers]
+    python -m bench.engine [--new-tokens 128] [--variants float32,bfloat16,int8]
+                           [--skip-transformers]
 
 Prints single-stream decode tok/s, aggregate tok/s at 8 and 32 concurrent
-requests and time to first token, for Sluice (in each dtype asked for) and for
-transformers ``generate`` (batch 1 and left-padded batches) on the same GGUF in
-fp32, with ratios. bfloat16 halves the bytes read per token; its greedy output
-may differ from fp32's.
+requests and time to first token, for Sluice (in each variant asked for) and
+for transformers ``generate`` (batch 1 and left-padded batches) on the same GGUF
+in fp32, with ratios. bfloat16 halves the bytes read per token and int8
+(weight-only, bfloat16 compute) halves them again; their greedy outputs may
+differ from fp32's.
 """
 
 from __future__ import annotations
@@ -22,6 +24,12 @@ import torch
 from engine import EngineArgs, LLMEngine, SamplingParams
 from shared.events import Text
 from shared.registry import default_registry
+
+VARIANTS = {  # name -> engine arguments
+    "float32": {"dtype": "float32"},
+    "bfloat16": {"dtype": "bfloat16"},
+    "int8": {"dtype": "bfloat16", "quantization": "int8"},
+}
 
 PROMPT = "Write a detailed story about a lighthouse keeper who finds a message in a bottle."
 
@@ -96,16 +104,21 @@ def load_transformers():  # noqa: ANN201
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help=", ".join(VARIANTS))
     parser.add_argument("--skip-transformers", action="store_true")
     args = parser.parse_args(argv)
+    unknown = set(args.variants.split(",")) - set(VARIANTS)
+    if unknown:
+        parser.error(f"unknown variants {sorted(unknown)}; choose from {', '.join(VARIANTS)}")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
     results: dict[str, dict[str, Result]] = {}
-    for dtype in args.dtypes.split(","):
-        engine = LLMEngine(EngineArgs(dtype=dtype, max_num_seqs=32, max_num_batched_tokens=2048))
+    for variant in args.variants.split(","):
+        engine = LLMEngine(
+            EngineArgs(max_num_seqs=32, max_num_batched_tokens=2048, **VARIANTS[variant])
+        )
         run_sluice(engine, ["warm up"], 8)
-        results[dtype] = {
+        results[variant] = {
             "batch 1": run_sluice(engine, [PROMPT], args.new_tokens),
             "8 concurrent": run_sluice(engine, prompts(8), args.new_tokens),
             "32 concurrent": run_sluice(engine, prompts(32), args.new_tokens),
@@ -125,15 +138,15 @@ def main(argv: list[str] | None = None) -> int:
         " baseline: transformers generate in fp32"
     )
     print(
-        f"{'sluice dtype':<14}{'workload':<15}{'sluice tok/s':>14}{'hf tok/s':>10}{'ratio':>8}"
+        f"{'sluice':<14}{'workload':<15}{'sluice tok/s':>14}{'hf tok/s':>10}{'ratio':>8}"
         f"{'sluice TTFT ms':>16}{'hf TTFT ms':>12}"
     )
-    for dtype, rows in results.items():
+    for variant, rows in results.items():
         for name, ours in rows.items():
             ref = baseline.get(name)
             ratio = f"{ours.tokens_per_s / ref.tokens_per_s:.2f}x" if ref else "-"
             print(
-                f"{dtype:<14}{name:<15}{ours.tokens_per_s:>14.1f}"
+                f"{variant:<14}{name:<15}{ours.tokens_per_s:>14.1f}"
                 f"{(f'{ref.tokens_per_s:.1f}' if ref else '-'):>10}{ratio:>8}"
                 f"{ours.ttft_ms:>16.1f}{(f'{ref.ttft_ms:.1f}' if ref else '-'):>12}"
             )

@@ -115,7 +115,8 @@ class EngineArgs:
 
     model: str = "default"  # a registry name or alias, or a local checkpoint path
     registry_file: str | None = None  # TOML registry adding models to the built-in ones
-    dtype: str = "auto"  # auto → float32 on CPU, bfloat16 on CUDA
+    dtype: str = "auto"  # auto → float32 on CPU, bfloat16 on CUDA or with quantization
+    quantization: str | None = None  # "int8": weight-only int8 linear layers (CPU, bfloat16)
     device: str = "auto"
     max_model_len: int | None = None
     max_num_seqs: int = 64

@@ -15,6 +15,7 @@ from engine.attention import AttentionBackend, KVCache, make_backend
 from engine.config import DEFAULT_KV_CACHE_BYTES, EngineArgs, ModelConfig
 from engine.loader import load_checkpoint
 from engine.model.llama import LlamaForCausalLM
+from engine.model.quantized import check_quantization, quantize_linears
 from shared.registry import ModelRegistry, default_registry
 from shared.tokenizer_loader import LoadedTokenizer, load_tokenizer
 
@@ -35,7 +36,17 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+def resolve_dtype(name: str, device: torch.device, quantization: str | None = None) -> torch.dtype:
+    """The activation dtype: quantized weights compute in bfloat16, on CPU only."""
+    if quantization is not None:
+        check_quantization(quantization)
+        if device.type != "cpu":
+            raise ValueError(f"quantization {quantization!r} runs on CPU only, not {device.type}")
+        if name not in ("auto", "bfloat16"):
+            raise ValueError(
+                f"quantization {quantization!r} computes in bfloat16; use dtype auto or bfloat16"
+            )
+        return torch.bfloat16
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     dtypes = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -50,13 +61,15 @@ def load_engine_model(args: EngineArgs) -> LoadedModel:
     )
     spec = registry.resolve(args.model)
     device = resolve_device(args.device)
-    dtype = resolve_dtype(args.dtype, device)
+    dtype = resolve_dtype(args.dtype, device, args.quantization)
     checkpoint = load_checkpoint(Path(spec.weights), dtype)
     cfg = ModelConfig.from_hf(checkpoint.config)
     max_model_len = _max_model_len(args, cfg, spec.context_length)
     with torch.device(device):
         model = LlamaForCausalLM(cfg, max_model_len).to(dtype)
     model.load_weights(checkpoint.tensors)
+    if args.quantization:
+        quantize_linears(model, args.quantization)
     model.eval()
     num_blocks = _num_blocks(args, cfg, dtype, max_model_len)
     kv_cache = KVCache.allocate(

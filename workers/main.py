@@ -46,6 +46,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="extra queues to consume besides the model's own (names, or comma-separated)",
     )
     parser.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
+    parser.add_argument(
+        "--quantization",
+        default=None,
+        choices=["int8"],
+        help="int8: weight-only int8 linear layers, bfloat16 compute (CPU; fastest single stream)",
+    )
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument(
         "--max-num-seqs", type=int, default=64, help="engine batch size = jobs taken at once"
@@ -75,7 +81,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         spec = resolve_model(args.model, args.config)
         engine = load_engine(
-            engine_args_for(spec, args.dtype, args.max_model_len, args.max_num_seqs)
+            engine_args_for(
+                spec, args.dtype, args.max_model_len, args.max_num_seqs, args.quantization
+            )
         )
     except (ValueError, OSError, RuntimeError) as exc:  # unknown or missing model, bad config
         print(f"sluice worker: {exc}", file=sys.stderr)
@@ -147,7 +155,11 @@ def resolve_model(name: str, config: str | None) -> ModelSpec:
 
 
 def engine_args_for(
-    spec: ModelSpec, dtype: str, max_model_len: int | None, max_num_seqs: int
+    spec: ModelSpec,
+    dtype: str,
+    max_model_len: int | None,
+    max_num_seqs: int,
+    quantization: str | None = None,
 ) -> EngineArgs:
     """Engine arguments that load ``spec``.
 
@@ -161,6 +173,7 @@ def engine_args_for(
     return EngineArgs(
         model=spec.name if builtin else str(spec.weights),
         dtype=dtype,
+        quantization=quantization,
         max_model_len=max_model_len or spec.context_length or None,
         max_num_seqs=max_num_seqs,
     )

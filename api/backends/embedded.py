@@ -37,6 +37,7 @@ def engine_args_for(
     spec: ModelSpec,
     *,
     dtype: str = "auto",
+    quantization: str | None = None,
     max_model_len: int | None = None,
     max_num_seqs: int = 64,
     registry_file: str | None = None,
@@ -49,6 +50,7 @@ def engine_args_for(
         model=spec.name,
         registry_file=registry_file,
         dtype=dtype,
+        quantization=quantization,
         max_model_len=max_model_len or spec.context_length or None,
         max_num_seqs=max_num_seqs,
     )
