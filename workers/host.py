@@ -3,7 +3,10 @@
 Task threads (one per Celery job) hand a ``Run`` to the host and block until
 it resolves. Everything that touches the engine or the run table happens on
 the engine thread (``engine.host.EngineThread``): adds, cancels, hand-backs
-and, after each step, one fenced write of every run's events.
+and settling the writes. After each step the engine thread hands every
+run's events to the ``Outbox``, which writes them (fenced) on a thread of
+its own while the engine steps on; the write's result comes back to the
+engine thread, which resolves the runs whose end is now in their stream.
 
 A run resolves with an ``Outcome`` that tells its task what to do with the
 message: ``FINISHED`` and ``FENCED`` are acked (the stream has its end, or a
@@ -30,6 +33,7 @@ import redis
 from engine.host import EngineThread
 from shared.events import Error, Finish, InferenceEvent, Ready
 from shared.wire import PreparedRequest
+from workers.outbox import Attempt, Outbox
 from workers.publisher import Batch, EventPublisher
 
 if TYPE_CHECKING:
@@ -69,7 +73,7 @@ class Run:
 
     @property
     def engine_id(self) -> str:
-        return f"{self.request.request_id}/{self.attempt}"
+        return engine_id(self.request.request_id, self.attempt)
 
     def resolve(self, outcome: Outcome) -> None:
         self.outcome = outcome
@@ -79,6 +83,10 @@ class Run:
         """The outcome, or None if it is not known within ``timeout`` seconds."""
         self._done.wait(timeout)
         return self.outcome
+
+
+def engine_id(request_id: str, attempt: int) -> str:
+    return f"{request_id}/{attempt}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,7 +109,7 @@ class WorkerHost:
     """Engine thread + run table + fenced publishing; see the module docstring."""
 
     def __init__(self, engine: LLMEngine, publisher: EventPublisher) -> None:
-        self._publisher = publisher
+        self._outbox = Outbox(publisher, self._on_written)
         self._thread = EngineThread(engine, self._on_events, self._on_step_failure)
         self._runs: dict[str, Run] = {}  # by engine id; engine thread only
         self._current: dict[str, Run] = {}  # by request id; written under _idle
@@ -112,10 +120,13 @@ class WorkerHost:
     # --- any thread ----------------------------------------------------------
 
     def start(self) -> None:
+        self._outbox.start()
         self._thread.start()
 
     def stop(self, timeout: float | None = None) -> None:
+        """Stop stepping, then write what the last steps produced."""
         self._thread.stop(timeout)
+        self._outbox.stop(timeout)
 
     def is_alive(self) -> bool:
         return self._thread.is_alive()
@@ -209,22 +220,41 @@ class WorkerHost:
         self._refresh(engine)
 
     def _publish(self, engine: LLMEngine, by_run: dict[str, list[InferenceEvent]]) -> None:
-        """Write the events in one fenced round trip and resolve the runs that ended."""
-        runs = [self._runs[engine_id] for engine_id in by_run]
-        batches = [Batch(run.request_id, run.attempt, by_run[run.engine_id]) for run in runs]
-        try:
-            fenced = self._publisher.publish(batches)
-        except redis.RedisError as exc:
-            log.error("publishing events failed (%s): stopping %d runs", exc, len(runs))
-            for run in runs:
+        """Queue the events for the outbox; ``_settle`` sees how their write went."""
+        batches = []
+        for key, events in by_run.items():
+            run = self._runs[key]
+            batches.append(Batch(run.request_id, run.attempt, events))
+        self._outbox.put(batches)
+
+    def _on_written(
+        self, batches: list[Batch], fenced: set[Attempt], error: redis.RedisError | None
+    ) -> None:
+        """The outbox thread's report, handed to the engine thread that owns the runs."""
+        self._thread.call(lambda engine: self._settle(engine, batches, fenced, error))
+
+    def _settle(
+        self,
+        engine: LLMEngine,
+        batches: list[Batch],
+        fenced: set[Attempt],
+        error: redis.RedisError | None,
+    ) -> None:
+        """Resolve the runs whose end was written; stop those whose writes were refused."""
+        if error is not None:
+            log.error("publishing events failed (%s): stopping %d runs", error, len(batches))
+        for batch in batches:
+            run = self._runs.get(engine_id(batch.request_id, batch.attempt))
+            if run is None:  # already dropped here
+                continue
+            if error is not None:
                 self._drop(engine, run, Outcome.UNPUBLISHED)
-            return
-        for run, batch in zip(runs, batches, strict=True):
-            if run.request_id in fenced:
+            elif (batch.request_id, batch.attempt) in fenced:
                 log.warning("%s attempt %d is stale: stopping it", run.request_id, run.attempt)
                 self._drop(engine, run, Outcome.FENCED)
             elif isinstance(batch.events[-1], Finish | Error):
                 self._untrack(run, Outcome.FINISHED)
+        self._refresh(engine)
 
     def _drop(self, engine: LLMEngine, run: Run, outcome: Outcome) -> None:
         """Stop a run here without publishing anything more for it."""

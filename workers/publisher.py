@@ -86,8 +86,8 @@ class EventPublisher:
         self._maxlen = maxlen
         self._finished_ttl_s = finished_ttl_s
 
-    def publish(self, batches: Sequence[Batch]) -> set[str]:
-        """Write every batch in one round trip; return the request ids fenced out."""
+    def publish(self, batches: Sequence[Batch]) -> set[tuple[str, int]]:
+        """Write every batch in one round trip; return the (request id, attempt)s fenced out."""
         batches = [batch for batch in batches if batch.events]
         if not batches:
             return set()
@@ -102,4 +102,7 @@ class EventPublisher:
                 for name, value in fields.items():
                     args += [name, value]
         fenced = self._script(keys=script_keys, args=args)
-        return {batches[int(index) - 1].request_id for index in fenced}
+        return {
+            (batches[int(index) - 1].request_id, batches[int(index) - 1].attempt)
+            for index in fenced
+        }

@@ -31,7 +31,6 @@ from collections.abc import AsyncIterator, Iterator
 from contextlib import AbstractAsyncContextManager
 from typing import TYPE_CHECKING, Any
 
-from kombu.exceptions import KombuError
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from redis.asyncio import Redis
@@ -40,7 +39,7 @@ from redis.exceptions import RedisError
 from api.admission import Admission, FleetSnapshot, Limits, WorkerLoad, api_error
 from api.backends.base import BackendHealth, ServedModel
 from api.backends.event_reader import EventReader, Subscription
-from api.backends.job_queue import SEND_TIMEOUT_S, send_job, sending_app, with_seed
+from api.backends.job_queue import JobQueue, with_seed
 from shared import keys
 from shared.events import Error, Finish, InferenceEvent, Text
 from shared.registry import ModelSpec
@@ -75,7 +74,7 @@ class DistributedBackend:
             redis_url, decode_responses=True, socket_timeout=5, socket_connect_timeout=2
         )
         self._reader = EventReader(redis_url)
-        self._celery = sending_app(redis_url)
+        self._queue = JobQueue(self._redis)
         self._snapshot = FleetSnapshot()
         self._admission = Admission(self._limits, lambda: self._snapshot, self._outstanding)
         self._tokenizer: LoadedTokenizer | None = None
@@ -110,7 +109,6 @@ class DistributedBackend:
         if pending:
             await asyncio.wait(pending, timeout=CLEANUP_TIMEOUT_S)
         await self._redis.aclose()
-        await asyncio.to_thread(self._celery.close)
 
     # --- what the app reads ------------------------------------------------------
 
@@ -210,9 +208,8 @@ class DistributedBackend:
         request = job.request
         try:
             score = job.deadlines.total or time.time() + self._limits.total_timeout_s
-            await self._redis.zadd(keys.inflight(self._model), {request.request_id: score})
-            await asyncio.wait_for(asyncio.to_thread(send_job, self._celery, job), SEND_TIMEOUT_S)
-        except (RedisError, OSError, KombuError, TimeoutError) as exc:
+            await self._queue.put(job, score)
+        except (RedisError, OSError, TimeoutError) as exc:
             log.warning("submitting %s failed: %s", request.request_id, exc)
             return False
         return True

@@ -27,12 +27,11 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
 import anyio
-from kombu.exceptions import KombuError
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from api.backends.event_reader import EventReader
-from api.backends.job_queue import SEND_TIMEOUT_S, send_job, sending_app, with_seed
+from api.backends.job_queue import JobQueue, with_seed
 from api.errors import ApiError
 from shared import keys
 from shared.events import Error, Finish, InferenceEvent
@@ -56,7 +55,7 @@ class WorkerQueue:
             redis_url, decode_responses=True, socket_timeout=5, socket_connect_timeout=2
         )
         self._reader = EventReader(redis_url)
-        self._celery = sending_app(redis_url, "sluice-jobs")
+        self._queue = JobQueue(self._redis, "sluice-jobs")
         self.stopping = False
 
     async def start(self) -> None:
@@ -66,7 +65,6 @@ class WorkerQueue:
         """Stop reading (open readers end, cancelling nothing once ``stopping``)."""
         await self._reader.stop()
         await self._redis.aclose()
-        await asyncio.to_thread(self._celery.close)
 
     def deadlines(self, submitted: float) -> Deadlines:
         """A worker must start the job, and end it, this long after its submission."""
@@ -85,10 +83,8 @@ class WorkerQueue:
         request = with_seed(request)
         score = deadlines.total or time.time() + self._total_timeout_s
         try:
-            await self._redis.zadd(keys.inflight(request.model), {request.request_id: score})
-            job = Job(request, deadlines)
-            await asyncio.wait_for(asyncio.to_thread(send_job, self._celery, job), SEND_TIMEOUT_S)
-        except (RedisError, OSError, KombuError, TimeoutError) as exc:
+            await self._queue.put(Job(request, deadlines), score)
+        except (RedisError, OSError, TimeoutError) as exc:
             log.warning("queueing %s failed: %s", request.request_id, exc)
             message = "Could not queue the job: Redis is unreachable; retry later."
             raise ApiError(503, message, "overloaded_error", headers={"Retry-After": "2"}) from exc

@@ -32,7 +32,7 @@ def test_current_attempt_writes_and_stale_attempt_is_dropped(client: redis.Redis
         [Batch(current, 2, events), Batch(stale, 2, [Ready(stale, 5, 0), Text(stale, "no", [7])])]
     )
 
-    assert fenced == {stale}
+    assert fenced == {(stale, 2)}
     assert _stream(client, current) == [(2, event) for event in events]
     assert not client.exists(keys.event_stream(stale))
 
@@ -40,7 +40,7 @@ def test_current_attempt_writes_and_stale_attempt_is_dropped(client: redis.Redis
 def test_a_missing_lease_fences_everyone_out(client: redis.Redis) -> None:
     request_id = uuid.uuid4().hex
     fenced = EventPublisher(client).publish([Batch(request_id, 1, [Ready(request_id, 1, 0)])])
-    assert fenced == {request_id}
+    assert fenced == {(request_id, 1)}
     assert not client.exists(keys.event_stream(request_id))
 
 

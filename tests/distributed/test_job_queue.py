@@ -1,0 +1,116 @@
+"""``JobQueue`` writes what Celery itself would, a burst in one round trip.
+
+The message is compared with the one ``Celery.send_task`` puts on the same
+Redis, so a kombu or Celery upgrade that changes the envelope fails here
+rather than in a worker that silently drops the job. That workers run these
+messages is what every other test of this package exercises.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import time
+from datetime import UTC, datetime
+
+import pytest
+from celery import Celery
+from redis.asyncio import Redis
+from redis.exceptions import ConnectionError as RedisConnectionError
+
+from api.backends.job_queue import JobQueue
+from shared import keys
+from shared.sampling import SamplingParams
+from shared.wire import Deadlines, Job, PreparedRequest, decode_job, encode_job
+from tests.distributed.conftest import RedisServer
+from tests.servers import free_port
+
+pytestmark = pytest.mark.distributed
+
+MODEL = "job-queue-test"
+
+
+def job(request_id: str, priority: int = 0) -> Job:
+    request = PreparedRequest(
+        request_id, MODEL, [1, 2, 3], SamplingParams(max_tokens=4), priority=priority
+    )
+    now = time.time()
+    return Job(request, Deadlines(queue=now + 30, total=now + 600))
+
+
+def only_message(server: RedisServer) -> tuple[str, dict]:
+    (name,) = [k for k in server.client.keys(f"{keys.queue_name(MODEL)}*") if "binding" not in k]
+    (raw,) = server.client.lrange(name, 0, -1)
+    server.client.delete(name)
+    return name, json.loads(raw)
+
+
+def put(server: RedisServer, *jobs: Job) -> None:
+    async def main() -> None:
+        client = Redis.from_url(server.url, decode_responses=True)
+        queue = JobQueue(client)
+        await asyncio.gather(*(queue.put(j, j.deadlines.total) for j in jobs))
+        await client.aclose()
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("priority", [0, 2, 3, 5, 9])
+def test_message_matches_celery_send_task(redis_server: RedisServer, priority: int) -> None:
+    ours_job, theirs_job = job("ours", priority), job("theirs", priority)
+    put(redis_server, ours_job)
+    our_list, ours = only_message(redis_server)
+    redis_server.client.delete(keys.inflight(MODEL))
+
+    app = Celery("reference", broker=redis_server.url, set_as_current=False)
+    app.send_task(
+        keys.TASK_NAME,
+        args=[encode_job(theirs_job)],
+        queue=keys.queue_name(MODEL),
+        priority=priority,
+        expires=datetime.fromtimestamp(theirs_job.deadlines.queue, UTC),
+    )
+    app.close()
+    their_list, theirs = only_message(redis_server)
+
+    assert our_list == their_list  # the same priority list of the same queue
+    assert ours.keys() == theirs.keys()
+    assert ours["headers"].keys() == theirs["headers"].keys()
+    assert ours["headers"]["task"] == keys.TASK_NAME
+    assert set(theirs["properties"]) - set(ours["properties"]) <= {"expiration"}
+    for name in ("delivery_info", "priority", "body_encoding", "delivery_mode"):
+        assert ours["properties"][name] == theirs["properties"][name], name
+    (args, kwargs, embed) = json.loads(base64.b64decode(ours["body"]))
+    assert decode_job(args[0]) == ours_job and kwargs == {}
+    assert embed.keys() == json.loads(base64.b64decode(theirs["body"]))[2].keys()
+
+
+def test_a_burst_is_queued_with_its_in_flight_entries(redis_server: RedisServer) -> None:
+    jobs = [job(f"burst-{i}") for i in range(40)]
+    put(redis_server, *jobs)
+
+    queued = redis_server.client.lrange(keys.queue_name(MODEL), 0, -1)
+    bodies = [json.loads(base64.b64decode(json.loads(raw)["body"])) for raw in queued]
+    ids = {decode_job(body[0][0]).request.request_id for body in bodies}
+    assert ids == {j.request.request_id for j in jobs}
+    inflight = redis_server.client.zrange(keys.inflight(MODEL), 0, -1, withscores=True)
+    assert dict(inflight) == {j.request.request_id: j.deadlines.total for j in jobs}
+    redis_server.client.delete(keys.queue_name(MODEL), keys.inflight(MODEL))
+
+
+def test_an_unreachable_redis_fails_every_waiter() -> None:
+    async def main() -> list[BaseException | None]:
+        client = Redis(port=free_port(), socket_connect_timeout=1)
+        queue = JobQueue(client)
+        jobs = [job(f"lost-{i}") for i in range(3)]
+        results = await asyncio.gather(
+            *(queue.put(j, j.deadlines.total) for j in jobs), return_exceptions=True
+        )
+        await client.aclose()
+        return results
+
+    started = time.monotonic()
+    results = asyncio.run(main())
+    assert all(isinstance(result, RedisConnectionError | OSError) for result in results), results
+    assert time.monotonic() - started < 5
