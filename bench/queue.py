@@ -1,12 +1,14 @@
 """What the queue costs: the same streamed requests, embedded engine vs workers behind Redis.
 
-    python -m bench.queue [--streams 32] [--max-tokens 64] [--models default,tiny]
+    python -m bench.queue [--streams 32] [--max-tokens 64] [--rounds 5] [--models default,tiny]
 
 For each model it runs, in turn, ``sluice serve`` with the engine in the API
 process (the baseline) and then ``redis-server`` + one ``sluice worker`` +
 ``sluice serve --redis``, with the same engine settings (one engine, batch =
 ``--streams``), and sends both the same ``--streams`` concurrent greedy
-streams through the Chat Completions API. It prints time to first token and
+streams through the Chat Completions API, ``--rounds`` times (the
+percentiles pool every round: one burst on a shared machine is noisy). It
+prints time to first token and
 inter-token latency (p50/p99, measured by the client between content
 chunks), the distributed minus embedded difference, and the API process's
 CPU seconds per streamed token (embedded: that process also runs the model;
@@ -222,8 +224,10 @@ def run_configuration(mode: str, model: str, args: argparse.Namespace, workdir: 
         asyncio.run(run_streams(base_url, served, 1, 4))  # warm-up (and waits for the worker)
         before = cpu_seconds(api.pid)
         started = time.perf_counter()
-        streams = asyncio.run(run_streams(base_url, served, args.streams, args.max_tokens))
-        wall = time.perf_counter() - started
+        streams: list[StreamTiming] = []
+        for _ in range(args.rounds):
+            streams += asyncio.run(run_streams(base_url, served, args.streams, args.max_tokens))
+        wall = (time.perf_counter() - started) / args.rounds
         return RunResult(streams, wall, cpu_seconds(api.pid) - before)
     finally:
         processes.stop()
@@ -273,7 +277,9 @@ async def one_stream(
 # --- the table ---------------------------------------------------------------------
 
 
-def report(model: str, embedded: RunResult, distributed: RunResult) -> None:
+def report(
+    model: str, args: argparse.Namespace, embedded: RunResult, distributed: RunResult
+) -> None:
     def ms(value: float) -> str:
         return f"{value * 1e3:9.1f}"
 
@@ -283,8 +289,8 @@ def report(model: str, embedded: RunResult, distributed: RunResult) -> None:
     def metrics(result: RunResult) -> list[float]:
         return [result.ttft(50), result.ttft(99), result.itl(50), result.itl(99)]
 
-    print(f"\nmodel {model}: {len(embedded.streams)} concurrent streams")
-    print(f"{'':<13}{'tokens':>8}{'wall s':>8}{'TTFT p50':>9}{'TTFT p99':>9}"
+    print(f"\nmodel {model}: {args.streams} concurrent streams, {args.rounds} rounds")
+    print(f"{'':<13}{'tokens':>8}{'s/round':>8}{'TTFT p50':>9}{'TTFT p99':>9}"
           f"{'ITL p50':>9}{'ITL p99':>9}{'API CPU/tok':>14}   (ms, CPU in ms)")  # fmt: skip
     for label, result in (("embedded", embedded), ("distributed", distributed)):
         cpu = f"{result.cpu_per_token * 1e3:.3f}"
@@ -298,6 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--streams", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=5, help="bursts per configuration")
     parser.add_argument("--models", default="default,tiny", help="comma-separated: default, tiny")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="sluice-bench-queue-") as directory:
@@ -307,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
                 mode: run_configuration(mode, model, args, workdir)
                 for mode in ("embedded", "distributed")
             }
-            report(model, results["embedded"], results["distributed"])
+            report(model, args, results["embedded"], results["distributed"])
     print(f"\n{os.cpu_count()} CPUs; client, API, worker and Redis share them.")
     return 0
 
