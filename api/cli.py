@@ -26,13 +26,17 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
 def _generate(args: argparse.Namespace) -> int:
     from engine import LLM, SamplingParams
 
-    llm = LLM(
-        args.model,
-        dtype=args.dtype,
-        quantization=args.quantization,
-        max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs,
-    )
+    try:
+        llm = LLM(
+            args.model,
+            dtype=args.dtype,
+            quantization=args.quantization,
+            max_model_len=args.max_model_len,
+            max_num_seqs=args.max_num_seqs,
+        )
+    except (ValueError, OSError) as exc:  # unknown model, missing weights, bad options
+        print(f"sluice generate: {exc}", file=sys.stderr)
+        return 2
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed
     )
