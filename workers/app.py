@@ -18,9 +18,9 @@ a fraction of the timeout, a dead worker's job is back in its queue
 ``visibility_timeout`` plus at most one interval after its last refresh,
 provided some worker for that queue is alive to sweep (a restarting worker
 sweeps when it starts polling). A warm shutdown's hand-back does not wait for
-any of this: the task rejects with ``requeue=True`` and the message is back
-in its queue at once (at the tail: kombu requeues a reject with ``LPUSH``,
-while a swept message goes to the head).
+any of this: the task pushes the job to the head of its queue at once and
+acks the old message (see ``workers.task``; kombu's own requeue of a reject
+would ``LPUSH`` it to the tail, while a swept message goes to the head).
 """
 
 from __future__ import annotations

@@ -6,6 +6,14 @@ deadline, already finished) or hands a ``Run`` to the engine host and waits
 for its outcome. Returning acks the message; ``Reject(requeue=True)`` puts
 it back in its queue for another worker to resume.
 
+A job handed back mid-generation (a drain, or Redis refusing its events)
+goes back first in line: the task pushes it to the head of its queue and
+acks the old message. Celery's own requeue (``Reject(requeue=True)``) puts
+it at the tail, where a client whose stream is already running would wait
+behind every job queued since; it remains the fallback when the push fails.
+An ack lost after the push only leads to a second delivery, which the
+request's lease turns into one more resumption.
+
 Deadlines are the job's own, not Celery's: a message's ``expires`` would
 make Celery drop an expired job unanswered, and drop a redelivered job that
 had already started streaming, so ``ResumableRequest`` ignores it and the
@@ -27,6 +35,7 @@ from celery.worker.request import Request
 from shared import keys
 from shared.event_codec import decode_event
 from shared.events import Error, Finish, FinishReason, InferenceEvent, Ready, Text
+from shared.task_message import task_message
 from shared.wire import Job, decode_job
 from workers.host import Outcome, Resume, Run, WorkerHost
 from workers.publisher import Batch, EventPublisher
@@ -119,7 +128,16 @@ def run_job(context: TaskContext, payload: str) -> None:
         raise
     if outcome in REQUEUED:
         log.info("handing %s back to the queue (%s)", job.request.request_id, outcome.value)
-        raise Reject(outcome.value, requeue=True)
+        requeue_first(context.client, job, outcome.value)
+
+
+def requeue_first(client: redis.Redis, job: Job, reason: str) -> None:
+    """Put ``job`` at the head of its queue; ``Reject`` to the tail if Redis refuses."""
+    queue, message = task_message(job)
+    try:
+        client.rpush(queue, message)
+    except redis.RedisError as exc:
+        raise Reject(f"{reason} ({exc})", requeue=True) from exc
 
 
 def _run(context: TaskContext, job: Job) -> Outcome:

@@ -55,7 +55,7 @@ class WorkerQueue:
             redis_url, decode_responses=True, socket_timeout=5, socket_connect_timeout=2
         )
         self._reader = EventReader(redis_url)
-        self._queue = JobQueue(self._redis, "sluice-jobs")
+        self._queue = JobQueue(self._redis)
         self.stopping = False
 
     async def start(self) -> None:
