@@ -31,6 +31,7 @@ from typing import Any
 from celery import Celery
 from kombu import Exchange, Queue
 
+from workers.transport import Transport
 from workers.visibility import UNACKED_INDEX_KEY
 
 DEFAULT_VISIBILITY_TIMEOUT_S = 60
@@ -76,6 +77,7 @@ def create_app(
         result_backend=None,
         task_serializer="json",
         accept_content=["json"],
+        broker_transport=Transport,  # kombu's Redis transport, taking bursts at once
         broker_transport_options=broker_transport_options(visibility_timeout_s),
         broker_connection_retry=True,
         broker_connection_retry_on_startup=True,

@@ -41,6 +41,14 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+EARLY_CANCEL_MEMORY_S = 30.0
+"""How long a cancel for a request not running here is kept for a run that may follow.
+
+A task reads the cancel flag before it submits its run; a cancel published
+in between reaches the engine thread before the run does. The window is
+milliseconds; every cancel of every worker passes through here, so the
+memory is kept short."""
+
 
 class Outcome(Enum):
     FINISHED = "finished"  # a Finish or Error is in the stream
@@ -113,6 +121,7 @@ class WorkerHost:
         self._thread = EngineThread(engine, self._on_events, self._on_step_failure)
         self._runs: dict[str, Run] = {}  # by engine id; engine thread only
         self._current: dict[str, Run] = {}  # by request id; written under _idle
+        self._early_cancels: dict[str, float] = {}  # request id -> when; engine thread only
         self._idle = threading.Condition()  # notified whenever a run resolves
         self.draining = False
         self.snapshot = self._take_snapshot(engine)
@@ -185,13 +194,29 @@ class WorkerHost:
         except ValueError as exc:  # the engine refuses what it cannot run
             error = Error(run.request_id, str(exc), "invalid_request")
             self._publish(engine, {run.engine_id: [error]})
+        else:
+            if self._early_cancels.pop(run.request_id, None) is not None:
+                self._cancel(engine, run.request_id)
         self._refresh(engine)
 
     def _cancel(self, engine: LLMEngine, request_id: str) -> None:
         run = self._current.get(request_id)
-        if run is not None and engine.abort(run.engine_id):
+        if run is None:
+            self._remember_cancel(request_id)
+        elif engine.abort(run.engine_id):
             log.info("cancelled %s (attempt %d)", request_id, run.attempt)
             self._refresh(engine)
+
+    def _remember_cancel(self, request_id: str) -> None:
+        """Keep a cancel for a run that may still be on its way (oldest first, pruned)."""
+        now = time.monotonic()
+        cancels = self._early_cancels
+        cancels.pop(request_id, None)
+        cancels[request_id] = now
+        for oldest, when in list(cancels.items()):
+            if when >= now - EARLY_CANCEL_MEMORY_S:
+                break
+            del cancels[oldest]
 
     def _hand_back_all(self, engine: LLMEngine) -> None:
         for run in list(self._runs.values()):

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,6 +38,7 @@ from shared.event_codec import decode_event
 from shared.events import Error, Finish, FinishReason, InferenceEvent, Ready, Text
 from shared.task_message import task_message
 from shared.wire import Job, decode_job
+from workers.coalescer import Coalescer
 from workers.host import Outcome, Resume, Run, WorkerHost
 from workers.publisher import Batch, EventPublisher
 
@@ -54,6 +56,10 @@ class TaskContext:
     publisher: EventPublisher
     host: WorkerHost
     model: str  # the registry name this worker serves
+    begin: Coalescer[str, Start] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.begin = Coalescer(lambda request_ids: begin_all(self.client, request_ids))
 
 
 @dataclass(slots=True)
@@ -86,6 +92,15 @@ class History:
     def trimmed(self) -> bool:
         """Tokens without a Ready before them: ``MAXLEN ~`` cut the stream's start."""
         return bool(self.token_ids) and not self.started
+
+
+@dataclass(frozen=True, slots=True)
+class Start:
+    """Where a job's attempt starts: its number, the cancel flag, the stream so far."""
+
+    attempt: int
+    cancelled: bool
+    history: History
 
 
 class ResumableRequest(Request):
@@ -142,17 +157,17 @@ def requeue_first(client: redis.Redis, job: Job, reason: str) -> None:
 
 def _run(context: TaskContext, job: Job) -> Outcome:
     request = job.request
-    attempt, cancelled, history = _begin(context.client, request.request_id)
+    start = context.begin(request.request_id)
+    history = start.history
     if history.finished:
         return Outcome.FINISHED
-    answer = _answer_without_engine(context.model, job, cancelled, history)
+    answer = _answer_without_engine(context.model, job, start.cancelled, history)
     if answer is not None:
-        context.publisher.publish([Batch(request.request_id, attempt, [answer])])
+        context.publisher.publish([Batch(request.request_id, start.attempt, [answer])])
         return Outcome.FINISHED
     resume = Resume(history.token_ids, history.chars) if history.started else None
-    run = Run(request, attempt, resume)
-    context.host.submit(run)
-    _recheck_cancel(context, request.request_id)
+    run = Run(request, start.attempt, resume)
+    context.host.submit(run)  # a cancel heard since the flag was read still reaches it
     return _wait(context.host, run)
 
 
@@ -175,31 +190,26 @@ def _answer_without_engine(
     return None
 
 
-def _begin(client: redis.Redis, request_id: str) -> tuple[int, bool, History]:
-    """Take the next attempt, then read the cancel flag and the stream, atomically.
+def begin_all(client: redis.Redis, request_ids: Sequence[str]) -> list[Start]:
+    """Take each job's next attempt, then read its cancel flag and stream, atomically.
 
     Taking the attempt first fences the previous attempt out, so the stream
-    read here is all that attempt will ever have written.
+    read here is all that attempt will ever have written. The jobs of a
+    burst share one transaction (see ``TaskContext.begin``).
     """
-    lease = keys.lease(request_id)
     pipe = client.pipeline(transaction=True)
-    pipe.incr(lease)
-    pipe.expire(lease, keys.FINISHED_STREAM_TTL_S)
-    pipe.exists(keys.cancel_flag(request_id))
-    pipe.xrange(keys.event_stream(request_id))
-    attempt, _, cancelled, entries = pipe.execute()
-    return int(attempt), bool(cancelled), History.read(request_id, entries)
-
-
-def _recheck_cancel(context: TaskContext, request_id: str) -> None:
-    """A cancel published between ``_begin`` and the submit reached no run: look again."""
-    try:
-        cancelled = context.client.exists(keys.cancel_flag(request_id))
-    except redis.RedisError as exc:  # the watcher's periodic check will catch it
-        log.warning("could not recheck the cancel flag of %s: %s", request_id, exc)
-        return
-    if cancelled:
-        context.host.cancel(request_id)
+    for request_id in request_ids:
+        lease = keys.lease(request_id)
+        pipe.incr(lease)
+        pipe.expire(lease, keys.FINISHED_STREAM_TTL_S)
+        pipe.exists(keys.cancel_flag(request_id))
+        pipe.xrange(keys.event_stream(request_id))
+    replies = pipe.execute()
+    starts = []
+    for index, request_id in enumerate(request_ids):
+        attempt, _, cancelled, entries = replies[4 * index : 4 * index + 4]
+        starts.append(Start(int(attempt), bool(cancelled), History.read(request_id, entries)))
+    return starts
 
 
 def _fail(context: TaskContext, request_id: str, message: str) -> None:

@@ -52,3 +52,25 @@ def test_job_cancelled_while_generating_stops_within_a_step(
     assert events[-1].completion_tokens == sum(isinstance(event, Text) for event in events)
     wait_until(lambda: producer.heartbeat()["aborted"] > aborted, 5, "the abort in the heartbeat")
     assert producer.heartbeat()["running"] == 0
+
+
+def test_cancel_heard_before_its_run_reaches_the_engine_still_stops_it(
+    worker: WorkerRuntime, producer: Producer, client: redis.Redis
+) -> None:
+    """A cancel published after the task read the flag, but before it submitted its run."""
+    from shared.registry import DEFAULT_MODEL
+    from shared.wire import PreparedRequest
+    from workers.host import Outcome, Run
+
+    request_id = uuid.uuid4().hex
+    worker.host.cancel(request_id)  # what the watcher does with a cancel it hears
+    attempt = int(client.incr(keys.lease(request_id)))
+    request = PreparedRequest(request_id, DEFAULT_MODEL, [1, 9690, 314, 253], LONG, created=0.0)
+    run = Run(request, attempt)
+
+    worker.host.submit(run)
+
+    assert run.wait(30) is Outcome.FINISHED
+    events = producer.events(request_id)
+    assert isinstance(events[-1], Finish) and events[-1].reason is FinishReason.ABORT
+    assert sum(isinstance(event, Text) for event in events) <= 1

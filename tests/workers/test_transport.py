@@ -1,0 +1,123 @@
+"""The worker's broker transport takes a burst in one read and records it as kombu would.
+
+A real Redis and kombu's own producer and consumer, over ``workers.transport``.
+Each test uses a queue of its own, so the session's worker never sees these
+messages.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Iterator
+
+import pytest
+import redis
+from kombu import Connection, Consumer, Exchange, Producer, Queue
+from kombu.transport.redis import Channel as KombuChannel
+
+from workers.transport import Transport
+
+UNACKED, UNACKED_INDEX = KombuChannel.unacked_key, KombuChannel.unacked_index_key
+
+
+@pytest.fixture
+def queue() -> Queue:
+    name = f"transport-test-{uuid.uuid4().hex}"
+    return Queue(name, Exchange(name, type="direct"), routing_key=name)
+
+
+@pytest.fixture
+def connection(redis_url: str) -> Iterator[Connection]:
+    with Connection(redis_url, transport=Transport) as conn:
+        yield conn
+
+
+def _publish(connection: Connection, queue: Queue, count: int, priority: int = 0) -> list[str]:
+    bodies = [f"{queue.name}-{priority}-{index}" for index in range(count)]
+    with connection.channel() as channel:
+        producer = Producer(channel)
+        for body in bodies:
+            producer.publish(body, exchange=queue.exchange, routing_key=queue.routing_key,
+                             declare=[queue], priority=priority)  # fmt: skip
+    return bodies
+
+
+def _consume_once(connection: Connection, queue: Queue, prefetch: int) -> list:
+    """Every message the first ``drain_events`` delivers."""
+    received: list = []
+    channel = connection.channel()
+    channel.basic_qos(prefetch_count=prefetch)
+    with Consumer(channel, queues=[queue], callbacks=[lambda _, message: received.append(message)]):
+        connection.drain_events(timeout=5)
+    return received
+
+
+def test_one_read_takes_the_burst_up_to_the_prefetch_credit(
+    connection: Connection, queue: Queue, client: redis.Redis
+) -> None:
+    bodies = _publish(connection, queue, 10)
+
+    received = _consume_once(connection, queue, prefetch=6)
+
+    assert [message.payload for message in received] == bodies[:6]  # oldest first, as BRPOP
+    assert client.llen(queue.name) == 4  # the rest wait for credit (or another worker)
+
+
+def test_taken_messages_are_recorded_as_kombu_records_them(
+    connection: Connection, queue: Queue, client: redis.Redis
+) -> None:
+    _publish(connection, queue, 5)
+
+    received = _consume_once(connection, queue, prefetch=10)
+
+    assert len(received) == 5
+    for message in received:
+        tag = message.delivery_tag
+        assert client.zscore(UNACKED_INDEX, tag) is not None
+        raw, exchange, routing_key = json.loads(client.hget(UNACKED, tag))
+        assert raw == message._raw  # what kombu's restore puts back in the queue
+        assert (exchange, routing_key) == (queue.exchange.name, queue.routing_key)
+    for message in received:
+        message.ack()
+        assert client.hget(UNACKED, message.delivery_tag) is None
+        assert client.zscore(UNACKED_INDEX, message.delivery_tag) is None
+
+
+def test_a_taken_message_is_restored_to_its_queue_like_any_unacked_one(
+    connection: Connection, queue: Queue, client: redis.Redis
+) -> None:
+    _publish(connection, queue, 3)
+    received = _consume_once(connection, queue, prefetch=10)
+    assert client.llen(queue.name) == 0
+
+    channel = received[0].channel
+    for message in received:
+        channel.qos.restore_by_tag(message.delivery_tag, leftmost=True)
+
+    assert client.llen(queue.name) == 3
+    assert all(client.hget(UNACKED, message.delivery_tag) is None for message in received)
+
+
+def test_higher_priorities_are_taken_first(
+    connection: Connection, queue: Queue, client: redis.Redis
+) -> None:
+    low = _publish(connection, queue, 2, priority=9)
+    high = _publish(connection, queue, 2, priority=0)
+
+    received = _consume_once(connection, queue, prefetch=3)
+
+    assert [message.payload for message in received] == high + low[:1]
+
+
+def test_a_message_that_is_not_json_is_dropped_without_losing_the_burst(
+    connection: Connection, queue: Queue, client: redis.Redis
+) -> None:
+    good = _publish(connection, queue, 2)
+    client.lpush(queue.name, "not json")
+    more = _publish(connection, queue, 1)
+
+    received = _consume_once(connection, queue, prefetch=10)
+
+    assert [message.payload for message in received] == good + more
+    assert client.llen(queue.name) == 0

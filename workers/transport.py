@@ -1,0 +1,160 @@
+"""kombu's Redis transport, taking a burst of jobs in one round trip.
+
+kombu's consumer takes one message per ``BRPOP`` and then makes one more
+round trip to record it as unacked (``unacked`` hash + ``unacked_index``),
+so a burst of 32 jobs reached a worker one message, and two round trips, at
+a time: about 1-1.7 ms per job on two shared cores, 30-50 ms for the last of
+the burst, while the engine could have admitted them all in one step.
+
+Here, once ``BRPOP`` wakes the consumer, one script records that message
+and pops up to the consumer's remaining prefetch credit from the same
+queues (in ``BRPOP``'s priority order), recording each popped message as
+unacked in the same atomic step, so a popped job is never outside both the
+queue and the unacked records. The messages are then delivered one by one,
+as ``BRPOP`` would have delivered them; their unacked records are already
+written, so ``append`` skips that round trip. Everything else (acks,
+rejects, the redelivery sweep) is kombu's own.
+
+A message the script cannot parse is popped but not recorded, and kombu's
+own ``append`` records it, as it would have for a ``BRPOP``ed one.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from kombu.transport import redis as kombu_redis
+from kombu.transport.virtual import QoS as VirtualQoS
+from kombu.utils.encoding import bytes_to_str
+from kombu.utils.json import loads
+
+log = logging.getLogger(__name__)
+
+TAKE_SCRIPT = """
+-- KEYS: unacked index, unacked hash, then the queue lists in BRPOP's order.
+-- ARGV: now, how many more messages to pop, the message BRPOP took ('' if none).
+local function record(item)
+  local ok, message = pcall(cjson.decode, item)
+  if not ok or type(message) ~= 'table' then return end
+  local properties = message['properties']
+  if type(properties) ~= 'table' or type(properties['delivery_tag']) ~= 'string' then return end
+  local info = properties['delivery_info'] or {}
+  local exchange = cjson.encode(info['exchange'] or '')
+  local routing_key = cjson.encode(info['routing_key'] or '')
+  redis.call('ZADD', KEYS[1], ARGV[1], properties['delivery_tag'])
+  redis.call('HSET', KEYS[2], properties['delivery_tag'],
+             '[' .. item .. ',' .. exchange .. ',' .. routing_key .. ']')
+end
+if ARGV[3] ~= '' then record(ARGV[3]) end
+local taken = {}
+local wanted = tonumber(ARGV[2])
+for i = 3, #KEYS do
+  while wanted > 0 do
+    local item = redis.call('RPOP', KEYS[i])
+    if not item then break end
+    record(item)
+    taken[#taken + 1] = KEYS[i]
+    taken[#taken + 1] = item
+    wanted = wanted - 1
+  end
+end
+return taken
+"""
+
+
+class QoS(kombu_redis.QoS):
+    """kombu's Redis QoS, minus the unacked write for messages the script recorded."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.recorded: set[str] = set()  # delivery tags written by the take script
+
+    def append(self, message: Any, delivery_tag: str) -> None:
+        if delivery_tag in self.recorded:
+            self.recorded.discard(delivery_tag)
+            VirtualQoS.append(self, message, delivery_tag)
+        else:
+            super().append(message, delivery_tag)
+
+
+class Channel(kombu_redis.Channel):
+    QoS = QoS
+    _take_script: Any = None
+
+    def _brpop_read(self, **options: Any) -> bool:
+        """kombu's ``_brpop_read``, followed by the rest of the burst the credit allows."""
+        try:
+            try:
+                reply = self.client.parse_response(self.client.connection, "BRPOP", **options)
+            except self.connection_errors:
+                self.client.connection.disconnect()  # the next poll reconnects
+                raise
+            if not reply:
+                raise kombu_redis.Empty()
+            first_key, first_item = bytes_to_str(reply[0]), bytes_to_str(reply[1])
+            self._queue_cycle.rotate(self._queue_of(first_key))
+            for key, message in self._take_more(first_key, first_item):
+                self.connection._deliver(message, self._queue_of(key))
+            return True
+        finally:
+            self._in_poll = None
+            self._flush_brpop_reauth()
+
+    def _take_more(self, first_key: str, first_item: str) -> list[tuple[str, Any]]:
+        """The first message and up to the remaining credit more, decoded.
+
+        If the script fails, only the first message is returned, unmarked:
+        kombu's ``append`` then records it, or fails the way it would have.
+        """
+        try:
+            taken = self._run_take_script(first_item)
+        except self.connection_errors as exc:
+            log.warning("could not take a burst from Redis: %s", exc)
+            return [(first_key, loads(first_item))]
+        messages = []
+        for key, item in [(first_key, first_item), *taken]:
+            try:
+                message = loads(item)
+            except ValueError:
+                log.error("dropping a message that is not JSON from %s: %.200r", key, item)
+                continue
+            tag = _delivery_tag(message)
+            if tag is not None:
+                self.qos.recorded.add(tag)
+            messages.append((key, message))
+        return messages
+
+    def _run_take_script(self, first_item: str) -> list[tuple[str, str]]:
+        more = max(self.qos.can_consume_max_estimate() - 1, 0)
+        queues = self._queue_cycle.consume(len(self.active_queues))
+        keys = [self._q_for_pri(queue, pri) for pri in self.priority_steps for queue in queues]
+        with self.conn_or_acquire() as client:
+            if self._take_script is None:
+                self._take_script = client.register_script(TAKE_SCRIPT)
+            reply = self._take_script(
+                keys=[self.unacked_index_key, self.unacked_key, *keys],
+                args=[time.time(), more, first_item],
+                client=client,
+            )
+        pairs = zip(reply[::2], reply[1::2], strict=True)
+        return [(bytes_to_str(key), bytes_to_str(item)) for key, item in pairs]
+
+    def _queue_of(self, key: str) -> str:
+        return key.rsplit(self.sep, 1)[0]
+
+
+def _delivery_tag(message: Any) -> str | None:
+    """The tag the script recorded the message under, if it could."""
+    try:
+        tag = message["properties"]["delivery_tag"]
+    except (KeyError, TypeError):
+        return None
+    return tag if isinstance(tag, str) else None
+
+
+class Transport(kombu_redis.Transport):
+    """Pass as Celery's ``broker_transport`` with a ``redis://`` broker URL."""
+
+    Channel = Channel
