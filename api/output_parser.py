@@ -81,8 +81,19 @@ class StopMatched:
     stop: str
 
 
+@dataclass(slots=True, frozen=True)
+class ToolCallsDone:
+    """The one tool call a ``single_tool_call`` request allows has ended: so has the answer."""
+
+
 Delta = (
-    ContentDelta | ReasoningDelta | ToolCallStart | ToolCallArgsDelta | ToolCallEnd | StopMatched
+    ContentDelta
+    | ReasoningDelta
+    | ToolCallStart
+    | ToolCallArgsDelta
+    | ToolCallEnd
+    | StopMatched
+    | ToolCallsDone
 )
 
 
@@ -129,6 +140,7 @@ class ParserConfig:
     starts_in_reasoning: bool = False  # the prompt already opened the reasoning block
     tool_calls: Delimiters | None = None
     stop: Sequence[str] = ()
+    single_tool_call: bool = False  # stop parsing (and generating) after the first call
 
     def __post_init__(self) -> None:
         self.stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
@@ -277,8 +289,8 @@ class OutputParser:
         end, marker = self._finders[_State.TAIL].find(buffer, pos)
         if marker is None:
             return end
-        self._end_call()
         self._state = _State.CONTENT
+        self._end_call()
         return end + len(marker)
 
     def _read_held_body(self, buffer: str, pos: int) -> int:
@@ -286,8 +298,8 @@ class OutputParser:
         self._body.append(buffer[pos:end])
         if marker is None:
             return end
-        self._resolve_held_body(closed=True)
         self._state = _State.CONTENT
+        self._resolve_held_body(closed=True)
         return end + len(marker)
 
     def _resolve_held_body(self, closed: bool) -> None:
@@ -307,6 +319,9 @@ class OutputParser:
         self._emit(ToolCallEnd(self._calls))
         self._calls += 1
         self._strip_content = True
+        if self._config.single_tool_call:
+            self._emit(ToolCallsDone())
+            self._state = _State.STOPPED
 
     def _content(self, text: str) -> None:
         if self._strip_content:

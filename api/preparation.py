@@ -255,6 +255,7 @@ def parsing_options(encoded: Encoded, thinking: bool) -> ParsingOptions:
         starts_in_reasoning=reasoning is not None and _opens(encoded.rendered, reasoning),
         tool_calls=_pair(HERMES_TOOL_CALL) if tools and _hermes_tool_calls(encoded.model) else None,
         stop=list(encoded.request.stop),
+        single_tool_call=tools and not conversation.tool_choice.parallel,
     )
 
 
@@ -265,6 +266,7 @@ def parser_config(options: ParsingOptions) -> ParserConfig:
         starts_in_reasoning=options.starts_in_reasoning,
         tool_calls=Delimiters(*options.tool_calls) if options.tool_calls else None,
         stop=options.stop,
+        single_tool_call=options.single_tool_call,
     )
 
 

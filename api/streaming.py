@@ -26,6 +26,7 @@ from api.output_parser import (
     OutputParser,
     ReasoningDelta,
     StopMatched,
+    ToolCallsDone,
     ToolCallStart,
 )
 from api.protocols.base import FinishKind, LogprobEntry, ResponseBuilder, SSEChunk, Usage
@@ -39,7 +40,8 @@ class StreamProcessor:
     ``push`` each event, then ``finish`` when the events run out, and
     ``close`` when done (idempotent; later events are ignored). ``done`` turns
     true once the response is complete, possibly before the engine says so: a
-    stop string found by the parser ends the response at once, and the caller
+    stop string found by the parser, or the end of the one tool call a request
+    allowed, ends the response at once, and the caller
     should then stop reading (which cancels the request). After an ``Error``
     event, ``error`` holds it as an ``ApiError``.
     """
@@ -61,6 +63,7 @@ class StreamProcessor:
         self._in_reasoning = False
         self._tool_calls = False
         self._stop_matched: str | None = None
+        self._calls_done = False  # the one tool call allowed has ended
         self._pending_logprobs: list[LogprobEntry] = []
         self.done = False
         self.error: ApiError | None = None
@@ -116,6 +119,9 @@ class StreamProcessor:
         if self._stop_matched is not None:  # the parser found a stop string: end here
             chunks += self._emit(self._parser.finish())
             chunks += self._complete("stop_sequence", self._stop_matched)
+        elif self._calls_done:  # the one tool call allowed has ended: so has the turn
+            chunks += self._emit(self._parser.finish())
+            chunks += self._complete("tool_calls", None)
         return chunks
 
     def _finish(self, event: Finish) -> list[SSEChunk]:
@@ -150,6 +156,9 @@ class StreamProcessor:
         for delta in deltas:
             if isinstance(delta, StopMatched):
                 self._stop_matched = delta.stop
+                continue
+            if isinstance(delta, ToolCallsDone):
+                self._calls_done = True
                 continue
             self._in_reasoning = isinstance(delta, ReasoningDelta)
             self._tool_calls = self._tool_calls or isinstance(delta, ToolCallStart)

@@ -112,10 +112,15 @@ class Tool:
 
 @dataclass(slots=True)
 class ToolChoice:
-    """Whether the model may, must or must not call tools; ``function`` names one."""
+    """Whether the model may, must or must not call tools; ``function`` names one.
+
+    ``parallel`` False allows at most one call per turn (OpenAI's
+    ``parallel_tool_calls``, Anthropic's ``disable_parallel_tool_use``).
+    """
 
     mode: ToolChoiceMode = "auto"
     name: str | None = None
+    parallel: bool = True
 
 
 @dataclass(slots=True)

@@ -18,8 +18,8 @@ Mapping choices:
   ``output_config.effort`` becomes the reasoning effort (``xhigh`` → ``max``),
   ``output_config.format`` a JSON schema response format.
 - ``metadata.user_id`` travels in ``GenerationRequest.metadata``.
-- ``disable_parallel_tool_use`` and ``cache_control`` are accepted and have no
-  effect.
+- ``disable_parallel_tool_use`` ends the answer after its first tool call.
+  ``cache_control`` is accepted and has no effect (prefix caching is automatic).
 """
 
 from __future__ import annotations
@@ -135,14 +135,17 @@ def _check_tools(tools: list[Tool]) -> None:
 
 def _tool_choice(choice: ToolChoiceBody | None, tools: list[Tool]) -> ToolChoice:
     match choice:
-        case None | ToolChoiceAuto():
+        case None:
             return ToolChoice("auto")
+        case ToolChoiceAuto():
+            return ToolChoice("auto", parallel=not choice.disable_parallel_tool_use)
         case ToolChoiceNone():
             return ToolChoice("none")
     if not tools:
         raise bad_request(f"tool_choice: {choice.type!r} needs at least one tool", "tool_choice")
+    parallel = not choice.disable_parallel_tool_use
     if isinstance(choice, ToolChoiceAny):
-        return ToolChoice("required")
+        return ToolChoice("required", parallel=parallel)
     names = [tool.name for tool in tools]
     if choice.name not in names:
         raise bad_request(
@@ -150,7 +153,7 @@ def _tool_choice(choice: ToolChoiceBody | None, tools: list[Tool]) -> ToolChoice
             f"got {choice.name!r}",
             "tool_choice.name",
         )
-    return ToolChoice("function", choice.name)
+    return ToolChoice("function", choice.name, parallel)
 
 
 def _thinking(config: ThinkingBody | None) -> bool | None:

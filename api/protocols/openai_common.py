@@ -345,18 +345,21 @@ def error_body(error: ApiError) -> dict[str, Any]:
 def read_tool_choice(fields: Fields, tools: list[Tool], *, nested: bool) -> ToolChoice:
     """``tool_choice``: a mode, or a named function that must be among ``tools``.
 
+    ``parallel_tool_calls`` false allows one call per turn.
+
     Chat Completions nests the name (``{"type": "function", "function":
     {"name": ...}}``); Responses does not (``{"type": "function", "name": ...}``).
     """
     value = fields.get("tool_choice")
+    parallel = fields.boolean("parallel_tool_calls") is not False
     if value is None:
-        return ToolChoice()
+        return ToolChoice(parallel=parallel)
     if isinstance(value, str) and value in ("none", "auto", "required"):
         if value == "required" and not tools:
             raise bad_request(
                 "tool_choice 'required' needs at least one tool in tools", "tool_choice"
             )
-        return ToolChoice(value)  # type: ignore[arg-type]
+        return ToolChoice(value, parallel=parallel)  # type: ignore[arg-type]
     if not isinstance(value, dict) or value.get("type") != "function":
         named = '"function": {"name": ...}' if nested else '"name": ...'
         accepted = f"'none', 'auto', 'required' or {{\"type\": \"function\", {named}}}"
@@ -368,4 +371,4 @@ def read_tool_choice(fields: Fields, tools: list[Tool], *, nested: bool) -> Tool
     names = [tool.name for tool in tools]
     if name not in names:
         raise choice.error("name", f"the name of a function in tools ({', '.join(names)})")
-    return ToolChoice("function", name)
+    return ToolChoice("function", name, parallel)

@@ -155,9 +155,10 @@ def test_tools_and_tool_choice() -> None:
     assert tool.parameters["properties"] == {"city": {"type": "string"}}
     assert request.conversation.tool_choice.mode == "required"
     assert request.echo["parallel_tool_calls"] is False
+    assert request.conversation.tool_choice.parallel is False
     named = {"type": "function", "function": {"name": "weather"}}
     choice = parse(body(tools=[WEATHER], tool_choice=named)).conversation.tool_choice
-    assert (choice.mode, choice.name) == ("function", "weather")
+    assert (choice.mode, choice.name, choice.parallel) == ("function", "weather", True)
     bare = {"type": "function", "function": {"name": "now"}}
     assert parse(body(tools=[bare])).conversation.tools[0].parameters["type"] == "object"
 

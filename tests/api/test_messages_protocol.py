@@ -222,8 +222,8 @@ def test_earlier_assistant_turns_are_not_prefills():
 def test_tools_and_every_tool_choice():
     tools = [WEATHER_TOOL, {"name": "noop", "input_schema": {"type": "object"}, "type": "custom"}]
     choices = {
-        "auto": ToolChoice("auto"),
-        "any": ToolChoice("required"),
+        "auto": ToolChoice("auto", parallel=False),
+        "any": ToolChoice("required", parallel=False),
         "none": ToolChoice("none"),
     }
     for kind, expected in choices.items():
@@ -232,7 +232,7 @@ def test_tools_and_every_tool_choice():
         )
         assert parse(body(tools=tools, tool_choice=choice)).conversation.tool_choice == expected
     named = parse(body(tools=tools, tool_choice={"type": "tool", "name": "noop"}))
-    assert named.conversation.tool_choice == ToolChoice("function", "noop")
+    assert named.conversation.tool_choice == ToolChoice("function", "noop")  # parallel allowed
     assert named.conversation.tools == [
         Tool("get_weather", "Weather for a city", WEATHER_TOOL["input_schema"]),
         Tool("noop", None, {"type": "object"}),

@@ -26,6 +26,7 @@ from api.output_parser import (
     StopMatched,
     ToolCallArgsDelta,
     ToolCallEnd,
+    ToolCallsDone,
     ToolCallStart,
     merge_deltas,
     new_tool_call_id,
@@ -390,3 +391,32 @@ def test_config_rejects_unusable_settings(kwargs) -> None:
 
 def test_single_stop_string_is_not_split_into_characters() -> None:
     assert ParserConfig(stop="END").stop == ("END",)
+
+
+TWO_CALLS = (
+    'Let me check.<tool_call>\n{"name": "a", "arguments": {"x": 1}}\n</tool_call>\n'
+    '<tool_call>\n{"name": "b", "arguments": {}}\n</tool_call>'
+)
+
+
+@pytest.mark.parametrize("cut", [1, 7, 20, 40, len(TWO_CALLS)])
+def test_a_single_tool_call_request_stops_after_its_first_call(cut: int) -> None:
+    config = ParserConfig(tool_calls=HERMES_TOOL_CALL, single_tool_call=True)
+
+    deltas = merged(config, [TWO_CALLS[:cut], TWO_CALLS[cut:]])
+
+    assert deltas == [ContentDelta("Let me check."), *call(0, "a", '{"x": 1}'), ToolCallsDone()]
+
+
+def test_a_single_tool_call_request_stops_after_a_held_body_too() -> None:
+    config = ParserConfig(tool_calls=HERMES_TOOL_CALL, single_tool_call=True)
+    text = '<tool_call>{"arguments": {}, "name": "a"}</tool_call><tool_call>{"name": "b"}'
+
+    assert merged(config, [text]) == [*call(0, "a", "{}"), ToolCallsDone()]
+
+
+def test_parallel_tool_calls_are_all_parsed_by_default() -> None:
+    deltas = merged(ParserConfig(tool_calls=HERMES_TOOL_CALL), [TWO_CALLS])
+
+    assert [d.name for d in deltas if isinstance(d, ToolCallStart)] == ["a", "b"]
+    assert ToolCallsDone() not in deltas

@@ -48,7 +48,9 @@ def _parse(body: dict[str, Any]) -> GenerationRequest:
     conversation = Conversation(
         messages=[UserMessage([TextPart(text)]) for text in body.get("messages", ["Hi"])],
         tools=[Tool(name) for name in body.get("tools", [])],
-        tool_choice=ToolChoice(body.get("tool_choice", "auto")),
+        tool_choice=ToolChoice(
+            body.get("tool_choice", "auto"), parallel=body.get("parallel", True)
+        ),
         thinking=body.get("thinking"),
         reasoning_effort=body.get("reasoning_effort"),
     )
@@ -272,6 +274,14 @@ def test_tool_call_markup_is_parsed_only_when_tools_may_be_called(ctx: Preparati
     body = {"model": "default", "tools": ["get_weather"], "tool_choice": "none"}
     assert prepare(MINIMAL, body, ctx).wire.parsing.tool_calls is None
     assert prepare(MINIMAL, {"model": "default"}, ctx).wire.parsing.tool_calls is None
+
+
+def test_one_tool_call_per_turn_reaches_the_parser(ctx: PreparationContext):
+    body = {"model": "default", "tools": ["get_weather"], "parallel": False}
+    single = prepare(MINIMAL, body, ctx)
+    assert single.wire.parsing.single_tool_call and single.parser_config.single_tool_call
+    assert not prepare(MINIMAL, {**body, "parallel": True}, ctx).wire.parsing.single_tool_call
+    assert not prepare(MINIMAL, {**body, "tool_choice": "none"}, ctx).wire.parsing.single_tool_call
 
 
 def test_images_are_refused_for_a_model_that_cannot_see_them(default_spec: ModelSpec):

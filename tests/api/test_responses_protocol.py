@@ -180,6 +180,7 @@ def test_tools_tool_choice_and_text_format() -> None:
     assert conversation.tools[0].name == "weather"
     assert conversation.tools[0].parameters["properties"] == {"city": {"type": "string"}}
     assert (conversation.tool_choice.mode, conversation.tool_choice.name) == ("function", "weather")
+    assert conversation.tool_choice.parallel is False
     assert conversation.response_format.type == "json_schema"
     assert conversation.response_format.schema == {"type": "object"}
     assert conversation.response_format.strict is True

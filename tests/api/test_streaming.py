@@ -161,6 +161,17 @@ def test_a_stop_after_a_tool_call_is_a_tool_calls_finish(tokenizer):
     assert builder.finished()[0] == "tool_calls"
 
 
+def test_the_end_of_the_one_allowed_tool_call_ends_the_response(tokenizer):
+    config = ParserConfig(tool_calls=HERMES_TOOL_CALL, single_tool_call=True)
+    processor, builder = _processor(tokenizer, config)
+    first = '<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>'
+    _push_all(processor, [Ready(RID, 3, 0), _text(first[:20]), _text(first[20:] + "\n<tool")])
+    assert processor.done
+    assert [d.name for d in builder.deltas() if isinstance(d, ToolCallStart)] == ["f"]
+    assert builder.finished()[0] == "tool_calls"
+    assert processor.push(_text('_call>{"name": "g"')) == []
+
+
 def test_a_stop_string_found_by_the_parser_ends_the_response_at_once(tokenizer):
     processor, builder = _processor(tokenizer, ParserConfig(stop=["STOP"]))
     _push_all(processor, [Ready(RID, 3, 0), _text("abc ST"), _text("OP and more")])
