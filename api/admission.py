@@ -1,8 +1,9 @@
 """Who gets in and how long they may wait: the policy for queued (distributed) requests.
 
 Admission is decided before any preparation work, so a refused request costs
-one Redis round trip and no tokenizing. Three outcomes, each with the status
-a client can act on:
+one Redis round trip and no tokenizing; an admitted one holds its place in the
+model's shared in-flight set from then on. Three outcomes, each with the
+status a client can act on:
 
 - too much outstanding work for the model (queued + in flight ≥
   ``max_inflight``): 429, retry later;
@@ -20,9 +21,10 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from contextlib import asynccontextmanager, contextmanager
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from typing import Any
 
 from api.errors import ApiError
 from shared.events import Error
@@ -141,66 +143,87 @@ class FleetSnapshot:
         return math.ceil(self.outstanding / max(per_worker, 1))
 
 
+Reserve = Callable[[list[str]], Awaitable[set[str]]]
+Release = Callable[[str], Awaitable[None]]
+
+
 class Admission:
     """The admission check of one served model (see the module docstring).
 
-    ``outstanding`` counts the model's in-flight set in Redis, shared by every
-    API process. Requests this process has admitted but not yet added to
-    that set (still preparing, or being submitted) are counted locally, from
-    before the count is read, so a burst on one process cannot overshoot the
-    bound; across processes the bound can be exceeded by the requests in that
-    short window. A burst's admissions share one count: a request that finds
-    a count in flight waits for it rather than asking Redis again (one round
-    trip per burst instead of one per request, on the path to its first token).
+    A request is admitted by taking its place in the model's in-flight set,
+    which every API process shares, in the same atomic step that checks the
+    bound (``reserve``: ids in, the ids admitted out), so no number of API
+    processes can overshoot it. The place is the request's own entry: the
+    submission later only moves its expiry, and the end of the request
+    removes it; a request that fails before submission gives it back. The
+    admissions of one event-loop turn share one step (one round trip per
+    burst rather than per request, on the path to the first token).
     """
 
     def __init__(
         self,
         limits: Limits,
         snapshot: Callable[[], FleetSnapshot],
-        outstanding: Callable[[], Awaitable[int]],
+        reserve: Reserve,
+        release: Release,
         poll_s: float = 0.25,
     ) -> None:
         self._limits = limits
         self._snapshot = snapshot
-        self._outstanding = outstanding
+        self._reserve = reserve
+        self._release = release
         self._poll_s = poll_s
-        self._pending = 0
-        self._counting: asyncio.Future[int] | None = None
+        self._waiting: list[tuple[str, asyncio.Future[bool]]] = []
+        self._background: set[asyncio.Task[None]] = set()
 
     @asynccontextmanager
-    async def admit(self) -> AsyncIterator[None]:
-        """Hold a place while the request is prepared; raises 503 or 429 ``ApiError``s."""
+    async def admit(self, request_id: str) -> AsyncIterator[None]:
+        """Hold ``request_id``'s place while it is prepared; raises 503 or 429 ``ApiError``s."""
         await self._wait_for_worker()
-        with self.pending():
-            if await self._shared_outstanding() + self._pending > self._limits.max_inflight:
-                raise api_error(
-                    "rate_limited",
-                    f"Too many requests in flight for this model (the limit is "
-                    f"{self._limits.max_inflight}); retry after a short wait.",
-                )
-            yield
-
-    @contextmanager
-    def pending(self) -> Iterator[None]:
-        """Count a request that is admitted but not yet in the in-flight set."""
-        self._pending += 1
+        if not await self._take_place(request_id):
+            raise api_error(
+                "rate_limited",
+                f"Too many requests in flight for this model (the limit is "
+                f"{self._limits.max_inflight}); retry after a short wait.",
+            )
         try:
             yield
-        finally:
-            self._pending -= 1
+        except BaseException:
+            self._spawn(self._release(request_id))  # completes even if this task is cancelled
+            raise
 
-    async def _shared_outstanding(self) -> int:
-        """The in-flight count, from the query in flight if there is one."""
-        if self._counting is None:
-            self._counting = asyncio.ensure_future(self._outstanding())
-            self._counting.add_done_callback(self._count_done)
-        return await asyncio.shield(self._counting)
+    async def _take_place(self, request_id: str) -> bool:
+        admitted = asyncio.get_running_loop().create_future()
+        self._waiting.append((request_id, admitted))
+        if len(self._waiting) == 1:  # the first of this turn: reserve them all next turn
+            self._spawn(self._reserve_waiting())
+        try:
+            return await asyncio.shield(admitted)
+        except asyncio.CancelledError:  # the client left: give back a place taken meanwhile
+            admitted.add_done_callback(lambda done: self._give_back(request_id, done))
+            raise
 
-    def _count_done(self, counting: asyncio.Future[int]) -> None:
-        self._counting = None
-        if not counting.cancelled():
-            counting.exception()  # retrieved: every waiter has raised it already
+    async def _reserve_waiting(self) -> None:
+        batch, self._waiting = self._waiting, []
+        try:
+            admitted = await self._reserve([request_id for request_id, _ in batch])
+        except Exception as exc:  # every waiter of the batch raises it
+            for _, future in batch:
+                if not future.done():
+                    future.set_exception(exc)
+        else:
+            for request_id, future in batch:
+                if not future.done():
+                    future.set_result(request_id in admitted)
+
+    def _give_back(self, request_id: str, admitted: asyncio.Future[bool]) -> None:
+        if not admitted.cancelled() and admitted.exception() is None and admitted.result():
+            self._spawn(self._release(request_id))
+
+    def _spawn(self, coroutine: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.ensure_future(coroutine)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def _wait_for_worker(self) -> None:
         """Wait up to the queue timeout for a live worker heartbeat; 503 if none comes."""

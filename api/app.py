@@ -31,7 +31,13 @@ from api.jobs.routes import jobs_router
 from api.jobs.store import JobStore, MemoryJobStore
 from api.metrics import ServingMetrics
 from api.output_parser import OutputParser
-from api.preparation import PreparationContext, Prepared, encode_request, prepare
+from api.preparation import (
+    PreparationContext,
+    Prepared,
+    encode_request,
+    new_request_id,
+    prepare,
+)
 from api.protocols import chat_completions, messages, responses
 from api.protocols.base import Protocol
 from api.streaming import StreamProcessor, collect, event_source
@@ -118,17 +124,17 @@ class Serving:
             self._context, self._served = PreparationContext(self.registry, models), served
         return self._context
 
-    def admission(self) -> AbstractAsyncContextManager[None]:
+    def admission(self, request_id: str) -> AbstractAsyncContextManager[None]:
         """Held while a request is prepared: a backend that admits (429/503) does it first."""
         admit = getattr(self.backend, "admit", None)
-        return admit() if admit is not None else nullcontext()
+        return admit(request_id) if admit is not None else nullcontext()
 
     async def off_loop(self, function: Callable[..., T], *args: Any) -> T:
         """Run CPU work (rendering, tokenizing) in the bounded threadpool."""
         return await anyio.to_thread.run_sync(function, *args, limiter=self.limiter)
 
-    async def prepare(self, protocol: Protocol, body: dict[str, Any]) -> Prepared:
-        return await self.off_loop(prepare, protocol, body, self.context())
+    async def prepare(self, protocol: Protocol, body: dict[str, Any], request_id: str) -> Prepared:
+        return await self.off_loop(prepare, protocol, body, self.context(), request_id)
 
     def run(
         self, prepared: Prepared, arrived: float
@@ -212,8 +218,9 @@ def _embedded_backend(spec: ModelSpec, settings: Settings) -> Backend:
 def _generation_route(protocol: Protocol, serving: Serving) -> Callable[..., Awaitable[Response]]:
     async def generate(request: Request) -> Response:
         arrived = time.monotonic()
-        async with serving.admission():
-            prepared = await serving.prepare(protocol, await read_json(request))
+        request_id = new_request_id(protocol)
+        async with serving.admission(request_id):
+            prepared = await serving.prepare(protocol, await read_json(request), request_id)
         processor, events = serving.run(prepared, arrived)
         if prepared.request.stream:
             response = await event_source(processor, events, protocol.done_marker)

@@ -69,8 +69,21 @@ class Prepared:
         return parser_config(self.wire.parsing)
 
 
-def prepare(protocol: Protocol, body: dict[str, Any], ctx: PreparationContext) -> Prepared:
-    """Parse, render, encode and resolve one request; raises ``ApiError``."""
+def new_request_id(protocol: Protocol) -> str:
+    """A fresh id in the protocol's own style (``chatcmpl-…``, ``msg_…``, ``resp_…``)."""
+    return protocol.id_prefix + secrets.token_hex(12)
+
+
+def prepare(
+    protocol: Protocol,
+    body: dict[str, Any],
+    ctx: PreparationContext,
+    request_id: str | None = None,
+) -> Prepared:
+    """Parse, render, encode and resolve one request; raises ``ApiError``.
+
+    ``request_id`` is the id admission already reserved a place under, if any.
+    """
     request = protocol.parse(body)  # 400 naming the field
     encoded = encode_request(request, ctx)  # 404 unknown model, 400 bad conversation
     model, prompt_ids = encoded.model, encoded.token_ids
@@ -85,7 +98,7 @@ def prepare(protocol: Protocol, body: dict[str, Any], ctx: PreparationContext) -
     )  # 400: the context cannot hold what was asked for
     sampling = sampling_params(request, max_tokens)  # 400 naming the field
     context = ResponseContext(
-        request_id=protocol.id_prefix + secrets.token_hex(12),
+        request_id=request_id or new_request_id(protocol),
         model=request.model,
         created=int(time.time()),
         system_fingerprint=fingerprint(model.spec),

@@ -36,9 +36,10 @@ from prometheus_client.registry import Collector
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from api.admission import Admission, FleetSnapshot, Limits, WorkerLoad, api_error
+from api.admission import Admission, FleetSnapshot, Limits, WorkerLoad
 from api.backends.base import BackendHealth, ServedModel
 from api.backends.event_reader import EventReader, Subscription
+from api.backends.inflight import InflightPlaces
 from api.backends.job_queue import JobQueue, with_seed
 from shared import keys
 from shared.events import Error, Finish, InferenceEvent, Text
@@ -76,7 +77,10 @@ class DistributedBackend:
         self._reader = EventReader(redis_url)
         self._queue = JobQueue(self._redis)
         self._snapshot = FleetSnapshot()
-        self._admission = Admission(self._limits, lambda: self._snapshot, self._outstanding)
+        places = InflightPlaces(self._redis, self._model, settings.max_inflight)
+        self._admission = Admission(
+            self._limits, lambda: self._snapshot, places.reserve, places.release
+        )
         self._tokenizer: LoadedTokenizer | None = None
         self._served: ServedModel | None = None
         self._load_error: str | None = None
@@ -112,9 +116,9 @@ class DistributedBackend:
 
     # --- what the app reads ------------------------------------------------------
 
-    def admit(self) -> AbstractAsyncContextManager[None]:
+    def admit(self, request_id: str) -> AbstractAsyncContextManager[None]:
         """Admission for one request, entered before its preparation (429/503 ``ApiError``)."""
-        return self._admission.admit()
+        return self._admission.admit(request_id)
 
     @property
     def snapshot(self) -> FleetSnapshot:
@@ -188,8 +192,7 @@ class DistributedBackend:
         subscription = self._reader.open(request_id)
         last: InferenceEvent | None = None
         try:
-            with self._admission.pending():  # counted until it is in the in-flight set
-                submitted = await self._submit(Job(request, deadlines))
+            submitted = await self._submit(Job(request, deadlines))
             if not submitted:
                 message = "Could not queue the request: Redis is unreachable; retry later."
                 last = Error(request_id, message, "unavailable")
@@ -250,13 +253,6 @@ class DistributedBackend:
                     await pipe.execute()
         except (RedisError, OSError, TimeoutError) as exc:  # its in-flight score expires anyway
             log.warning("ending %s in Redis failed: %s", request_id, exc)
-
-    async def _outstanding(self) -> int:
-        """Queued + running requests of the model, from the shared in-flight set."""
-        try:
-            return await self._redis.zcount(keys.inflight(self._model), time.time(), "+inf")
-        except (RedisError, OSError) as exc:
-            raise api_error("unavailable", f"Redis is unreachable ({exc}); retry later.") from exc
 
     # --- the fleet watcher -----------------------------------------------------------
 

@@ -28,7 +28,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from fastapi import FastAPI
@@ -199,12 +199,9 @@ class JobManager:
         self, protocol: Protocol, body: dict, job_hex: str, *, admit: bool = True
     ) -> Prepared:
         """The synchronous route's preparation, with the job's response (and request) id."""
-        async with self.serving.admission() if admit else contextlib.nullcontext():
-            prepared = await self.serving.prepare(protocol, body)
         response_id = protocol.id_prefix + job_hex
-        context = replace(prepared.context, request_id=response_id)
-        wire = replace(prepared.wire, request_id=response_id)
-        return replace(prepared, context=context, wire=wire)
+        async with self.serving.admission(response_id) if admit else contextlib.nullcontext():
+            return await self.serving.prepare(protocol, body, response_id)
 
     async def _generate(self, record: JobRecord, prepared: Prepared) -> AsyncIterator:
         """Start the generation: on the workers' queue, or on this process's backend."""

@@ -193,7 +193,7 @@ def test_admission_refuses_beyond_the_in_flight_bound(server: RedisServer):
         )
         try:
             with pytest.raises(ApiError) as refused:
-                async with backend.admit():
+                async with backend.admit("req-admit"):
                     pass
             return refused.value
         finally:
@@ -212,7 +212,7 @@ def test_admission_waits_for_a_worker_then_refuses(server: RedisServer):
         try:
             begun = time.monotonic()
             with pytest.raises(ApiError) as refused:
-                async with backend.admit():
+                async with backend.admit("req-admit"):
                     pass
             return refused.value, time.monotonic() - begun
         finally:
