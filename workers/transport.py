@@ -15,8 +15,9 @@ as ``BRPOP`` would have delivered them; their unacked records are already
 written, so ``append`` skips that round trip. Everything else (acks,
 rejects, the redelivery sweep) is kombu's own.
 
-A message the script cannot parse is popped but not recorded, and kombu's
-own ``append`` records it, as it would have for a ``BRPOP``ed one.
+A message the script cannot parse is popped but not recorded; the script
+names the tags it recorded, and kombu's own ``append`` records the rest, as
+it would have for a ``BRPOP``ed one.
 """
 
 from __future__ import annotations
@@ -34,20 +35,24 @@ log = logging.getLogger(__name__)
 
 TAKE_SCRIPT = """
 -- KEYS: unacked index, unacked hash, then the queue lists in BRPOP's order.
--- ARGV: now, how many more messages to pop, the message BRPOP took ('' if none).
+-- ARGV: now, how many more messages to pop, the message BRPOP took.
+-- Returns the delivery tags recorded, then the messages popped (key, message, ...).
+local recorded = {}
 local function record(item)
   local ok, message = pcall(cjson.decode, item)
   if not ok or type(message) ~= 'table' then return end
   local properties = message['properties']
   if type(properties) ~= 'table' or type(properties['delivery_tag']) ~= 'string' then return end
-  local info = properties['delivery_info'] or {}
+  local info = properties['delivery_info']
+  if type(info) ~= 'table' then info = {} end
   local exchange = cjson.encode(info['exchange'] or '')
   local routing_key = cjson.encode(info['routing_key'] or '')
   redis.call('ZADD', KEYS[1], ARGV[1], properties['delivery_tag'])
   redis.call('HSET', KEYS[2], properties['delivery_tag'],
              '[' .. item .. ',' .. exchange .. ',' .. routing_key .. ']')
+  recorded[#recorded + 1] = properties['delivery_tag']
 end
-if ARGV[3] ~= '' then record(ARGV[3]) end
+record(ARGV[3])
 local taken = {}
 local wanted = tonumber(ARGV[2])
 for i = 3, #KEYS do
@@ -60,7 +65,7 @@ for i = 3, #KEYS do
     wanted = wanted - 1
   end
 end
-return taken
+return {recorded, taken}
 """
 
 
@@ -95,38 +100,35 @@ class Channel(kombu_redis.Channel):
                 raise kombu_redis.Empty()
             first_key, first_item = bytes_to_str(reply[0]), bytes_to_str(reply[1])
             self._queue_cycle.rotate(self._queue_of(first_key))
-            for key, message in self._take_more(first_key, first_item):
+            for key, message in self._take_burst(first_key, first_item):
                 self.connection._deliver(message, self._queue_of(key))
             return True
         finally:
             self._in_poll = None
             self._flush_brpop_reauth()
 
-    def _take_more(self, first_key: str, first_item: str) -> list[tuple[str, Any]]:
+    def _take_burst(self, first_key: str, first_item: str) -> list[tuple[str, Any]]:
         """The first message and up to the remaining credit more, decoded.
 
-        If the script fails, only the first message is returned, unmarked:
-        kombu's ``append`` then records it, or fails the way it would have.
+        If the script fails, only the first message is returned, and kombu's
+        ``append`` records it (or fails the way it would have).
         """
         try:
-            taken = self._run_take_script(first_item)
+            recorded, taken = self._run_take_script(first_item)
         except self.connection_errors as exc:
             log.warning("could not take a burst from Redis: %s", exc)
             return [(first_key, loads(first_item))]
+        self.qos.recorded.update(recorded)
         messages = []
         for key, item in [(first_key, first_item), *taken]:
             try:
-                message = loads(item)
+                messages.append((key, loads(item)))
             except ValueError:
                 log.error("dropping a message that is not JSON from %s: %.200r", key, item)
-                continue
-            tag = _delivery_tag(message)
-            if tag is not None:
-                self.qos.recorded.add(tag)
-            messages.append((key, message))
         return messages
 
-    def _run_take_script(self, first_item: str) -> list[tuple[str, str]]:
+    def _run_take_script(self, first_item: str) -> tuple[list[str], list[tuple[str, str]]]:
+        """The delivery tags the script recorded, and the (list, message) pairs it popped."""
         more = max(self.qos.can_consume_max_estimate() - 1, 0)
         queues = self._queue_cycle.consume(len(self.active_queues))
         keys = [self._q_for_pri(queue, pri) for pri in self.priority_steps for queue in queues]
@@ -138,20 +140,14 @@ class Channel(kombu_redis.Channel):
                 args=[time.time(), more, first_item],
                 client=client,
             )
-        pairs = zip(reply[::2], reply[1::2], strict=True)
-        return [(bytes_to_str(key), bytes_to_str(item)) for key, item in pairs]
+        recorded, taken = reply
+        pairs = zip(taken[::2], taken[1::2], strict=True)
+        return [bytes_to_str(tag) for tag in recorded], [
+            (bytes_to_str(key), bytes_to_str(item)) for key, item in pairs
+        ]
 
     def _queue_of(self, key: str) -> str:
         return key.rsplit(self.sep, 1)[0]
-
-
-def _delivery_tag(message: Any) -> str | None:
-    """The tag the script recorded the message under, if it could."""
-    try:
-        tag = message["properties"]["delivery_tag"]
-    except (KeyError, TypeError):
-        return None
-    return tag if isinstance(tag, str) else None
 
 
 class Transport(kombu_redis.Transport):

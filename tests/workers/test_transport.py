@@ -121,3 +121,19 @@ def test_a_message_that_is_not_json_is_dropped_without_losing_the_burst(
 
     assert [message.payload for message in received] == good + more
     assert client.llen(queue.name) == 0
+
+
+def test_a_message_the_script_cannot_record_is_recorded_by_kombu(
+    connection: Connection, queue: Queue, client: redis.Redis
+) -> None:
+    _publish(connection, queue, 1)
+    odd = json.loads(client.lindex(queue.name, 0))
+    odd["properties"]["delivery_tag"] = 12345  # not a string: the script leaves it to kombu
+    client.lpush(queue.name, json.dumps(odd))
+
+    received = _consume_once(connection, queue, prefetch=10)
+
+    assert [message.delivery_tag for message in received][1] == 12345
+    for message in received:
+        assert client.hget(UNACKED, str(message.delivery_tag)) is not None
+        assert client.zscore(UNACKED_INDEX, str(message.delivery_tag)) is not None
