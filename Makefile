@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve test lint bench
+.PHONY: install serve test soak lint bench
 
 install: $(STAMP)
 
@@ -23,6 +23,11 @@ serve: install
 
 test: install
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+# kill -9 of the worker serving a stream, SOAK_ROUNDS times (the suite runs 10)
+SOAK_ROUNDS ?= 50
+soak: install
+	SLUICE_KILL_ROUNDS=$(SOAK_ROUNDS) $(PY) -m pytest -q tests/distributed/test_worker_death.py
 
 lint: install
 	$(VENV)/bin/ruff check .

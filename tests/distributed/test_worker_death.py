@@ -3,8 +3,9 @@
 The job is redelivered after the visibility timeout to the surviving worker,
 which resumes from the tokens already in the request's stream under a new
 attempt. The client keeps reading the same stream, so its text must equal an
-uninterrupted greedy run with no duplicate and no gap. Ten rounds, each with
-a fresh replacement worker loading while the survivor finishes the stream.
+uninterrupted greedy run with no duplicate and no gap. Ten rounds (``make
+soak`` runs more), each with a fresh replacement worker loading while the
+survivor finishes the stream.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 MESSAGES = [{"role": "user", "content": "Write a long story about a lighthouse keeper."}]
 MAX_TOKENS = 96
-ROUNDS = 10
+ROUNDS = int(os.environ.get("SLUICE_KILL_ROUNDS", "10"))  # ``make soak`` asks for more
 
 
 @pytest.mark.parametrize("round_", range(ROUNDS))
