@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from api.errors import ApiError
+from api.turn_batch import TurnBatcher
 from shared.events import Error
 from shared.wire import Deadlines
 
@@ -173,7 +174,7 @@ class Admission:
         self._reserve = reserve
         self._release = release
         self._poll_s = poll_s
-        self._waiting: list[tuple[str, asyncio.Future[bool]]] = []
+        self._batcher: TurnBatcher[str, bool] = TurnBatcher(self._reserve_batch)
         self._background: set[asyncio.Task[None]] = set()
 
     @asynccontextmanager
@@ -193,28 +194,16 @@ class Admission:
             raise
 
     async def _take_place(self, request_id: str) -> bool:
-        admitted = asyncio.get_running_loop().create_future()
-        self._waiting.append((request_id, admitted))
-        if len(self._waiting) == 1:  # the first of this turn: reserve them all next turn
-            self._spawn(self._reserve_waiting())
+        admitted = self._batcher.put(request_id)
         try:
             return await asyncio.shield(admitted)
         except asyncio.CancelledError:  # the client left: give back a place taken meanwhile
             admitted.add_done_callback(lambda done: self._give_back(request_id, done))
             raise
 
-    async def _reserve_waiting(self) -> None:
-        batch, self._waiting = self._waiting, []
-        try:
-            admitted = await self._reserve([request_id for request_id, _ in batch])
-        except Exception as exc:  # every waiter of the batch raises it
-            for _, future in batch:
-                if not future.done():
-                    future.set_exception(exc)
-        else:
-            for request_id, future in batch:
-                if not future.done():
-                    future.set_result(request_id in admitted)
+    async def _reserve_batch(self, request_ids: list[str]) -> list[bool]:
+        admitted = await self._reserve(request_ids)
+        return [request_id in admitted for request_id in request_ids]
 
     def _give_back(self, request_id: str, admitted: asyncio.Future[bool]) -> None:
         if not admitted.cancelled() and admitted.exception() is None and admitted.result():

@@ -11,8 +11,10 @@ through the process-wide ``EventReader``. Who owns what:
   its cleanup (cancel, leaving the in-flight set) runs as a task of its own,
   so it completes even when the closing task is being cancelled.
 - A fleet watcher reads worker heartbeats and the in-flight set about once a
-  second; admission, ``health``, ``models`` and ``/metrics`` read that
-  snapshot, so none of them costs a Redis round trip per call.
+  second; ``health``, ``models``, ``/metrics`` and admission's wait for a
+  live worker read that snapshot, so none of them costs a Redis round trip
+  per call. Admission's check of the bound is one script per burst
+  (``api.backends.inflight``).
 
 Unseeded sampling requests get a seed here, at submission: a job redelivered
 after its worker died then continues the same random draws, which is what
