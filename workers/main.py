@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from shared import keys
+from shared.heap import freeze_startup_heap
 from shared.registry import ModelRegistry, ModelSpec, default_registry
 from workers.app import DEFAULT_VISIBILITY_TIMEOUT_S, create_app
 from workers.heartbeat import WorkerIdentity
@@ -150,6 +151,7 @@ def serve(
         ", ".join(queues),
         engine.args.max_num_seqs,
     )
+    freeze_startup_heap()
     try:
         worker.start()
     finally:

@@ -45,6 +45,7 @@ from api.backends.inflight import InflightPlaces
 from api.backends.job_queue import JobQueue, with_seed
 from shared import keys
 from shared.events import Error, Finish, InferenceEvent, Text
+from shared.heap import freeze_startup_heap
 from shared.registry import ModelSpec
 from shared.tokenizer_loader import LoadedTokenizer, load_tokenizer
 from shared.wire import Deadlines, Job, PreparedRequest
@@ -101,6 +102,8 @@ class DistributedBackend:
         except Exception as exc:  # reported by /ready, like a model that fails to load
             log.exception("loading the tokenizer failed")
             self._load_error = f"loading the tokenizer failed: {exc}"
+        else:
+            freeze_startup_heap()
 
     async def stop(self) -> None:
         """Stop reading and watching; open requests end with an ``Error``.

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 from api.backends.base import BackendHealth, ServedModel
 from engine.config import EngineArgs
 from shared.events import Error, Finish, InferenceEvent
+from shared.heap import freeze_startup_heap
 from shared.registry import ModelSpec
 from shared.wire import PreparedRequest
 
@@ -137,6 +138,7 @@ class EmbeddedBackend:
         self._host = EngineThread(engine, self._on_events, self._on_step_failure)
         self._publish(engine)
         self._host.start()
+        freeze_startup_heap()
 
     def _deliver(self, events: list[InferenceEvent]) -> None:
         """Runs on the event loop: fan a step's events out to their requests."""

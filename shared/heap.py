@@ -1,0 +1,33 @@
+"""Keeping the garbage collector off a serving process's startup heap.
+
+What a server builds before its first request (torch, the model, the
+tokenizer, Celery or FastAPI and everything they import) lives until the
+process exits, and is millions of objects that CPython's oldest generation
+walks on every full collection. Under load those collections stop every
+thread of the process: 65-108 ms each, measured in the embedded API, the
+distributed API and the worker at 32 streams on the tiny model, long enough
+to stall every stream of a burst at once. ``gc.freeze`` moves what exists
+now into a generation the collector never scans, so a full collection only
+walks what serving itself allocated.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+
+log = logging.getLogger(__name__)
+
+
+def freeze_startup_heap() -> int:
+    """Collect the startup garbage, then freeze the rest; returns how many objects were frozen.
+
+    Call it once the process has built what it keeps for its lifetime.
+    Collecting first keeps startup garbage from being frozen (a frozen
+    object is never freed).
+    """
+    gc.collect()
+    gc.freeze()
+    frozen = gc.get_freeze_count()
+    log.info("froze the startup heap: %d objects the collector no longer scans", frozen)
+    return frozen
