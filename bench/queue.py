@@ -7,23 +7,24 @@ For each model it runs, in turn, ``sluice serve`` with the engine in the API
 process (the baseline) and then ``redis-server`` + one ``sluice worker`` +
 ``sluice serve --redis``, with the same engine settings (one engine, batch =
 ``--streams``), and sends both the same ``--streams`` concurrent greedy
-streams through the Chat Completions API, ``--rounds`` times (the
-percentiles pool every round: one burst on a shared machine is noisy). It
-prints time to first token and
-inter-token latency (p50/p99, measured by the client between content
-chunks), the distributed minus embedded difference, and the API process's
-CPU seconds per streamed token (embedded: that process also runs the model;
-distributed: only HTTP, preparation and stream fan-out).
+streams through the Chat Completions API, ``--rounds`` times after one
+warm-up burst (the percentiles pool every round: one burst on a shared
+machine is noisy). It prints time to first token and inter-token latency
+(p50/p99, measured by the client between content chunks), the distributed
+minus embedded difference, and the API process's CPU seconds per streamed
+token (embedded: that process also runs the model; distributed: only HTTP,
+preparation and stream fan-out).
 
 ``tiny`` is a two-layer random-weight Llama with the default model's
-tokenizer, written once to a temporary directory: its steps take almost no
-time, so what is left of its latencies is serving and queue overhead.
+tokenizer, written once to a temporary directory: its steps are cheap
+(mostly the 49k-token output layer: about 5 ms for 32 decodes on one core),
+so most of what is left of its latencies is serving and queue overhead.
 
 ``--pin`` gives the process that runs the engine (the embedded API, or the
 worker) the last CPU to itself and puts the client, the distributed API and
 Redis on the others. Unpinned, on two cores, four processes take turns and
-the 32-stream TTFT difference moved by ±10 ms from run to run; pinned, it
-moved by about ±1 ms.
+the 32-stream TTFT difference moved by ±10 ms from run to run; pinned, by
+±4 ms: compare several runs.
 """
 
 from __future__ import annotations
@@ -42,7 +43,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import aiohttp
 import httpx
+
+from shared.heap import freeze_startup_heap
 
 ROOT = Path(__file__).resolve().parents[1]
 MAX_MODEL_LEN = 1024
@@ -258,7 +262,12 @@ def run_configuration(
         base_url = f"http://127.0.0.1:{port}"
         wait_ready(base_url, api, log)
         served = "tiny" if model == "tiny" else "default"
-        asyncio.run(run_streams(base_url, served, 1, 4))  # warm-up (and waits for the worker)
+        asyncio.run(run_streams(base_url, served, 1, 4))  # waits for the worker
+        # A full burst first: the worker's pool starts a thread per job on the first one.
+        asyncio.run(run_streams(base_url, served, args.streams, 8))
+        # This process imported torch to build the tiny model: without the freeze,
+        # its own full collections (200 ms) stalled whole bursts.
+        freeze_startup_heap()
         before = cpu_seconds(api.pid)
         started = time.perf_counter()
         streams: list[StreamTiming] = []
@@ -271,15 +280,23 @@ def run_configuration(
 
 
 async def run_streams(base_url: str, model: str, count: int, max_tokens: int) -> list[StreamTiming]:
-    limits = httpx.Limits(max_connections=count + 1)
-    async with httpx.AsyncClient(base_url=base_url, timeout=600, limits=limits) as client:
+    """``count`` concurrent streams over aiohttp.
+
+    The client shares its cores with what it measures, so it should cost
+    little: at 32 streams httpx took 0.36-0.40 of a core and aiohttp takes
+    0.22, and with httpx the distributed API, which shares that core when
+    pinned, measured 7-10 ms slower TTFT.
+    """
+    connector = aiohttp.TCPConnector(limit=count + 1)
+    timeout = aiohttp.ClientTimeout(total=600)
+    async with aiohttp.ClientSession(base_url, connector=connector, timeout=timeout) as session:
         return await asyncio.gather(
-            *(one_stream(client, model, i, max_tokens) for i in range(count))
+            *(one_stream(session, model, i, max_tokens) for i in range(count))
         )
 
 
 async def one_stream(
-    client: httpx.AsyncClient, model: str, index: int, max_tokens: int
+    session: aiohttp.ClientSession, model: str, index: int, max_tokens: int
 ) -> StreamTiming:
     """One greedy stream; times every chunk that carries content."""
     body = {
@@ -295,9 +312,10 @@ async def one_stream(
     sent = time.perf_counter()
     arrivals: list[float] = []
     tokens = 0
-    async with client.stream("POST", "/v1/chat/completions", json=body) as response:
+    async with session.post("/v1/chat/completions", json=body) as response:
         response.raise_for_status()
-        async for line in response.aiter_lines():
+        async for raw in response.content:  # one SSE line at a time
+            line = raw.decode()
             if not line.startswith("data: {"):
                 continue
             chunk = json.loads(line[6:])
