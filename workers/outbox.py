@@ -119,16 +119,12 @@ class Outbox:
             try:
                 fenced = self._write(batches, sent)
             except redis.RedisError as exc:
-                self._failed(batches, exc)
+                self._finished(batches, set(), exc)
             except Exception:  # the thread must outlive any one write
                 log.exception("writing events failed")
-                self._failed(batches, redis.RedisError("the write failed"))
+                self._finished(batches, set(), redis.RedisError("the write failed"))
             else:
-                with self._wake:
-                    self._fresh_until = time.monotonic() + FRESH_S
-                    self._writing = False
-                    self._wake.notify_all()
-                self._on_result(batches, fenced, None)
+                self._finished(batches, fenced, None)
 
     def _write(self, batches: list[Batch], sent: bool) -> set[Attempt]:
         """Send (unless ``put`` did) and read the reply; the fenced attempts.
@@ -175,15 +171,24 @@ class Outbox:
         self._writing = bool(batches)
         return batches
 
-    def _failed(self, batches: list[Batch], error: redis.RedisError) -> None:
-        """Break the write's attempts before the next write can be sent, then report it."""
-        self._connection.disconnect()
+    def _finished(
+        self, batches: list[Batch], fenced: set[Attempt], error: redis.RedisError | None
+    ) -> None:
+        """End the write in flight, then report it.
+
+        A failed write breaks its attempts before the next write can be sent.
+        """
+        if error is not None:
+            self._connection.disconnect()
         with self._wake:
-            self._broken.update((b.request_id, b.attempt) for b in batches)
-            self._fresh_until = 0.0
+            if error is None:
+                self._fresh_until = time.monotonic() + FRESH_S
+            else:
+                self._broken.update((b.request_id, b.attempt) for b in batches)
+                self._fresh_until = 0.0
             self._writing = False
             self._wake.notify_all()
-        self._on_result(batches, set(), error)
+        self._on_result(batches, fenced, error)
 
 
 def _merged(batches: list[Batch]) -> list[Batch]:
