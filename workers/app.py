@@ -17,10 +17,16 @@ is older than ``visibility_timeout``. With the throttle at 1 and the interval
 a fraction of the timeout, a dead worker's job is back in its queue
 ``visibility_timeout`` plus at most one interval after its last refresh,
 provided some worker for that queue is alive to sweep (a restarting worker
-sweeps when it starts polling). A warm shutdown's hand-back does not wait for
-any of this: the task pushes the job to the head of its queue at once and
-acks the old message (see ``workers.task``; kombu's own requeue of a reject
-would ``LPUSH`` it to the tail, while a swept message goes to the head).
+sweeps when it starts polling). A sweep runs under a Redis lock that expires
+by itself; kombu's default expiry is 300 s, so a worker killed mid-sweep would
+hold every other worker's sweep, and its own job's redelivery, for five
+minutes. Here the lock lasts one sweep interval: overlapping sweeps are
+harmless (each restore is a transaction watching ``unacked``).
+
+A warm shutdown's hand-back does not wait for any of this: the task pushes
+the job to the head of its queue at once and acks the old message (see
+``workers.task``; kombu's own requeue of a reject would ``LPUSH`` it to the
+tail, while a swept message goes to the head).
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ from celery import Celery
 from kombu import Exchange, Queue
 
 from workers.transport import Transport
-from workers.visibility import UNACKED_INDEX_KEY
+from workers.visibility import UNACKED_INDEX_KEY, UNACKED_MUTEX_KEY
 
 DEFAULT_VISIBILITY_TIMEOUT_S = 60
 BROKER_SOCKET_TIMEOUT_S = 10  # a vanished broker fails a command instead of hanging it
@@ -40,11 +46,14 @@ BROKER_SOCKET_TIMEOUT_S = 10  # a vanished broker fails a command instead of han
 
 def broker_transport_options(visibility_timeout_s: float) -> dict[str, Any]:
     """Redis transport options: the redelivery timing above, bounded socket waits."""
+    sweep_interval_s = max(1, min(10, round(visibility_timeout_s / 5)))
     return {
         "visibility_timeout": visibility_timeout_s,
         "unacked_index_key": UNACKED_INDEX_KEY,
-        "unacked_restore_interval": max(1, min(10, round(visibility_timeout_s / 5))),
+        "unacked_restore_interval": sweep_interval_s,
         "unacked_restore_throttle": 1,
+        "unacked_mutex_key": UNACKED_MUTEX_KEY,
+        "unacked_mutex_expire": sweep_interval_s,
         "socket_timeout": BROKER_SOCKET_TIMEOUT_S,
         "socket_connect_timeout": 5,
         "socket_keepalive": True,

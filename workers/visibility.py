@@ -24,6 +24,7 @@ from typing import Any
 import redis
 
 UNACKED_INDEX_KEY = "unacked_index"  # kombu's default, passed to it explicitly
+UNACKED_MUTEX_KEY = "unacked_mutex"  # the sweep's lock (kombu's default name)
 
 
 class DeliveryTracker:

@@ -13,12 +13,23 @@ from __future__ import annotations
 import os
 import signal
 import time
+from collections.abc import Callable
 
 import pytest
 from openai import OpenAI
 
 from shared import keys
-from tests.distributed.conftest import Fleet, Greedy, RedisServer, stream_chat, tokenize, wait_until
+from tests.distributed.conftest import (
+    VISIBILITY_TIMEOUT_S,
+    Fleet,
+    Greedy,
+    RedisServer,
+    stream_chat,
+    tokenize,
+    wait_until,
+)
+from workers.app import broker_transport_options
+from workers.visibility import UNACKED_MUTEX_KEY
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -36,8 +47,44 @@ def test_a_killed_worker_s_stream_completes_on_the_other(
     openai_client: OpenAI,
     reference: Greedy,
 ):
+    kill_mid_stream_and_finish(api, fleet, redis_server, openai_client, reference)
+
+
+def test_a_worker_killed_mid_sweep_does_not_hold_up_redelivery(
+    api: str,
+    fleet: Fleet,
+    redis_server: RedisServer,
+    openai_client: OpenAI,
+    reference: Greedy,
+):
+    """The victim dies holding the redelivery sweep's lock, as it would a few times in a thousand.
+
+    The lock is left exactly as a worker takes it (kombu's lock, with the
+    workers' own expiry), so no other worker can sweep the victim's job back to
+    its queue until it expires.
+    """
+    expiry_s = broker_transport_options(VISIBILITY_TIMEOUT_S)["unacked_mutex_expire"]
+
+    def hold_the_sweep_lock() -> None:
+        lock = redis_server.client.lock(UNACKED_MUTEX_KEY, timeout=expiry_s)
+        wait_until(lambda: lock.acquire(blocking=False), 5, "the sweep lock")
+
+    kill_mid_stream_and_finish(
+        api, fleet, redis_server, openai_client, reference, while_killing=hold_the_sweep_lock
+    )
+
+
+def kill_mid_stream_and_finish(
+    api: str,
+    fleet: Fleet,
+    redis_server: RedisServer,
+    client: OpenAI,
+    reference: Greedy,
+    while_killing: Callable[[], None] = lambda: None,
+) -> None:
+    """Stream, ``kill -9`` the serving worker, and check the stream ends as if nothing happened."""
     expected = reference(tokenize(api, MESSAGES), MAX_TOKENS)
-    deltas = stream_chat(openai_client, MESSAGES, MAX_TOKENS)
+    deltas = stream_chat(client, MESSAGES, MAX_TOKENS)
     request_id, text, _ = next(deltas)
     while not text:
         _, text, _ = next(deltas)
@@ -45,6 +92,7 @@ def test_a_killed_worker_s_stream_completes_on_the_other(
 
     serving = wait_until(lambda: serving_worker(fleet, streaming_since), 5, "the serving worker")
     victim = fleet.workers[serving]
+    while_killing()
     os.kill(victim.pid, signal.SIGKILL)
     killed = time.monotonic()
     victim.child.process.wait()
