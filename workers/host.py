@@ -4,9 +4,10 @@ Task threads (one per Celery job) hand a ``Run`` to the host and block until
 it resolves. Everything that touches the engine or the run table happens on
 the engine thread (``engine.host.EngineThread``): adds, cancels, hand-backs
 and settling the writes. After each step the engine thread hands every
-run's events to the ``Outbox``, which writes them (fenced) on a thread of
-its own while the engine steps on; the write's result comes back to the
-engine thread, which resolves the runs whose end is now in their stream.
+run's events to the ``Outbox``, which sends them (fenced) at once or with
+the write after the one in flight, and reads the reply on a thread of its
+own while the engine steps on; the write's result comes back to the engine
+thread, which resolves the runs whose end is now in their stream.
 
 A run resolves with an ``Outcome`` that tells its task what to do with the
 message: ``FINISHED`` and ``FENCED`` are acked (the stream has its end, or a

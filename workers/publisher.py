@@ -68,12 +68,20 @@ class Batch:
     events: list[InferenceEvent] = field(default_factory=list)
 
 
+Attempt = tuple[str, int]  # (request id, attempt)
+WRITER_NAME = "sluice-events"  # CLIENT LIST name of ``connection()``s
+
+
 class EventPublisher:
     """Writes batches of events through the fencing script.
 
-    The script is registered once; redis-py sends it by SHA and reloads it
-    when the server has forgotten it (after a restart). Redis errors are the
+    The script is registered once and sent by SHA; a server that has
+    forgotten it (after a restart) gets it again. Redis errors are the
     caller's to handle: they mean nothing of that call was written.
+
+    ``publish`` is one blocking call. ``send`` and ``receive`` split it in
+    two over a connection of the caller's own (``connection``), so that one
+    thread can send a write and another read its reply.
     """
 
     def __init__(
@@ -82,15 +90,57 @@ class EventPublisher:
         maxlen: int = keys.EVENT_STREAM_MAXLEN,
         finished_ttl_s: int = keys.FINISHED_STREAM_TTL_S,
     ) -> None:
+        self._client = client
         self._script = client.register_script(_PUBLISH_SCRIPT)
         self._maxlen = maxlen
         self._finished_ttl_s = finished_ttl_s
 
-    def publish(self, batches: Sequence[Batch]) -> set[tuple[str, int]]:
+    def publish(self, batches: Sequence[Batch]) -> set[Attempt]:
         """Write every batch in one round trip; return the (request id, attempt)s fenced out."""
         batches = [batch for batch in batches if batch.events]
         if not batches:
             return set()
+        script_keys, args = self._arguments(batches)
+        return _fenced(batches, self._script(keys=script_keys, args=args))
+
+    def connection(self) -> redis.Connection:
+        """A connection outside the client's pool, for ``send`` and ``receive``."""
+        pool = self._client.connection_pool
+        return pool.connection_class(**{**pool.connection_kwargs, "client_name": WRITER_NAME})
+
+    def send(
+        self, connection: redis.Connection, batches: Sequence[Batch], *, check_health: bool = True
+    ) -> None:
+        """Send the write of ``batches`` (with events); ``receive`` reads its reply.
+
+        ``check_health=False`` skips redis-py's ping of a connection idle for
+        longer than its health-check interval (a round trip, or a reconnect).
+        """
+        self._send(connection, "EVALSHA", self._script.sha, batches, check_health)
+
+    def receive(self, connection: redis.Connection, batches: Sequence[Batch]) -> set[Attempt]:
+        """The reply to ``send(connection, batches)``: the attempts fenced out."""
+        try:
+            reply = connection.read_response()
+        except redis.exceptions.NoScriptError:  # nothing was written: send the script itself
+            self._send(connection, "EVAL", self._script.script, batches, False)
+            reply = connection.read_response()
+        return _fenced(batches, reply)
+
+    def _send(
+        self,
+        connection: redis.Connection,
+        command: str,
+        script: str,
+        batches: Sequence[Batch],
+        check_health: bool,
+    ) -> None:
+        script_keys, args = self._arguments(batches)
+        connection.send_command(
+            command, script, len(script_keys), *script_keys, *args, check_health=check_health
+        )
+
+    def _arguments(self, batches: Sequence[Batch]) -> tuple[list[str], list[str | int]]:
         script_keys: list[str] = []
         args: list[str | int] = [self._maxlen, self._finished_ttl_s]
         for batch in batches:
@@ -101,8 +151,9 @@ class EventPublisher:
                 args += ["1" if isinstance(event, Finish | Error) else "0", len(fields)]
                 for name, value in fields.items():
                     args += [name, value]
-        fenced = self._script(keys=script_keys, args=args)
-        return {
-            (batches[int(index) - 1].request_id, batches[int(index) - 1].attempt)
-            for index in fenced
-        }
+        return script_keys, args
+
+
+def _fenced(batches: Sequence[Batch], indexes: list[int]) -> set[Attempt]:
+    """The attempts of the script's 1-based request indexes."""
+    return {(batches[int(i) - 1].request_id, batches[int(i) - 1].attempt) for i in indexes}

@@ -12,7 +12,7 @@ from shared.event_codec import decode_event
 from shared.events import Finish, FinishReason, Ready, Text
 from tests.servers import free_port
 from workers.outbox import Attempt, Outbox
-from workers.publisher import Batch, EventPublisher
+from workers.publisher import WRITER_NAME, Batch, EventPublisher
 
 
 class Results:
@@ -94,3 +94,63 @@ def test_after_a_failed_write_an_attempt_writes_nothing_more() -> None:
     tried = [[(b.request_id, b.attempt) for b in batches] for batches, _, _ in results.writes]
     assert tried == [[("lost", 1)], [("other", 1)]]
     assert all(isinstance(error, redis.ConnectionError) for _, _, error in results.writes)
+
+
+class SendingThreads(EventPublisher):
+    """The real publisher, noting which thread sent each write."""
+
+    def __init__(self, client: redis.Redis) -> None:
+        super().__init__(client)
+        self.threads: list[str] = []
+
+    def send(self, connection: redis.Connection, batches, *, check_health: bool = True) -> None:  # noqa: ANN001
+        self.threads.append(threading.current_thread().name)
+        super().send(connection, batches, check_health=check_health)
+
+
+def test_an_idle_outbox_sends_the_step_on_the_engine_thread(client: redis.Redis) -> None:
+    """The writer thread would wait for the core and GIL the engine thread holds."""
+    publisher = SendingThreads(client)
+    outbox = Outbox(publisher, Results())
+    rid = _request(client, 1)
+    outbox.start()
+    try:
+        outbox.put([Batch(rid, 1, [Text(rid, "first,", [1])])])  # connects: the thread's
+        assert outbox.flush(timeout=10)
+        outbox.put([Batch(rid, 1, [Text(rid, "second,", [2])])])
+        assert outbox.flush(timeout=10)
+    finally:
+        outbox.stop(timeout=10)
+
+    assert publisher.threads == ["sluice-outbox", threading.current_thread().name]
+    assert _texts(client, rid) == ["first,", "second,"]
+
+
+def _writers(client: redis.Redis) -> set[str]:
+    return {entry["id"] for entry in client.client_list() if entry["name"] == WRITER_NAME}
+
+
+def test_a_write_whose_connection_dropped_is_sent_again_on_a_new_one(
+    client: redis.Redis,
+) -> None:
+    """As redis-py's retry did; after a Redis restart it is then fenced out, not failed."""
+    results = Results()
+    outbox = Outbox(EventPublisher(client), results)
+    rid = _request(client, 1)
+    others = _writers(client)
+    outbox.start()
+    try:
+        outbox.put([Batch(rid, 1, [Text(rid, "a", [1])])])
+        assert outbox.flush(timeout=10)
+        (own,) = _writers(client) - others
+        client.client_kill_filter(_id=own)
+        outbox.put([Batch(rid, 1, [Text(rid, "b", [2])])])  # sent on the dropped connection
+        assert outbox.flush(timeout=10)
+        outbox.put([Batch(rid, 1, [Text(rid, "c", [3])])])
+        assert outbox.flush(timeout=10)
+    finally:
+        outbox.stop(timeout=10)
+
+    assert [error for _, _, error in results.writes] == [None, None, None]
+    assert _texts(client, rid) == ["a", "b", "c"]
+    assert own not in _writers(client)

@@ -64,3 +64,21 @@ def test_the_script_is_reloaded_after_the_server_forgets_it(client: redis.Redis)
 
     assert publisher.publish([Batch(request_id, 1, [Ready(request_id, 3, 0)])]) == set()
     assert _stream(client, request_id) == [(1, Ready(request_id, 3, 0))]
+
+
+def test_a_split_write_sends_the_script_itself_after_the_server_forgets_it(
+    client: redis.Redis,
+) -> None:
+    publisher = EventPublisher(client)
+    connection = publisher.connection()
+    current, stale = _request(client, 1), _request(client, 2)
+    batches = [Batch(current, 1, [Ready(current, 3, 0)]), Batch(stale, 1, [Ready(stale, 3, 0)])]
+    client.script_flush()
+    try:
+        publisher.send(connection, batches)
+        fenced = publisher.receive(connection, batches)
+    finally:
+        connection.disconnect()
+
+    assert fenced == {(stale, 1)}
+    assert _stream(client, current) == [(1, Ready(current, 3, 0))]
