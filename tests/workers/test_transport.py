@@ -1,4 +1,5 @@
-"""The worker's broker transport takes a burst in one read and records it as kombu would.
+"""The worker's broker transport takes a burst in one read, records it as kombu would,
+and writes the acks of one event-loop iteration together.
 
 A real Redis and kombu's own producer and consumer, over ``workers.transport``.
 Each test uses a queue of its own, so the session's worker never sees these
@@ -14,6 +15,7 @@ from collections.abc import Iterator
 import pytest
 import redis
 from kombu import Connection, Consumer, Exchange, Producer, Queue
+from kombu.asynchronous import Hub
 from kombu.transport.redis import Channel as KombuChannel
 
 from workers.transport import Transport
@@ -137,3 +139,71 @@ def test_a_message_the_script_cannot_record_is_recorded_by_kombu(
     for message in received:
         assert client.hget(UNACKED, str(message.delivery_tag)) is not None
         assert client.zscore(UNACKED_INDEX, str(message.delivery_tag)) is not None
+
+
+@pytest.fixture
+def event_loop_hub(connection: Connection) -> Iterator[Hub]:
+    """A kombu event loop polling ``connection``, as the Celery consumer's polls its own."""
+    hub = Hub()
+    connection.transport.register_with_event_loop(connection.connection, hub)
+    try:
+        yield hub
+    finally:
+        hub.close()
+
+
+def _zrem_calls(client: redis.Redis) -> int:
+    return int(client.info("commandstats").get("cmdstat_zrem", {}).get("calls", 0))
+
+
+def test_acks_of_one_loop_iteration_are_written_together_before_it_polls(
+    connection: Connection, queue: Queue, client: redis.Redis, event_loop_hub: Hub
+) -> None:
+    _publish(connection, queue, 5)
+    received = _consume_once(connection, queue, prefetch=5)
+    qos = received[0].channel.qos
+    writes_before = _zrem_calls(client)
+
+    for message in received:
+        message.ack()
+
+    assert qos.can_consume_max_estimate() == 5  # the credit is back at once
+    assert all(client.hget(UNACKED, message.delivery_tag) for message in received)
+    for hook in list(event_loop_hub.on_tick):  # what the loop runs before each poll
+        hook()
+    assert _zrem_calls(client) == writes_before + 1
+    for message in received:
+        assert client.hget(UNACKED, message.delivery_tag) is None
+        assert client.zscore(UNACKED_INDEX, message.delivery_tag) is None
+
+
+def test_closing_the_channel_writes_the_pending_acks(
+    connection: Connection, queue: Queue, client: redis.Redis, event_loop_hub: Hub
+) -> None:
+    _publish(connection, queue, 2)
+    received = _consume_once(connection, queue, prefetch=5)
+    for message in received:
+        message.ack()
+
+    qos = received[0].channel.qos
+    received[0].channel.close()
+
+    assert all(client.hget(UNACKED, message.delivery_tag) is None for message in received)
+    assert qos.flush_acks not in event_loop_hub.on_tick  # nothing left for the loop to call
+
+
+def test_an_ack_redis_refuses_is_logged_not_raised_into_the_loop(
+    redis_url: str, queue: Queue, client: redis.Redis, caplog: pytest.LogCaptureFixture
+) -> None:
+    index, unacked = f"{queue.name}-index", f"{queue.name}-unacked"  # the worker's stay intact
+    options = {"unacked_index_key": index, "unacked_key": unacked}
+    with Connection(redis_url, transport=Transport, transport_options=options) as connection:
+        _publish(connection, queue, 1)
+        received = _consume_once(connection, queue, prefetch=5)
+        client.delete(index)
+        client.set(index, "not a sorted set")  # ZREM fails with WRONGTYPE
+
+        received[0].ack()
+
+    assert "will be redelivered" in caplog.text
+    client.delete(index, unacked)
