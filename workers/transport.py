@@ -26,9 +26,9 @@ streams, tiny model), enough to delay the next burst. Here an ack frees the
 prefetch credit at once and queues the removal; the loop removes everything
 acked during one of its iterations in one write, before it polls again.
 On a connection no event loop polls (kombu used directly) an ack writes at
-once. A lost
-removal only means a finished job is redelivered after the visibility
-timeout, which its stream's ``Finish`` turns into an immediate ack.
+once. A lost removal only means a finished job is redelivered after the
+visibility timeout, which its stream's ``Finish`` turns into an immediate
+ack.
 """
 
 from __future__ import annotations
@@ -84,8 +84,11 @@ return {recorded, taken}
 
 
 class QoS(kombu_redis.QoS):
-    """kombu's Redis QoS, minus the unacked write for messages the script recorded,
-    and with acks removed from Redis once per event-loop iteration."""
+    """kombu's Redis QoS, with the unacked records written and removed in bursts.
+
+    Messages the take script recorded skip kombu's write; acks are removed
+    once per event-loop iteration (see the module docstring).
+    """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
