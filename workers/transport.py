@@ -24,9 +24,15 @@ round trip of its own, on the consumer's event loop, which meanwhile reads
 no new jobs: a burst's 32 acks held it for about 20 ms (sampled at 32
 streams, tiny model), enough to delay the next burst. Here an ack frees the
 prefetch credit at once and queues the removal; the loop removes everything
-acked during one of its iterations in one write, before it polls again.
-On a connection no event loop polls (kombu used directly) an ack writes at
-once. A lost removal only means a finished job is redelivered after the
+acked by then in one write, before it polls again. On a connection no event
+loop polls (kombu used directly) an ack writes at once.
+
+An ack also wakes the loop. Celery's thread pool acks from the task's
+thread, and a loop whose credit was all taken polls no queue: it slept until
+its next timer (kombu's come a second apart), and the job that a freed slot
+could have taken waited in Redis meanwhile. With 32 clients each sending its
+next stream as the last one ended, on a worker of 32 slots, the TTFT p50 was
+184 ms (p99 742 ms) against 43 ms embedded; woken, 102 ms (p99 193 ms). A lost removal only means a finished job is redelivered after the
 visibility timeout, which its stream's ``Finish`` turns into an immediate
 ack.
 """
@@ -87,7 +93,8 @@ class QoS(kombu_redis.QoS):
     """kombu's Redis QoS, with the unacked records written and removed in bursts.
 
     Messages the take script recorded skip kombu's write; acks are removed
-    once per event-loop iteration (see the module docstring).
+    in one write per pass of the event loop, which the first of them wakes
+    (see the module docstring).
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -95,7 +102,6 @@ class QoS(kombu_redis.QoS):
         self.recorded: set[str] = set()  # delivery tags written by the take script
         self._acked: list[str] = []  # acked tags whose unacked records are still in Redis
         self._acks_lock = threading.Lock()
-        self._on_tick: set[Any] | None = None  # the event loop's hooks, once flushing there
 
     def append(self, message: Any, delivery_tag: str) -> None:
         if delivery_tag in self.recorded:
@@ -108,12 +114,12 @@ class QoS(kombu_redis.QoS):
         VirtualQoS.ack(self, delivery_tag)  # the credit is free now
         with self._acks_lock:
             self._acked.append(delivery_tag)
+            first = len(self._acked) == 1  # no flush is due yet
         loop = self.channel.connection.event_loop
         if loop is None:
             self.flush_acks()
-        elif self._on_tick is None:
-            self._on_tick = loop.on_tick
-            self._on_tick.add(self.flush_acks)
+        elif first:
+            loop.call_soon(self.flush_acks)  # from a task thread, this wakes the loop
 
     def flush_acks(self) -> None:
         """Remove every pending ack's records in one write; a failure only logs."""
@@ -129,13 +135,6 @@ class QoS(kombu_redis.QoS):
         except (redis.RedisError, *self.channel.connection_errors) as exc:
             log.warning("could not ack %d message(s); they will be redelivered: %s", len(tags), exc)
 
-    def stop_flushing(self) -> None:
-        """Write what is pending and leave the event loop."""
-        if self._on_tick is not None:
-            self._on_tick.discard(self.flush_acks)
-            self._on_tick = None
-        self.flush_acks()
-
 
 class Channel(kombu_redis.Channel):
     QoS = QoS
@@ -143,7 +142,7 @@ class Channel(kombu_redis.Channel):
 
     def close(self) -> None:
         if self._qos is not None:
-            self._qos.stop_flushing()
+            self._qos.flush_acks()  # what the loop has not written yet
         super().close()
 
     def _brpop_read(self, **options: Any) -> bool:

@@ -16,6 +16,7 @@ import subprocess
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -59,6 +60,19 @@ def wait_until(condition: Callable[[], object], timeout: float, what: str) -> ob
 
 @pytest.fixture(scope="session")
 def redis_url() -> Iterator[str]:
+    with redis_server() as url:
+        yield url
+
+
+@pytest.fixture
+def quiet_redis_url() -> Iterator[str]:
+    """A Redis of the test's own: no worker writes to it, so its command counts are the test's."""
+    with redis_server() as url:
+        yield url
+
+
+@contextmanager
+def redis_server() -> Iterator[str]:
     port = free_port()
     command = ["redis-server", "--port", str(port), "--save", "", "--appendonly", "no"]
     server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
