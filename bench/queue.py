@@ -34,6 +34,7 @@ import asyncio
 import json
 import math
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -51,6 +52,7 @@ from shared.heap import freeze_startup_heap
 ROOT = Path(__file__).resolve().parents[1]
 MAX_MODEL_LEN = 1024
 STARTUP_TIMEOUT_S = 300
+STEADY_STAGGER_S = 0.005
 TOPICS = ["the sea", "a mountain", "a city at night", "an old library", "a robot", "winter",
           "a lighthouse", "the desert"]  # fmt: skip
 
@@ -271,7 +273,11 @@ def run_configuration(
         before = cpu_seconds(api.pid)
         started = time.perf_counter()
         streams: list[StreamTiming] = []
-        for _ in range(args.rounds):
+        if args.arrivals == "steady":
+            streams = asyncio.run(
+                run_steady(base_url, served, args.streams, args.rounds, args.max_tokens)
+            )
+        for _ in range(args.rounds if args.arrivals == "burst" else 0):
             streams += asyncio.run(run_streams(base_url, served, args.streams, args.max_tokens))
         wall = (time.perf_counter() - started) / args.rounds
         return RunResult(streams, wall, cpu_seconds(api.pid) - before)
@@ -293,6 +299,34 @@ async def run_streams(base_url: str, model: str, count: int, max_tokens: int) ->
         return await asyncio.gather(
             *(one_stream(session, model, i, max_tokens) for i in range(count))
         )
+
+
+async def run_steady(
+    base_url: str, model: str, count: int, per_client: int, max_tokens: int
+) -> list[StreamTiming]:
+    """``count`` clients, each sending ``per_client`` streams one after another.
+
+    Lengths are drawn from ``max_tokens`` / 2 to 1.5 × ``max_tokens`` (seeded,
+    the same in both modes), so the clients drift apart and a stream starts
+    while the others are mid-generation, as under a closed-loop load
+    (vLLM's ``--max-concurrency``). Each client's first stream is left out:
+    the clients start ``STEADY_STAGGER_S`` apart, still close to a burst.
+    """
+    connector = aiohttp.TCPConnector(limit=count + 1)
+    timeout = aiohttp.ClientTimeout(total=600)
+    async with aiohttp.ClientSession(base_url, connector=connector, timeout=timeout) as session:
+
+        async def client(index: int) -> list[StreamTiming]:
+            lengths = random.Random(index)
+            await asyncio.sleep(index * STEADY_STAGGER_S)
+            timings = []
+            for sent in range(per_client + 1):
+                tokens = lengths.randint(max_tokens // 2, max_tokens * 3 // 2)
+                timings.append(await one_stream(session, model, index + sent * count, tokens))
+            return timings[1:]
+
+        clients = await asyncio.gather(*(client(i) for i in range(count)))
+    return [timing for timings in clients for timing in timings]
 
 
 async def one_stream(
@@ -344,7 +378,8 @@ def report(
     def metrics(result: RunResult) -> list[float]:
         return [result.ttft(50), result.ttft(99), result.itl(50), result.itl(99)]
 
-    print(f"\nmodel {model}: {args.streams} concurrent streams, {args.rounds} rounds")
+    shape = "rounds" if args.arrivals == "burst" else "streams per client, steady arrivals"
+    print(f"\nmodel {model}: {args.streams} concurrent streams, {args.rounds} {shape}")
     print(f"{'':<13}{'tokens':>8}{'s/round':>8}{'TTFT p50':>9}{'TTFT p99':>9}"
           f"{'ITL p50':>9}{'ITL p99':>9}{'API CPU/tok':>14}   (ms, CPU in ms)")  # fmt: skip
     for label, result in (("embedded", embedded), ("distributed", distributed)):
@@ -359,7 +394,18 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--streams", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--rounds", type=int, default=5, help="bursts per configuration")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=5,
+        help="bursts per configuration, or with --arrivals steady streams per client",
+    )
+    parser.add_argument(
+        "--arrivals",
+        choices=("burst", "steady"),
+        default="burst",
+        help="all streams at once, or each client's next stream when its last one ends",
+    )
     parser.add_argument("--models", default="default,tiny", help="comma-separated: default, tiny")
     parser.add_argument(
         "--pin",
