@@ -1,15 +1,25 @@
 """Who gets in and how long they may wait: the policy for queued (distributed) requests.
 
-Admission is decided before any preparation work, so a refused request costs
-one Redis round trip and no tokenizing; an admitted one holds its place in the
-model's shared in-flight set from then on. Three outcomes, each with the
-status a client can act on:
+Three outcomes, each with the status a client can act on:
 
 - too much outstanding work for the model (queued + in flight ≥
   ``max_inflight``): 429, retry later;
 - no live worker for the model, even after waiting up to the queue timeout
   for one: 503, retry later;
 - otherwise the request is prepared and submitted with ``Deadlines``.
+
+Both refusals come before any preparation work. The fleet watcher's
+snapshot (about a second old) decides at no round trip's cost while it
+counts fewer outstanding requests than the bound; once it counts the bound,
+a count read from Redis decides instead, so a place freed since the
+snapshot is not refused. The snapshot can lag a burst, so the bound is kept
+exactly where the request joins the model's shared in-flight set: its
+submission checks the count and joins in one atomic step, and a request it
+refuses ends with the same 429.
+An earlier design reserved the place in a round trip of its own before
+preparation; with 32 streams in flight, on two shared cores, that await cost
+each request about one pass of a busy event loop (25-50 ms to its first
+token).
 
 Every way a request can end early is an ``Error`` event with a ``kind``;
 ``ERROR_STATUSES`` is the one table that says which HTTP status and error type
@@ -21,13 +31,10 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
-from contextlib import asynccontextmanager
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
 
 from api.errors import ApiError
-from api.turn_batch import TurnBatcher
 from shared.events import Error
 from shared.wire import Deadlines
 
@@ -144,75 +151,37 @@ class FleetSnapshot:
         return math.ceil(self.outstanding / max(per_worker, 1))
 
 
-Reserve = Callable[[list[str]], Awaitable[set[str]]]
-Release = Callable[[str], Awaitable[None]]
-
-
 class Admission:
-    """The admission check of one served model (see the module docstring).
+    """The early admission check of one served model (see the module docstring).
 
-    A request is admitted by taking its place in the model's in-flight set,
-    which every API process shares, in the same atomic step that checks the
-    bound (``reserve``: ids in, the ids admitted out), so no number of API
-    processes can overshoot it. The place is the request's own entry: the
-    submission later only moves its expiry, and the end of the request
-    removes it; a request that fails before submission gives it back. The
-    admissions of one event-loop turn share one step (one round trip per
-    burst rather than per request, on the path to the first token).
+    A request waits for a live worker (503 if none comes) and is refused
+    (429) while ``max_inflight`` requests are outstanding: as the fleet
+    watcher's snapshot counts them, without a round trip, or once that count
+    reaches the bound, as ``count_outstanding`` reads them now. The bound
+    itself is kept by the submission, which checks the shared in-flight set
+    and joins it in one atomic step (``api.backends.job_queue``), so no
+    number of API processes overshoots it; this check spares the preparation
+    of requests the submission would refuse.
     """
 
     def __init__(
         self,
         limits: Limits,
         snapshot: Callable[[], FleetSnapshot],
-        reserve: Reserve,
-        release: Release,
+        count_outstanding: Callable[[], Awaitable[int]],
         poll_s: float = 0.25,
     ) -> None:
         self._limits = limits
         self._snapshot = snapshot
-        self._reserve = reserve
-        self._release = release
+        self._count_outstanding = count_outstanding
         self._poll_s = poll_s
-        self._batcher: TurnBatcher[str, bool] = TurnBatcher(self._reserve_batch)
-        self._background: set[asyncio.Task[None]] = set()
 
-    @asynccontextmanager
-    async def admit(self, request_id: str) -> AsyncIterator[None]:
-        """Hold ``request_id``'s place while it is prepared; raises 503 or 429 ``ApiError``s."""
+    async def admit(self) -> None:
+        """Return when a request may be prepared; raises 503 or 429 ``ApiError``s."""
         await self._wait_for_worker()
-        if not await self._take_place(request_id):
-            raise api_error(
-                "rate_limited",
-                f"Too many requests in flight for this model (the limit is "
-                f"{self._limits.max_inflight}); retry after a short wait.",
-            )
-        try:
-            yield
-        except BaseException:
-            self._spawn(self._release(request_id))  # completes even if this task is cancelled
-            raise
-
-    async def _take_place(self, request_id: str) -> bool:
-        admitted = self._batcher.put(request_id)
-        try:
-            return await asyncio.shield(admitted)
-        except asyncio.CancelledError:  # the client left: give back a place taken meanwhile
-            admitted.add_done_callback(lambda done: self._give_back(request_id, done))
-            raise
-
-    async def _reserve_batch(self, request_ids: list[str]) -> list[bool]:
-        admitted = await self._reserve(request_ids)
-        return [request_id in admitted for request_id in request_ids]
-
-    def _give_back(self, request_id: str, admitted: asyncio.Future[bool]) -> None:
-        if not admitted.cancelled() and admitted.exception() is None and admitted.result():
-            self._spawn(self._release(request_id))
-
-    def _spawn(self, coroutine: Coroutine[Any, Any, None]) -> None:
-        task = asyncio.ensure_future(coroutine)
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        bound = self._limits.max_inflight
+        if self._snapshot().outstanding >= bound and await self._count_outstanding() >= bound:
+            raise api_error("rate_limited", rate_limited_message(bound))
 
     async def _wait_for_worker(self) -> None:
         """Wait up to the queue timeout for a live worker heartbeat; 503 if none comes."""
@@ -225,3 +194,10 @@ class Admission:
                     f"{self._limits.queue_timeout_s:g}s for one); retry later.",
                 )
             await asyncio.sleep(self._poll_s)
+
+
+def rate_limited_message(max_inflight: int) -> str:
+    return (
+        f"Too many requests in flight for this model (the limit is {max_inflight}); "
+        "retry after a short wait."
+    )

@@ -4,7 +4,8 @@
 render, encode, resolve max_tokens, build sampling and parsing options. Each
 step raises an ``ApiError`` whose status says whose fault it is: 400/404 for
 what the client sent, 500 for a model we configured badly. It is plain
-blocking code; the route runs it in a bounded threadpool.
+blocking code; the route runs it on the event loop for a small body and in
+a bounded threadpool for a large one (``api.app.INLINE_BODY_BYTES``).
 """
 
 from __future__ import annotations
@@ -82,7 +83,7 @@ def prepare(
 ) -> Prepared:
     """Parse, render, encode and resolve one request; raises ``ApiError``.
 
-    ``request_id`` is the id admission already reserved a place under, if any.
+    ``request_id`` is the id the route already chose (its job's id, say), if any.
     """
     request = protocol.parse(body)  # 400 naming the field
     encoded = encode_request(request, ctx)  # 404 unknown model, 400 bad conversation

@@ -1,7 +1,7 @@
 """Batching for the event loop: the calls of one loop turn share one round trip.
 
-Admission (a place in the in-flight set) and queueing (the job's message)
-both sit on a burst's path to its first token. Each call joins the batch of
+Queueing a job (its place in the in-flight set, and its message) sits on a
+burst's path to its first token. Each call joins the batch of
 the current turn; the batch runs on the next turn, while the loop goes on,
 so batches never wait for one another's replies (a busy loop reads those
 late).

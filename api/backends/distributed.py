@@ -13,8 +13,8 @@ through the process-wide ``EventReader``. Who owns what:
 - A fleet watcher reads worker heartbeats and the in-flight set about once a
   second; ``health``, ``models``, ``/metrics`` and admission's wait for a
   live worker read that snapshot, so none of them costs a Redis round trip
-  per call. Admission's check of the bound is one script per burst
-  (``api.backends.inflight``).
+  per call. The bound on outstanding work is checked again, exactly, by the
+  submission's script (``api.backends.job_queue``).
 
 Unseeded sampling requests get a seed here, at submission: a job redelivered
 after its worker died then continues the same random draws, which is what
@@ -30,7 +30,6 @@ import logging
 import math
 import time
 from collections.abc import AsyncIterator, Iterator
-from contextlib import AbstractAsyncContextManager
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client.core import GaugeMetricFamily, Metric
@@ -38,10 +37,16 @@ from prometheus_client.registry import Collector
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from api.admission import Admission, FleetSnapshot, Limits, WorkerLoad
+from api.admission import (
+    Admission,
+    FleetSnapshot,
+    Limits,
+    WorkerLoad,
+    api_error,
+    rate_limited_message,
+)
 from api.backends.base import BackendHealth, ServedModel
 from api.backends.event_reader import EventReader, Subscription
-from api.backends.inflight import InflightPlaces
 from api.backends.job_queue import JobQueue, with_seed
 from shared import keys
 from shared.events import Error, Finish, InferenceEvent, Text
@@ -80,10 +85,7 @@ class DistributedBackend:
         self._reader = EventReader(redis_url)
         self._queue = JobQueue(self._redis)
         self._snapshot = FleetSnapshot()
-        places = InflightPlaces(self._redis, self._model, settings.max_inflight)
-        self._admission = Admission(
-            self._limits, lambda: self._snapshot, places.reserve, places.release
-        )
+        self._admission = Admission(self._limits, lambda: self._snapshot, self._count_outstanding)
         self._tokenizer: LoadedTokenizer | None = None
         self._served: ServedModel | None = None
         self._load_error: str | None = None
@@ -121,9 +123,9 @@ class DistributedBackend:
 
     # --- what the app reads ------------------------------------------------------
 
-    def admit(self, request_id: str) -> AbstractAsyncContextManager[None]:
-        """Admission for one request, entered before its preparation (429/503 ``ApiError``)."""
-        return self._admission.admit(request_id)
+    async def admit(self) -> None:
+        """Admission for one request, before its preparation (429/503 ``ApiError``)."""
+        await self._admission.admit()
 
     @property
     def snapshot(self) -> FleetSnapshot:
@@ -197,10 +199,9 @@ class DistributedBackend:
         subscription = self._reader.open(request_id)
         last: InferenceEvent | None = None
         try:
-            submitted = await self._submit(Job(request, deadlines))
-            if not submitted:
-                message = "Could not queue the request: Redis is unreachable; retry later."
-                last = Error(request_id, message, "unavailable")
+            refusal = await self._submit(Job(request, deadlines))
+            if refusal is not None:
+                last = refusal
                 yield last
                 return
             progress = _Progress()
@@ -211,16 +212,26 @@ class DistributedBackend:
             self._reader.close(request_id)
             self._spawn(self._end(request_id, cancel=not isinstance(last, Finish)))
 
-    async def _submit(self, job: Job) -> bool:
-        """Join the in-flight set and publish the job; False if Redis is unreachable."""
-        request = job.request
+    async def _count_outstanding(self) -> int:
+        """The model's live in-flight entries, read now; a 503 if Redis is unreachable."""
         try:
-            score = job.deadlines.total or time.time() + self._limits.total_timeout_s
-            await self._queue.put(job, score)
+            return await self._redis.zcount(keys.inflight(self._model), time.time(), "+inf")
+        except (RedisError, OSError) as exc:
+            raise api_error("unavailable", f"Redis is unreachable ({exc}); retry later.") from exc
+
+    async def _submit(self, job: Job) -> Error | None:
+        """Join the in-flight set and publish the job; the ``Error`` that ends it if refused."""
+        request_id, limits = job.request.request_id, self._limits
+        try:
+            score = job.deadlines.total or time.time() + limits.total_timeout_s
+            queued = await self._queue.put(job, score, limits.max_inflight)
         except (RedisError, OSError, TimeoutError) as exc:
-            log.warning("submitting %s failed: %s", request.request_id, exc)
-            return False
-        return True
+            log.warning("submitting %s failed: %s", request_id, exc)
+            message = "Could not queue the request: Redis is unreachable; retry later."
+            return Error(request_id, message, "unavailable")
+        if not queued:
+            return Error(request_id, rate_limited_message(limits.max_inflight), "rate_limited")
+        return None
 
     async def _next_event(
         self, subscription: Subscription, deadlines: Deadlines, progress: _Progress

@@ -200,8 +200,9 @@ class JobManager:
     ) -> Prepared:
         """The synchronous route's preparation, with the job's response (and request) id."""
         response_id = protocol.id_prefix + job_hex
-        async with self.serving.admission(response_id) if admit else contextlib.nullcontext():
-            return await self.serving.prepare(protocol, body, response_id)
+        if admit:
+            await self.serving.admit()
+        return await self.serving.prepare(protocol, body, response_id)
 
     async def _generate(self, record: JobRecord, prepared: Prepared) -> AsyncIterator:
         """Start the generation: on the workers' queue, or on this process's backend."""

@@ -193,14 +193,53 @@ def test_admission_refuses_beyond_the_in_flight_bound(server: RedisServer):
         )
         try:
             with pytest.raises(ApiError) as refused:
-                async with backend.admit("req-admit"):
-                    pass
+                await backend.admit()
             return refused.value
         finally:
             await backend.stop()
 
     refused = asyncio.run(scenario())
     assert refused.status == 429 and refused.headers == {"Retry-After": "1"}
+
+
+def test_a_place_freed_since_the_snapshot_is_not_refused(server: RedisServer):
+    server.client.zadd(keys.inflight(DEFAULT_MODEL), {"someone-else": time.time() + 60})
+
+    async def scenario() -> int:
+        backend = await started(
+            DistributedBackend(server.url, SPEC, settings(server, max_inflight=1))
+        )
+        try:
+            while backend.snapshot.outstanding < 1:
+                await asyncio.sleep(0.05)
+            server.client.zrem(keys.inflight(DEFAULT_MODEL), "someone-else")  # it just ended
+            await backend.admit()
+            return backend.snapshot.outstanding
+        finally:
+            await backend.stop()
+
+    assert asyncio.run(scenario()) == 1  # admitted though the snapshot still counted the bound
+
+
+def test_a_submission_beyond_the_in_flight_bound_is_refused(server: RedisServer):
+    """The early check reads a snapshot a second old; the submission keeps the bound exactly."""
+
+    async def scenario() -> list:
+        backend = await started(
+            DistributedBackend(server.url, SPEC, settings(server, max_inflight=1))
+        )
+        try:
+            await backend.admit()  # the snapshot counts nothing yet
+            server.client.zadd(keys.inflight(DEFAULT_MODEL), {"someone-else": time.time() + 60})
+            return [event async for event in backend.infer(request("req-over"))]
+        finally:
+            await backend.stop()
+
+    received = asyncio.run(scenario())
+    assert len(received) == 1 and isinstance(received[0], Error)
+    assert received[0].kind == "rate_limited" and "the limit is 1" in received[0].message
+    assert server.client.zrange(keys.inflight(DEFAULT_MODEL), 0, -1) == ["someone-else"]
+    assert not server.client.keys(f"{keys.queue_name(DEFAULT_MODEL)}*")  # nothing queued
 
 
 def test_admission_waits_for_a_worker_then_refuses(server: RedisServer):
@@ -212,8 +251,7 @@ def test_admission_waits_for_a_worker_then_refuses(server: RedisServer):
         try:
             begun = time.monotonic()
             with pytest.raises(ApiError) as refused:
-                async with backend.admit("req-admit"):
-                    pass
+                await backend.admit()
             return refused.value, time.monotonic() - begun
         finally:
             await backend.stop()

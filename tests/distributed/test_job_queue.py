@@ -1,4 +1,4 @@
-"""``JobQueue`` writes what Celery itself would, a burst in one round trip.
+"""``JobQueue`` writes what Celery itself would, a burst in one round trip, within the bound.
 
 The message is compared with the one ``Celery.send_task`` puts on the same
 Redis, so a kombu or Celery upgrade that changes the envelope fails here
@@ -97,6 +97,62 @@ def test_a_burst_is_queued_with_its_in_flight_entries(redis_server: RedisServer)
     inflight = redis_server.client.zrange(keys.inflight(MODEL), 0, -1, withscores=True)
     assert dict(inflight) == {j.request.request_id: j.deadlines.total for j in jobs}
     redis_server.client.delete(keys.queue_name(MODEL), keys.inflight(MODEL))
+
+
+def put_bounded(url: str, bound: int | None, *jobs: Job) -> list[bool]:
+    """Each job through one of two ``JobQueue``s with clients of their own: two API processes."""
+
+    async def main() -> list[bool]:
+        clients = [Redis.from_url(url, decode_responses=True) for _ in range(2)]
+        queues = [JobQueue(client) for client in clients]
+        puts = (queues[i % 2].put(j, j.deadlines.total, bound) for i, j in enumerate(jobs))
+        results = await asyncio.gather(*puts)
+        for client in clients:
+            await client.aclose()
+        return list(results)
+
+    return asyncio.run(main())
+
+
+def test_two_processes_share_the_bound_without_overshoot(redis_server: RedisServer) -> None:
+    client, inflight = redis_server.client, keys.inflight(MODEL)
+    client.zadd(inflight, {"running-1": time.time() + 600, "running-2": time.time() + 600})
+    client.zadd(inflight, {"crashed-long-ago": time.time() - 5})  # no longer counts
+    jobs = [job(f"bounded-{i}") for i in range(10)]
+
+    queued = put_bounded(redis_server.url, 5, *jobs)
+
+    assert queued.count(True) == 3  # 2 running + 3 = the bound of 5
+    accepted = {j.request.request_id for j, ok in zip(jobs, queued, strict=True) if ok}
+    assert len(client.lrange(keys.queue_name(MODEL), 0, -1)) == 3
+    assert client.zcount(inflight, time.time(), "+inf") == 5
+    assert accepted <= set(client.zrange(inflight, 0, -1))
+    client.delete(keys.queue_name(MODEL), inflight)
+
+
+def test_a_burst_is_one_script_call(redis_server: RedisServer) -> None:
+    put_bounded(redis_server.url, 100, job("warm-up"))  # the script is loaded once
+
+    def calls() -> int:
+        stats = redis_server.client.info("commandstats")
+        return sum(stats.get(f"cmdstat_{name}", {}).get("calls", 0) for name in ("evalsha", "eval"))
+
+    before = calls()
+    queued = put_bounded(redis_server.url, 100, *(job(f"one-trip-{i}") for i in range(20)))
+
+    assert queued == [True] * 20
+    assert calls() - before == 2  # one per process
+    redis_server.client.delete(keys.queue_name(MODEL), keys.inflight(MODEL))
+
+
+def test_without_a_bound_nothing_is_refused(redis_server: RedisServer) -> None:
+    """Async jobs: refused, if at all, before they were accepted."""
+    client, inflight = redis_server.client, keys.inflight(MODEL)
+    client.zadd(inflight, {f"running-{i}": time.time() + 600 for i in range(5)})
+
+    assert put_bounded(redis_server.url, None, job("a-job"), job("another")) == [True, True]
+    assert client.zcard(inflight) == 7
+    client.delete(keys.queue_name(MODEL), inflight)
 
 
 def test_an_unreachable_redis_fails_every_waiter() -> None:
