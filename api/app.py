@@ -1,7 +1,7 @@
 """The HTTP app: the protocol table, the routes, and how errors are answered.
 
 Every generation route is the same handler driven by one row of
-``PROTOCOLS``: read the JSON body, prepare it (``Serving.off_loop``), hand
+``PROTOCOLS``: read the JSON body, prepare it in a bounded threadpool, hand
 the prepared request to the backend, and answer with SSE or JSON. Adding a
 protocol is adding a row. Every error, whatever raised it, is rendered in the
 shape of the protocol whose path was called, with the status it deserves.
@@ -53,17 +53,6 @@ PROTOCOLS: tuple[Protocol, ...] = (
     responses.PROTOCOL,
     messages.PROTOCOL,
 )
-INLINE_BODY_BYTES = 8192
-"""Bodies up to this size are prepared on the event loop, larger ones in the threadpool.
-
-Preparation is Python holding the GIL, so a thread spares the loop little:
-the loop still waits up to a switch interval (5 ms) each time the thread
-holds the GIL, and every hop into the thread and back waits for the GIL in
-turn. With 32 streams in flight the hop cost a request 17-24 ms (p50) while
-its preparation took 0.3-0.4 ms. 8 KiB of chat is about 2,000 tokens, a few
-milliseconds of rendering and encoding; a longer prompt goes to a thread so
-that it cannot hold every stream back for longer than a switch interval."""
-
 # Routes outside the table answer errors like the protocol whose path they extend;
 # anything else (models, tokenize, unknown paths) answers like OpenAI.
 DEFAULT_ERROR_SHAPE = chat_completions.PROTOCOL
@@ -141,29 +130,12 @@ class Serving:
         if admit is not None:
             await admit()
 
-    async def off_loop(
-        self, function: Callable[..., T], *args: Any, body_bytes: int | None = None
-    ) -> T:
-        """Run CPU work (rendering, tokenizing) for a body of ``body_bytes``.
-
-        A body of at most ``INLINE_BODY_BYTES`` is worked on here, on the
-        loop; a larger or unmeasured one in the bounded threadpool.
-        """
-        if body_bytes is not None and body_bytes <= INLINE_BODY_BYTES:
-            return function(*args)
+    async def off_loop(self, function: Callable[..., T], *args: Any) -> T:
+        """Run CPU work (rendering, tokenizing) in the bounded threadpool."""
         return await anyio.to_thread.run_sync(function, *args, limiter=self.limiter)
 
-    async def prepare(
-        self,
-        protocol: Protocol,
-        body: dict[str, Any],
-        request_id: str,
-        body_bytes: int | None = None,
-    ) -> Prepared:
-        context = self.context()
-        return await self.off_loop(
-            prepare, protocol, body, context, request_id, body_bytes=body_bytes
-        )
+    async def prepare(self, protocol: Protocol, body: dict[str, Any], request_id: str) -> Prepared:
+        return await self.off_loop(prepare, protocol, body, self.context(), request_id)
 
     def run(
         self, prepared: Prepared, arrived: float
@@ -249,9 +221,7 @@ def _generation_route(protocol: Protocol, serving: Serving) -> Callable[..., Awa
         arrived = time.monotonic()
         request_id = new_request_id(protocol)
         await serving.admit()
-        body = await read_json(request)
-        size = len(await request.body())  # the bytes read_json parsed, cached by Starlette
-        prepared = await serving.prepare(protocol, body, request_id, size)
+        prepared = await serving.prepare(protocol, await read_json(request), request_id)
         processor, events = serving.run(prepared, arrived)
         if prepared.request.stream:
             response = await event_source(processor, events, protocol.done_marker)
@@ -268,8 +238,7 @@ def _generation_route(protocol: Protocol, serving: Serving) -> Callable[..., Awa
 def _count_tokens_route(serving: Serving) -> Callable[..., Awaitable[Response]]:
     async def count_tokens(request: Request) -> Response:
         parsed = messages.parse_count_tokens(await read_json(request))
-        size = len(await request.body())
-        encoded = await serving.off_loop(encode_request, parsed, serving.context(), body_bytes=size)
+        encoded = await serving.off_loop(encode_request, parsed, serving.context())
         return JSONResponse(messages.count_tokens_body(len(encoded.token_ids)))
 
     return count_tokens
@@ -279,8 +248,7 @@ def _tokenize_route(serving: Serving) -> Callable[..., Awaitable[Response]]:
     async def tokenize(request: Request) -> Response:
         """A Chat Completions body → the exact prompt and token ids the model would get."""
         parsed = chat_completions.PROTOCOL.parse(await read_json(request))
-        size = len(await request.body())
-        encoded = await serving.off_loop(encode_request, parsed, serving.context(), body_bytes=size)
+        encoded = await serving.off_loop(encode_request, parsed, serving.context())
         return JSONResponse(
             {
                 "model": parsed.model,

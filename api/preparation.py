@@ -4,8 +4,7 @@
 render, encode, resolve max_tokens, build sampling and parsing options. Each
 step raises an ``ApiError`` whose status says whose fault it is: 400/404 for
 what the client sent, 500 for a model we configured badly. It is plain
-blocking code; the route runs it on the event loop for a small body and in
-a bounded threadpool for a large one (``api.app.INLINE_BODY_BYTES``).
+blocking code; the route runs it in a bounded threadpool.
 """
 
 from __future__ import annotations
