@@ -1,7 +1,7 @@
 """What the queue costs: the same streamed requests, embedded engine vs workers behind Redis.
 
     python -m bench.queue [--streams 32] [--max-tokens 64] [--rounds 5] [--models default,tiny]
-                          [--pin]
+                          [--pin] [--arrivals burst|steady]
 
 For each model it runs, in turn, ``sluice serve`` with the engine in the API
 process (the baseline) and then ``redis-server`` + one ``sluice worker`` +
@@ -13,7 +13,9 @@ machine is noisy). It prints time to first token and inter-token latency
 (p50/p99, measured by the client between content chunks), the distributed
 minus embedded difference, and the API process's CPU seconds per streamed
 token (embedded: that process also runs the model; distributed: only HTTP,
-preparation and stream fan-out).
+preparation and stream fan-out). With ``--arrivals steady`` the streams
+do not start together: each of ``--streams`` clients sends its next one as
+its last one ends (``run_steady``), ``--rounds`` per client.
 
 ``tiny`` is a two-layer random-weight Llama with the default model's
 tokenizer, written once to a temporary directory: its steps are cheap
