@@ -1,9 +1,9 @@
 """The worker's engine host: runs jobs on the engine thread and publishes their events.
 
 Task threads (one per Celery job) hand a ``Run`` to the host and block until
-it resolves. Everything that touches the engine or the run table happens on
-the engine thread (``engine.host.EngineThread``): adds, cancels, hand-backs
-and settling the writes. After each step the engine thread hands every
+it resolves. Everything that touches the engine happens on the engine
+thread (``engine.host.EngineThread``): adds, cancels, hand-backs and
+stopping runs whose writes failed. After each step the engine thread hands every
 run's events to the ``Outbox``, which sends them (fenced) at once or with
 the write after the one in flight, and reads the reply on a thread of its
 own while the engine steps on. The outbox thread resolves the runs whose
