@@ -267,13 +267,17 @@ class WorkerHost:
     ) -> None:
         """The outbox thread's report: finished runs resolve here, the rest on the engine thread."""
         if error is None:
+            resolved = False
             for batch in batches:
                 key = (batch.request_id, batch.attempt)
                 if key not in fenced and isinstance(batch.events[-1], Finish | Error):
                     run = self._runs.get(engine_id(*key))
                     if run is not None:
                         self._untrack(run, Outcome.FINISHED)
+                        resolved = True
             if not fenced:
+                if resolved:  # the snapshot counts the runs; the engine thread takes it
+                    self._thread.call(self._refresh)
                 return
         self._thread.call(lambda engine: self._settle(engine, batches, fenced, error))
 
