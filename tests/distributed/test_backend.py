@@ -15,6 +15,7 @@ import json
 import subprocess
 import sys
 import time
+from collections.abc import AsyncIterator
 
 import pytest
 
@@ -184,19 +185,24 @@ def test_a_missed_deadline_ends_the_request_and_cancels_it(
     assert server.client.exists(keys.cancel_flag("req-late"))
 
 
+@contextlib.asynccontextmanager
+async def bound_to_one(server: RedisServer) -> AsyncIterator[DistributedBackend]:
+    """A started backend whose model admits one outstanding request."""
+    backend = await started(DistributedBackend(server.url, SPEC, settings(server, max_inflight=1)))
+    try:
+        yield backend
+    finally:
+        await backend.stop()
+
+
 def test_admission_refuses_beyond_the_in_flight_bound(server: RedisServer):
     server.client.zadd(keys.inflight(DEFAULT_MODEL), {"someone-else": time.time() + 60})
 
     async def scenario() -> ApiError:
-        backend = await started(
-            DistributedBackend(server.url, SPEC, settings(server, max_inflight=1))
-        )
-        try:
+        async with bound_to_one(server) as backend:
             with pytest.raises(ApiError) as refused:
                 await backend.admit()
             return refused.value
-        finally:
-            await backend.stop()
 
     refused = asyncio.run(scenario())
     assert refused.status == 429 and refused.headers == {"Retry-After": "1"}
@@ -206,17 +212,12 @@ def test_a_place_freed_since_the_snapshot_is_not_refused(server: RedisServer):
     server.client.zadd(keys.inflight(DEFAULT_MODEL), {"someone-else": time.time() + 60})
 
     async def scenario() -> int:
-        backend = await started(
-            DistributedBackend(server.url, SPEC, settings(server, max_inflight=1))
-        )
-        try:
+        async with bound_to_one(server) as backend:
             while backend.snapshot.outstanding < 1:
                 await asyncio.sleep(0.05)
             server.client.zrem(keys.inflight(DEFAULT_MODEL), "someone-else")  # it just ended
             await backend.admit()
             return backend.snapshot.outstanding
-        finally:
-            await backend.stop()
 
     assert asyncio.run(scenario()) == 1  # admitted though the snapshot still counted the bound
 
@@ -225,15 +226,10 @@ def test_a_submission_beyond_the_in_flight_bound_is_refused(server: RedisServer)
     """The early check reads a snapshot a second old; the submission keeps the bound exactly."""
 
     async def scenario() -> list:
-        backend = await started(
-            DistributedBackend(server.url, SPEC, settings(server, max_inflight=1))
-        )
-        try:
+        async with bound_to_one(server) as backend:
             await backend.admit()  # the snapshot counts nothing yet
             server.client.zadd(keys.inflight(DEFAULT_MODEL), {"someone-else": time.time() + 60})
             return [event async for event in backend.infer(request("req-over"))]
-        finally:
-            await backend.stop()
 
     received = asyncio.run(scenario())
     assert len(received) == 1 and isinstance(received[0], Error)
