@@ -1,22 +1,33 @@
 """Inference events as Redis Stream entries, and back.
 
-An entry has three fields: ``a`` (the attempt that wrote it), ``k`` (the
-event kind) and ``d`` (compact JSON of the rest). The stream entry id orders
-events and is what SSE ``Last-Event-ID`` resumes from.
+An entry has four fields: ``a`` (the attempt that wrote it), ``s`` (its
+sequence number within that attempt, from 1), ``k`` (the event kind) and
+``d`` (compact JSON of the rest). The stream entry id orders events and is
+what SSE ``Last-Event-ID`` resumes from; ``(a, s)`` names an event
+independently of the entry, so a write repeated after a lost reply can be
+recognised and skipped, by the writing script and by readers.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, NamedTuple
 
 from shared.events import Error, Finish, FinishReason, InferenceEvent, Ready, Text, TokenLogprob
 
 _SEPARATORS = (",", ":")
 
 
-def encode_event(event: InferenceEvent, attempt: int) -> dict[str, str]:
-    """Stream fields for ``event`` written by ``attempt``."""
+class Entry(NamedTuple):
+    """One decoded stream entry."""
+
+    attempt: int
+    seq: int
+    event: InferenceEvent
+
+
+def encode_event(event: InferenceEvent, attempt: int, seq: int) -> dict[str, str]:
+    """Stream fields for ``event``, the ``seq``-th event written by ``attempt``."""
     match event:
         case Ready():
             kind, body = "r", [event.prompt_tokens, event.cached_tokens]
@@ -33,27 +44,31 @@ def encode_event(event: InferenceEvent, attempt: int) -> dict[str, str]:
             kind, body = "e", [event.message, event.kind]
         case _:
             raise TypeError(f"not an inference event: {event!r}")
-    return {"a": str(attempt), "k": kind, "d": json.dumps(body, separators=_SEPARATORS)}
+    data = json.dumps(body, separators=_SEPARATORS)
+    return {"a": str(attempt), "s": str(seq), "k": kind, "d": data}
 
 
-def decode_event(request_id: str, fields: dict[Any, Any]) -> tuple[int, InferenceEvent]:
-    """``(attempt, event)`` from stream fields (bytes or str keys and values)."""
+def decode_entry(request_id: str, fields: dict[Any, Any]) -> Entry:
+    """An entry from its stream fields (bytes or str keys and values)."""
     get = _getter(fields)
-    attempt, kind, body = int(get("a")), get("k"), json.loads(get("d"))
+    return Entry(int(get("a")), int(get("s")), _event(request_id, get("k"), json.loads(get("d"))))
+
+
+def _event(request_id: str, kind: str, body: list[Any]) -> InferenceEvent:
     match kind:
         case "r":
-            return attempt, Ready(request_id, body[0], body[1])
+            return Ready(request_id, body[0], body[1])
         case "t":
             logprobs = (
                 [TokenLogprob(t, lp, [tuple(x) for x in top]) for t, lp, top in body[2]]
                 if body[2]
                 else None
             )
-            return attempt, Text(request_id, body[0], body[1], logprobs)
+            return Text(request_id, body[0], body[1], logprobs)
         case "f":
-            return attempt, Finish(request_id, FinishReason(body[0]), body[1], body[2])
+            return Finish(request_id, FinishReason(body[0]), body[1], body[2])
         case "e":
-            return attempt, Error(request_id, body[0], body[1])
+            return Error(request_id, body[0], body[1])
     raise ValueError(f"unknown event kind {kind!r} in stream of {request_id}")
 
 

@@ -15,6 +15,17 @@ FINISHED_STREAM_TTL_S = 3600  # a finished request's events stay readable this l
 HEARTBEAT_TTL_S = 5  # a worker that missed this many seconds of heartbeats is gone
 
 
+def event_stream_maxlen(max_model_len: int) -> int:
+    """A cap that never trims a stream its worker's engine can fill.
+
+    A request writes at most one entry per generated token (fewer than
+    ``max_model_len``) besides its ``Ready`` and its end (the margin);
+    trimming the start of a stream would leave a redelivered job nothing to
+    resume from.
+    """
+    return max(EVENT_STREAM_MAXLEN, max_model_len + 64)
+
+
 def queue_name(model: str) -> str:
     """The Celery queue of one model: workers serving it consume only this."""
     return f"{PREFIX}.{model}"

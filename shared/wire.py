@@ -104,6 +104,15 @@ def encode_job(job: Job) -> str:
     return json.dumps(payload, separators=(",", ":"))
 
 
+def job_request_id(payload: str | bytes) -> str | None:
+    """The request id of a job that may not decode, so its client can still be told why."""
+    try:
+        request_id = json.loads(payload)["request"]["request_id"]
+    except (ValueError, KeyError, TypeError):
+        return None
+    return request_id if isinstance(request_id, str) and request_id else None
+
+
 def decode_job(payload: str | bytes) -> Job:
     data = json.loads(payload)
     if data.get("v") != JOB_VERSION:

@@ -81,6 +81,7 @@ class Run:
     attempt: int
     resume: Resume | None = None
     outcome: Outcome | None = None
+    next_seq: int = 1  # the sequence number of the next event this attempt writes
     _done: threading.Event = field(default_factory=threading.Event)
 
     @property
@@ -259,7 +260,8 @@ class WorkerHost:
         batches = []
         for key, events in by_run.items():
             run = self._runs[key]
-            batches.append(Batch(run.request_id, run.attempt, events))
+            batches.append(Batch(run.request_id, run.attempt, run.next_seq, events))
+            run.next_seq += len(events)
         self._outbox.put(batches)
 
     def _on_written(

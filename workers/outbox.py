@@ -199,5 +199,5 @@ def _merged(batches: list[Batch]) -> list[Batch]:
         if key in merged:
             merged[key].events.extend(batch.events)
         else:
-            merged[key] = Batch(batch.request_id, batch.attempt, list(batch.events))
+            merged[key] = Batch(batch.request_id, batch.attempt, batch.seq, list(batch.events))
     return list(merged.values())

@@ -13,46 +13,63 @@ generating for them.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import redis
 
 from shared import keys
 from shared.event_codec import encode_event
-from shared.events import Error, Finish, InferenceEvent
+from shared.events import InferenceEvent
 
 # KEYS: (lease, stream) per request.
-# ARGV: maxlen, ttl, then per request: attempt, event count, and per event:
-#   final flag ("1" for Finish/Error), field count n, then n field/value pairs.
-# A current lease is kept alive as long as a finished stream, so it outlives
-# any generation that keeps writing; a final event starts the stream's expiry.
-# Returns the 1-based indexes of the requests whose lease is not their attempt.
+# ARGV: maxlen, ttl, then per request: attempt, the first event's sequence
+#   number, event count, and per event: field count n, then n field/value pairs.
+# A current lease, and its stream, are kept alive as long as a finished
+# stream, so both outlive any generation that keeps writing and a stream
+# whose writer died expires on its own. The stream's last entry says how far
+# this attempt has written: a write sent again after its reply was lost
+# skips the events it already added. Returns the 1-based indexes of the
+# requests whose lease is not their attempt.
 _PUBLISH_SCRIPT = """
 local maxlen, ttl = ARGV[1], ARGV[2]
 local fenced = {}
 local pos = 3
+
+local function written(stream, attempt)
+  local tail = redis.call('XREVRANGE', stream, '+', '-', 'COUNT', 1)[1]
+  if not tail then return 0 end
+  local fields, a, s = tail[2], nil, 0
+  for f = 1, #fields, 2 do
+    if fields[f] == 'a' then a = fields[f + 1] elseif fields[f] == 's' then s = fields[f + 1] end
+  end
+  if a == attempt then return tonumber(s) end
+  return 0
+end
+
 for i = 1, #KEYS, 2 do
-  local attempt, count = ARGV[pos], tonumber(ARGV[pos + 1])
-  pos = pos + 2
+  local attempt, seq, count = ARGV[pos], tonumber(ARGV[pos + 1]), tonumber(ARGV[pos + 2])
+  pos = pos + 3
   local current = redis.call('GET', KEYS[i]) == attempt
+  local done = 0
   if current then
     redis.call('EXPIRE', KEYS[i], ttl)
+    done = written(KEYS[i + 1], attempt)
   else
     fenced[#fenced + 1] = (i + 1) / 2
   end
-  for _ = 1, count do
-    local final, nfields = ARGV[pos], tonumber(ARGV[pos + 1])
-    if current then
+  for e = 0, count - 1 do
+    local nfields = tonumber(ARGV[pos])
+    if current and seq + e > done then
       local entry = {'XADD', KEYS[i + 1], 'MAXLEN', '~', maxlen, '*'}
-      for f = pos + 2, pos + 1 + 2 * nfields do
+      for f = pos + 1, pos + 2 * nfields do
         entry[#entry + 1] = ARGV[f]
       end
       redis.call(unpack(entry))
-      if final == '1' then
-        redis.call('EXPIRE', KEYS[i + 1], ttl)
-      end
     end
-    pos = pos + 2 + 2 * nfields
+    pos = pos + 1 + 2 * nfields
+  end
+  if current then
+    redis.call('EXPIRE', KEYS[i + 1], ttl)
   end
 end
 return fenced
@@ -61,11 +78,16 @@ return fenced
 
 @dataclass(slots=True)
 class Batch:
-    """One request's events from one step, written under ``attempt``."""
+    """One request's events from one step, written under ``attempt``.
+
+    ``seq`` is the first event's sequence number within the attempt (from
+    1); the rest follow it one by one.
+    """
 
     request_id: str
     attempt: int
-    events: list[InferenceEvent] = field(default_factory=list)
+    seq: int
+    events: list[InferenceEvent]
 
 
 Attempt = tuple[str, int]  # (request id, attempt)
@@ -88,12 +110,12 @@ class EventPublisher:
         self,
         client: redis.Redis,
         maxlen: int = keys.EVENT_STREAM_MAXLEN,
-        finished_ttl_s: int = keys.FINISHED_STREAM_TTL_S,
+        ttl_s: int = keys.FINISHED_STREAM_TTL_S,
     ) -> None:
         self._client = client
         self._script = client.register_script(_PUBLISH_SCRIPT)
         self._maxlen = maxlen
-        self._finished_ttl_s = finished_ttl_s
+        self._ttl_s = ttl_s
 
     def publish(self, batches: Sequence[Batch]) -> set[Attempt]:
         """Write every batch in one round trip; return the (request id, attempt)s fenced out."""
@@ -142,13 +164,13 @@ class EventPublisher:
 
     def _arguments(self, batches: Sequence[Batch]) -> tuple[list[str], list[str | int]]:
         script_keys: list[str] = []
-        args: list[str | int] = [self._maxlen, self._finished_ttl_s]
+        args: list[str | int] = [self._maxlen, self._ttl_s]
         for batch in batches:
             script_keys += [keys.lease(batch.request_id), keys.event_stream(batch.request_id)]
-            args += [str(batch.attempt), len(batch.events)]
-            for event in batch.events:
-                fields = encode_event(event, batch.attempt)
-                args += ["1" if isinstance(event, Finish | Error) else "0", len(fields)]
+            args += [str(batch.attempt), batch.seq, len(batch.events)]
+            for seq, event in enumerate(batch.events, batch.seq):
+                fields = encode_event(event, batch.attempt, seq)
+                args.append(len(fields))
                 for name, value in fields.items():
                     args += [name, value]
         return script_keys, args

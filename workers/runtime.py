@@ -19,6 +19,7 @@ import redis
 from redis.backoff import ExponentialWithJitterBackoff
 from redis.retry import Retry
 
+from shared import keys
 from workers.cancellation import CancellationWatcher
 from workers.heartbeat import Heartbeat, WorkerIdentity
 from workers.host import WorkerHost
@@ -68,7 +69,7 @@ class WorkerRuntime:
         heartbeat_interval_s: float = 1.0,
     ) -> WorkerRuntime:
         client = connect(redis_url)
-        publisher = EventPublisher(client)
+        publisher = EventPublisher(client, keys.event_stream_maxlen(engine.max_model_len))
         host = WorkerHost(engine, publisher)
         deliveries = DeliveryTracker()
         runtime = cls(

@@ -34,10 +34,10 @@ from celery.exceptions import Reject
 from celery.worker.request import Request
 
 from shared import keys
-from shared.event_codec import decode_event
+from shared.event_codec import decode_entry
 from shared.events import Error, Finish, FinishReason, InferenceEvent, Ready, Text
 from shared.task_message import task_message
-from shared.wire import Job, decode_job
+from shared.wire import Job, decode_job, job_request_id
 from workers.coalescer import Coalescer
 from workers.host import Outcome, Resume, Run, WorkerHost
 from workers.publisher import Batch, EventPublisher
@@ -75,8 +75,7 @@ class History:
     def read(cls, request_id: str, entries: list[tuple[Any, dict[Any, Any]]]) -> History:
         history = cls()
         for _, fields in entries:
-            _, event = decode_event(request_id, fields)
-            history.add(event)
+            history.add(decode_entry(request_id, fields).event)
         return history
 
     def add(self, event: InferenceEvent) -> None:
@@ -131,6 +130,8 @@ def run_job(context: TaskContext, payload: str) -> None:
         job = decode_job(payload)
     except (ValueError, KeyError, TypeError) as exc:
         log.error("refusing a job that cannot be decoded: %s", exc)
+        if (request_id := job_request_id(payload)) is not None:
+            _fail(context, request_id, f"the worker cannot read this job: {exc}")
         raise Reject(str(exc), requeue=False) from exc
     try:
         outcome = _run(context, job)
@@ -163,7 +164,7 @@ def _run(context: TaskContext, job: Job) -> Outcome:
         return Outcome.FINISHED
     answer = _answer_without_engine(context.model, job, start.cancelled, history)
     if answer is not None:
-        context.publisher.publish([Batch(request.request_id, start.attempt, [answer])])
+        context.publisher.publish([Batch(request.request_id, start.attempt, 1, [answer])])
         return Outcome.FINISHED
     resume = Resume(history.token_ids, history.chars) if history.started else None
     run = Run(request, start.attempt, resume)
@@ -216,7 +217,7 @@ def _fail(context: TaskContext, request_id: str, message: str) -> None:
     """End the request with an Error under a fresh attempt, so no client waits forever."""
     try:
         attempt = int(context.client.incr(keys.lease(request_id)))
-        context.publisher.publish([Batch(request_id, attempt, [Error(request_id, message)])])
+        context.publisher.publish([Batch(request_id, attempt, 1, [Error(request_id, message)])])
     except redis.RedisError as exc:
         log.error("could not report the failure of %s: %s", request_id, exc)
 

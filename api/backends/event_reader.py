@@ -14,8 +14,9 @@ being rebuilt, is still delivered, in order and once.
 
 Fencing (workers write only while they hold the lease, so the stream holds
 current events) is repeated here cheaply: events of an attempt older than the
-newest one seen are dropped, and so is a second ``Ready`` (a resumed attempt
-may announce itself again).
+newest one seen are dropped, and so are an event whose sequence number this
+attempt already delivered (its write was repeated) and a second ``Ready`` (a
+resumed attempt may announce itself again).
 
 Redis going away must not leave clients hanging. The loop reconnects with
 backoff; if Redis stays unreachable for longer than ``outage_grace_s``, or
@@ -40,7 +41,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
 from shared import keys
-from shared.event_codec import decode_event
+from shared.event_codec import Entry, decode_entry
 from shared.events import Error, Finish, InferenceEvent, Ready
 
 log = logging.getLogger(__name__)
@@ -57,14 +58,16 @@ class Subscription:
     events: asyncio.Queue[InferenceEvent] = field(default_factory=asyncio.Queue)
     last_id: str = "0"
     attempt: int = 0  # the newest attempt seen
+    seq: int = 0  # the newest sequence number of that attempt
     ready_seen: bool = False
     ended: bool = False  # a Finish or Error was delivered
 
-    def accept(self, attempt: int, event: InferenceEvent) -> bool:
-        """False for a stale attempt's event or a repeated ``Ready``."""
-        if attempt < self.attempt:
+    def accept(self, entry: Entry) -> bool:
+        """False for a stale attempt's event, a repeated event or a repeated ``Ready``."""
+        attempt, seq, event = entry
+        if attempt < self.attempt or (attempt == self.attempt and seq <= self.seq):
             return False
-        self.attempt = attempt
+        self.attempt, self.seq = attempt, seq
         if isinstance(event, Ready):
             if self.ready_seen:
                 return False
@@ -227,12 +230,12 @@ class EventReader:
         for entry_id, fields in entries:
             subscription.last_id = entry_id
             try:
-                attempt, event = decode_event(subscription.request_id, fields)
+                entry = decode_entry(subscription.request_id, fields)
             except (KeyError, ValueError, TypeError, IndexError) as exc:
                 log.error("skipping a malformed event in %s (%s): %s", key, entry_id, exc)
                 continue
-            if subscription.accept(attempt, event):
-                subscription.deliver(event)
+            if subscription.accept(entry):
+                subscription.deliver(entry.event)
             if subscription.ended:
                 self._subscriptions.pop(key, None)
                 return

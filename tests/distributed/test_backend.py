@@ -24,12 +24,12 @@ from api.app import Settings
 from api.backends.distributed import DistributedBackend
 from api.errors import ApiError
 from shared import keys
-from shared.event_codec import encode_event
 from shared.events import Error, Finish, FinishReason, Ready, Text
 from shared.registry import DEFAULT_MODEL, default_registry
 from shared.sampling import SamplingParams
 from shared.wire import Job, PreparedRequest, decode_job
 from tests.distributed.conftest import ROOT, RedisServer, wait_until
+from tests.streams import append_events
 
 pytestmark = pytest.mark.distributed
 
@@ -62,8 +62,7 @@ def take_job(server: RedisServer) -> tuple[Job, dict]:
 
 
 def write(server: RedisServer, request_id: str, *events: object, attempt: int = 1) -> None:
-    for event in events:
-        server.client.xadd(keys.event_stream(request_id), encode_event(event, attempt))
+    append_events(server.client, request_id, attempt, *events)
 
 
 async def started(backend: DistributedBackend) -> DistributedBackend:

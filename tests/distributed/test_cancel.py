@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from shared import keys
-from shared.event_codec import decode_event
+from shared.event_codec import decode_entry
 from shared.events import Finish, FinishReason, Text
 from tests.distributed.conftest import Fleet, RedisServer, wait_until
 
@@ -81,7 +81,7 @@ def test_a_client_that_leaves_stops_its_generation(
 
     wait_until(worker_idle, 5, "the worker to abort and free its KV blocks")
     stream = redis_server.client.xrange(keys.event_stream(request_id))
-    events = [decode_event(request_id, fields)[1] for _, fields in stream]
+    events = [decode_entry(request_id, fields).event for _, fields in stream]
     tokens = sum(len(event.token_ids) for event in events if isinstance(event, Text))
     after_cancel = [event for event in events[entries_at_cancel:] if isinstance(event, Text)]
     assert isinstance(events[-1], Finish) and events[-1].reason is FinishReason.ABORT

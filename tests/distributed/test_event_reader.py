@@ -16,10 +16,9 @@ from typing import Any, TypeVar
 import pytest
 
 from api.backends.event_reader import EventReader, Subscription
-from shared import keys
-from shared.event_codec import encode_event
 from shared.events import Error, Finish, FinishReason, InferenceEvent, Ready, Text
 from tests.distributed.conftest import RedisServer
+from tests.streams import append_events
 
 pytestmark = pytest.mark.distributed
 
@@ -27,8 +26,7 @@ T = TypeVar("T")
 
 
 def write(server: RedisServer, request_id: str, attempt: int, *events: InferenceEvent) -> None:
-    for event in events:
-        server.client.xadd(keys.event_stream(request_id), encode_event(event, attempt))
+    append_events(server.client, request_id, attempt, *events)
 
 
 async def receive(subscription: Subscription, count: int, timeout: float = 5) -> list:
@@ -76,9 +74,12 @@ def test_a_new_stream_does_not_wait_for_the_blocked_read(own_redis: RedisServer)
     assert run(scenario()) < 1.0
 
 
-def test_a_stale_attempt_and_a_second_ready_are_dropped(own_redis: RedisServer):
+def test_a_stale_attempt_a_repeated_event_and_a_second_ready_are_dropped(
+    own_redis: RedisServer,
+):
     write(own_redis, "r2", 1, Ready("r2", 4, 0), Text("r2", "a", [7]))
     write(own_redis, "r2", 2, Ready("r2", 4, 0), Text("r2", "b", [8]))
+    append_events(own_redis.client, "r2", 2, Text("r2", "b", [8]), seq=2)  # a write sent again
     write(own_redis, "r2", 1, Text("r2", "stale", [9]))
     write(own_redis, "r2", 2, Finish("r2", FinishReason.LENGTH, 2))
 

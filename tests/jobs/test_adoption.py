@@ -26,11 +26,11 @@ import redis
 from api.app import Settings, create_app
 from api.jobs.runner import seeded_tool_call_ids
 from shared import keys
-from shared.event_codec import encode_event
 from shared.events import Finish, FinishReason, InferenceEvent, Ready, Text
 from shared.registry import DEFAULT_MODEL
 from shared.wire import decode_job
 from tests.jobs.conftest import PacedBackend, serve_in_thread, sse_events
+from tests.streams import append_events
 
 WORDS = [f"w{n} " for n in range(30)]
 TOOL_CALL = ['<tool_call>{"name": "get_weather", ', '"arguments": {"city": "Paris"}}</tool_call>']
@@ -84,7 +84,7 @@ class WorkerThread:
         self.finished[finish.request_id] = finish.reason
 
     def _write(self, event: InferenceEvent) -> None:
-        self._client.xadd(keys.event_stream(event.request_id), encode_event(event, 1))
+        append_events(self._client, event.request_id, 1, event)
 
 
 @pytest.fixture

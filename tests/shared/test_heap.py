@@ -35,7 +35,7 @@ def test_startup_garbage_is_collected_before_the_freeze() -> None:
     kept = Node()
     frozen = freeze_startup_heap()
     assert garbage() is None  # frozen garbage would never be freed
-    assert frozen == gc.get_freeze_count() > 0
+    assert 0 < gc.get_freeze_count() <= frozen  # other threads' frozen objects may die since
     assert gc.is_tracked(kept)
 
 

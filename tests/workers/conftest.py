@@ -26,7 +26,7 @@ from celery import Celery
 from celery.contrib.testing.worker import start_worker
 
 from shared import keys
-from shared.event_codec import decode_event
+from shared.event_codec import Entry, decode_entry
 from shared.events import Error, Finish, InferenceEvent, Text
 from shared.registry import DEFAULT_MODEL
 from shared.sampling import SamplingParams
@@ -201,12 +201,12 @@ class Producer:
     def send_payload(self, payload: str) -> None:
         self.app.send_task(keys.TASK_NAME, args=[payload], queue=QUEUE, priority=0)
 
-    def entries(self, request_id: str) -> list[tuple[int, InferenceEvent]]:
+    def entries(self, request_id: str) -> list[Entry]:
         stream = self.client.xrange(keys.event_stream(request_id))
-        return [decode_event(request_id, fields) for _, fields in stream]
+        return [decode_entry(request_id, fields) for _, fields in stream]
 
     def events(self, request_id: str) -> list[InferenceEvent]:
-        return [event for _, event in self.entries(request_id)]
+        return [entry.event for entry in self.entries(request_id)]
 
     def wait_end(self, request_id: str, timeout: float = 30) -> list[InferenceEvent]:
         def ended() -> list[InferenceEvent] | None:

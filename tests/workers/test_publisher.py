@@ -7,7 +7,7 @@ import uuid
 import redis
 
 from shared import keys
-from shared.event_codec import decode_event
+from shared.event_codec import Entry, decode_entry
 from shared.events import Finish, FinishReason, Ready, Text
 from workers.publisher import Batch, EventPublisher
 
@@ -18,9 +18,9 @@ def _request(client: redis.Redis, attempt: int) -> str:
     return request_id
 
 
-def _stream(client: redis.Redis, request_id: str) -> list[tuple[int, object]]:
+def _stream(client: redis.Redis, request_id: str) -> list[Entry]:
     entries = client.xrange(keys.event_stream(request_id))
-    return [decode_event(request_id, fields) for _, fields in entries]
+    return [decode_entry(request_id, fields) for _, fields in entries]
 
 
 def test_current_attempt_writes_and_stale_attempt_is_dropped(client: redis.Redis) -> None:
@@ -29,32 +29,72 @@ def test_current_attempt_writes_and_stale_attempt_is_dropped(client: redis.Redis
     events = [Ready(current, 5, 0), Text(current, "Hi", [42])]
 
     fenced = publisher.publish(
-        [Batch(current, 2, events), Batch(stale, 2, [Ready(stale, 5, 0), Text(stale, "no", [7])])]
+        [
+            Batch(current, 2, 1, events),
+            Batch(stale, 2, 1, [Ready(stale, 5, 0), Text(stale, "no", [7])]),
+        ]
     )
 
     assert fenced == {(stale, 2)}
-    assert _stream(client, current) == [(2, event) for event in events]
+    assert _stream(client, current) == [Entry(2, seq, event) for seq, event in enumerate(events, 1)]
     assert not client.exists(keys.event_stream(stale))
 
 
 def test_a_missing_lease_fences_everyone_out(client: redis.Redis) -> None:
     request_id = uuid.uuid4().hex
-    fenced = EventPublisher(client).publish([Batch(request_id, 1, [Ready(request_id, 1, 0)])])
+    fenced = EventPublisher(client).publish([Batch(request_id, 1, 1, [Ready(request_id, 1, 0)])])
     assert fenced == {(request_id, 1)}
     assert not client.exists(keys.event_stream(request_id))
 
 
-def test_the_stream_expires_once_finished(client: redis.Redis) -> None:
-    publisher = EventPublisher(client)
+def test_every_write_keeps_the_stream_and_its_lease_expiring(client: redis.Redis) -> None:
+    """A stream whose writer dies mid-generation must not stay behind forever."""
+    publisher = EventPublisher(client, ttl_s=100)
     request_id = _request(client, 1)
     stream = keys.event_stream(request_id)
 
-    publisher.publish([Batch(request_id, 1, [Ready(request_id, 3, 0), Text(request_id, "a", [1])])])
-    assert client.ttl(stream) == -1  # live: no expiry yet
+    publisher.publish(
+        [Batch(request_id, 1, 1, [Ready(request_id, 3, 0), Text(request_id, "a", [1])])]
+    )
+    assert 0 < client.ttl(stream) <= 100
+    client.persist(stream)
 
-    publisher.publish([Batch(request_id, 1, [Finish(request_id, FinishReason.STOP, 1, 2)])])
-    assert 0 < client.ttl(stream) <= keys.FINISHED_STREAM_TTL_S
-    assert 0 < client.ttl(keys.lease(request_id)) <= keys.FINISHED_STREAM_TTL_S
+    publisher.publish([Batch(request_id, 1, 3, [Finish(request_id, FinishReason.STOP, 1, 2)])])
+    assert 0 < client.ttl(stream) <= 100
+    assert 0 < client.ttl(keys.lease(request_id)) <= 100
+
+
+def test_a_repeated_write_adds_only_the_events_not_written_yet(client: redis.Redis) -> None:
+    """A write sent again after its reply was lost: the script ran once already."""
+    publisher = EventPublisher(client)
+    request_id = _request(client, 1)
+    first = [Ready(request_id, 3, 0), Text(request_id, "a", [1])]
+    publisher.publish([Batch(request_id, 1, 1, first)])
+
+    publisher.publish([Batch(request_id, 1, 1, first)])
+    later = [Text(request_id, "b", [2]), Finish(request_id, FinishReason.STOP, 2, 3)]
+    publisher.publish([Batch(request_id, 1, 1, [*first, *later])])  # merged with what was queued
+
+    assert _stream(client, request_id) == [
+        Entry(1, seq, event) for seq, event in enumerate([*first, *later], 1)
+    ]
+
+
+def test_a_new_attempt_numbers_its_events_from_one(client: redis.Redis) -> None:
+    publisher = EventPublisher(client)
+    request_id = _request(client, 1)
+    publisher.publish(
+        [Batch(request_id, 1, 1, [Ready(request_id, 3, 0), Text(request_id, "a", [1])])]
+    )
+    client.set(keys.lease(request_id), 2)
+
+    publisher.publish([Batch(request_id, 2, 1, [Text(request_id, "b", [2])])])
+
+    assert [(entry.attempt, entry.seq) for entry in _stream(client, request_id)] == [
+        (1, 1),
+        (1, 2),
+        (2, 1),
+    ]
 
 
 def test_the_script_is_reloaded_after_the_server_forgets_it(client: redis.Redis) -> None:
@@ -62,8 +102,8 @@ def test_the_script_is_reloaded_after_the_server_forgets_it(client: redis.Redis)
     request_id = _request(client, 1)
     client.script_flush()  # what a Redis restart does to the script cache
 
-    assert publisher.publish([Batch(request_id, 1, [Ready(request_id, 3, 0)])]) == set()
-    assert _stream(client, request_id) == [(1, Ready(request_id, 3, 0))]
+    assert publisher.publish([Batch(request_id, 1, 1, [Ready(request_id, 3, 0)])]) == set()
+    assert _stream(client, request_id) == [Entry(1, 1, Ready(request_id, 3, 0))]
 
 
 def test_a_split_write_sends_the_script_itself_after_the_server_forgets_it(
@@ -72,7 +112,10 @@ def test_a_split_write_sends_the_script_itself_after_the_server_forgets_it(
     publisher = EventPublisher(client)
     connection = publisher.connection()
     current, stale = _request(client, 1), _request(client, 2)
-    batches = [Batch(current, 1, [Ready(current, 3, 0)]), Batch(stale, 1, [Ready(stale, 3, 0)])]
+    batches = [
+        Batch(current, 1, 1, [Ready(current, 3, 0)]),
+        Batch(stale, 1, 1, [Ready(stale, 3, 0)]),
+    ]
     client.script_flush()
     try:
         publisher.send(connection, batches)
@@ -81,4 +124,4 @@ def test_a_split_write_sends_the_script_itself_after_the_server_forgets_it(
         connection.disconnect()
 
     assert fenced == {(stale, 1)}
-    assert _stream(client, current) == [(1, Ready(current, 3, 0))]
+    assert _stream(client, current) == [Entry(1, 1, Ready(current, 3, 0))]

@@ -35,15 +35,15 @@ def test_resumed_job_continues_exactly_where_the_last_attempt_stopped(
         Text(request_id, event.text, event.token_ids) for event in whole[:cut]
     ]
     client.set(keys.lease(request_id), 1)
-    EventPublisher(client).publish([Batch(request_id, 1, earlier)])
+    EventPublisher(client).publish([Batch(request_id, 1, 1, earlier)])
 
     producer.send(params, request_id=request_id)
     producer.wait_end(request_id)
     entries = producer.entries(request_id)
 
-    events = [event for _, event in entries]
+    events = [entry.event for entry in entries]
     assert sum(isinstance(event, Ready) for event in events) == 1
-    assert {attempt for attempt, _ in entries[len(earlier) :]} == {2}
+    assert {entry.attempt for entry in entries[len(earlier) :]} == {2}
     assert text_of(events) == text_of(whole)
     assert tokens_of(events) == tokens_of(whole)
     assert events[-1] == dataclasses.replace(whole[-1], request_id=request_id)

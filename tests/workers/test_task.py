@@ -35,8 +35,9 @@ def test_greedy_job_streams_what_offline_generation_produces(
     entries = producer.entries(request_id)
 
     expected = reference(PROMPT, GREEDY)
-    events = [event for _, event in entries]
-    assert {attempt for attempt, _ in entries} == {1}
+    events = [entry.event for entry in entries]
+    assert {entry.attempt for entry in entries} == {1}
+    assert [entry.seq for entry in entries] == list(range(1, len(entries) + 1))
     assert events[0] == Ready(request_id, len(PROMPT), 0)
     assert text_of(events) == text_of(expected)
     assert tokens_of(events) == tokens_of(expected)
@@ -47,7 +48,7 @@ def test_greedy_job_streams_what_offline_generation_produces(
     wait_until(lambda: worker.host.snapshot.runs == 0, 5, "the run to leave the snapshot")
 
 
-def test_job_of_an_unknown_version_is_dropped_without_requeue(
+def test_job_of_an_unknown_version_is_refused_without_requeue(
     worker: WorkerRuntime, producer: Producer, client: redis.Redis
 ) -> None:
     request_id = uuid.uuid4().hex
@@ -57,7 +58,8 @@ def test_job_of_an_unknown_version_is_dropped_without_requeue(
     producer.wait_end(producer.send(SamplingParams(max_tokens=1, temperature=0.0)))
     assert client.llen(QUEUE) == 0
     wait_until(lambda: client.hlen("unacked") == 0, 5, "every message acked")
-    assert not client.exists(keys.event_stream(request_id))
+    (refusal,) = producer.events(request_id)  # its client hears why at once
+    assert isinstance(refusal, Error) and "version 99" in refusal.message
 
 
 def test_job_past_its_queue_deadline_gets_queue_timeout(
@@ -83,7 +85,7 @@ def test_job_whose_stream_already_ended_is_only_acked(
         Text(request_id, "x", [5]),
         Finish(request_id, FinishReason.STOP, 1),
     ]
-    EventPublisher(client).publish([Batch(request_id, 1, done)])
+    EventPublisher(client).publish([Batch(request_id, 1, 1, done)])
 
     producer.send(GREEDY, request_id=request_id)
 

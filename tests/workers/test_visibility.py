@@ -41,4 +41,4 @@ def test_running_job_stays_invisible_past_the_visibility_timeout(
     client.set(keys.cancel_flag(request_id), 1, ex=60)
     client.publish(keys.CANCEL_CHANNEL, request_id)
     producer.wait_end(request_id)
-    assert {attempt for attempt, _ in producer.entries(request_id)} == {1}
+    assert {entry.attempt for entry in producer.entries(request_id)} == {1}
