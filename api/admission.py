@@ -131,7 +131,22 @@ class FleetSnapshot:
 
     workers: tuple[WorkerLoad, ...] = ()
     outstanding: int = 0  # accepted and not finished: queued + running
+    queued: int = 0  # messages in the model's queue lists, not taken by a worker yet
     taken_at: float = 0.0  # monotonic; 0 = never read
+
+    @property
+    def in_flight(self) -> int:
+        """Outstanding requests a worker has taken: running, waiting or reserved.
+
+        Not the workers' heartbeats (``running + waiting``): those count only
+        what an engine holds, so they miss the jobs a worker has reserved
+        and not yet started and, above all, those of a worker that died,
+        which wait in no list and no heartbeat until their visibility timeout
+        sends them back, and are the work a replacement worker is needed for.
+        Not below 0: a list can still hold the message of a request cancelled
+        before any worker took it (the first worker to pop it drops it).
+        """
+        return max(self.outstanding - self.queued, 0)
 
     @property
     def live(self) -> tuple[WorkerLoad, ...]:
@@ -139,16 +154,17 @@ class FleetSnapshot:
         return tuple(worker for worker in self.workers if not worker.draining)
 
     def desired_workers(self, default_capacity: int) -> int:
-        """``ceil(outstanding / per-worker capacity)``: the autoscaling signal.
+        """``ceil((queued + in flight) / per-worker capacity)``: the autoscaling signal.
 
-        Outstanding work, not the Celery list length: a worker reserves
-        (prefetches) jobs up to its free slots, and those leave the list
-        while still waiting for the GPU, so a short list can hide a saturated
-        fleet and an empty list would scale a busy fleet to zero.
+        Not the Celery list length alone: a worker reserves (prefetches) jobs
+        up to its free slots, and those leave the list while still waiting
+        for the GPU, so a short list can hide a saturated fleet and an empty
+        list would scale a busy fleet to zero. The per-worker capacity is the
+        smallest any heartbeat reports.
         """
         capacities = [worker.capacity for worker in self.workers if worker.capacity > 0]
         per_worker = min(capacities) if capacities else default_capacity
-        return math.ceil(self.outstanding / max(per_worker, 1))
+        return math.ceil((self.queued + self.in_flight) / max(per_worker, 1))
 
 
 class Admission:

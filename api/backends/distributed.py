@@ -10,11 +10,12 @@ through the process-wide ``EventReader``. Who owns what:
   enforces the deadlines. Closing it before the end publishes a cancellation;
   its cleanup (cancel, leaving the in-flight set) runs as a task of its own,
   so it completes even when the closing task is being cancelled.
-- A fleet watcher reads worker heartbeats and the in-flight set about once a
-  second; ``health``, ``models``, ``/metrics`` and admission's wait for a
-  live worker read that snapshot, so none of them costs a Redis round trip
-  per call. The bound on outstanding work is checked again, exactly, by the
-  submission's script (``api.backends.job_queue``).
+- A fleet watcher reads worker heartbeats, the in-flight set and the length
+  of the model's queue about once a second ; ``health``,
+  ``models``, ``/metrics`` and admission's wait for a live worker read that
+  snapshot, so none of them costs a Redis round trip per call. The bound on
+  outstanding work is checked again, exactly, by the submission's script
+  (``api.backends.job_queue``).
 
 Unseeded sampling requests get a seed here, at submission: a job redelivered
 after its worker died then continues the same random draws, which is what
@@ -32,6 +33,7 @@ import time
 from collections.abc import AsyncIterator, Iterator
 from typing import TYPE_CHECKING, Any
 
+from kombu.transport.redis import Channel
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from redis.asyncio import Redis
@@ -52,6 +54,7 @@ from shared import keys
 from shared.events import Error, Finish, InferenceEvent, Text
 from shared.heap import freeze_startup_heap
 from shared.registry import ModelSpec
+from shared.task_message import priority_list
 from shared.tokenizer_loader import LoadedTokenizer, load_tokenizer
 from shared.wire import Deadlines, Job, PreparedRequest
 
@@ -84,6 +87,7 @@ class DistributedBackend:
         )
         self._reader = EventReader(redis_url)
         self._queue = JobQueue(self._redis)
+        self._queue_lists = queue_lists(spec.name)
         self._snapshot = FleetSnapshot()
         self._admission = Admission(self._limits, lambda: self._snapshot, self._count_outstanding)
         self._tokenizer: LoadedTokenizer | None = None
@@ -281,7 +285,15 @@ class DistributedBackend:
             await asyncio.sleep(FLEET_REFRESH_S)
 
     async def _read_fleet(self) -> FleetSnapshot:
-        """Every live heartbeat of the model, and the in-flight count (expired entries pruned)."""
+        """The model's live heartbeats, in-flight count (expired entries pruned) and queue length.
+
+        After the ``SCAN`` for heartbeat keys, one transaction (``MULTI``/``EXEC``,
+        one round trip) reads the rest, so the in-flight count and the queue
+        length are of the same instant: a job joins the set and its list in
+        one script, and a worker's take script moves it from the list
+        atomically, so ``queued <= outstanding`` holds in what is read (but
+        for the exception ``FleetSnapshot.in_flight`` names).
+        """
         inflight, now = keys.inflight(self._model), time.time()
         names = [
             name
@@ -289,13 +301,18 @@ class DistributedBackend:
                 match=keys.heartbeat_pattern(self._model), count=1000
             )
         ]
-        values = await self._redis.mget(names) if names else []
-        async with self._redis.pipeline(transaction=False) as pipe:
+        async with self._redis.pipeline(transaction=True) as pipe:
+            if names:
+                pipe.mget(names)
             pipe.zremrangebyscore(inflight, "-inf", now)
             pipe.zcard(inflight)
-            _, outstanding = await pipe.execute()
+            for name in self._queue_lists:
+                pipe.llen(name)
+            replies = await pipe.execute()
+        values = replies.pop(0) if names else []
+        _, outstanding, *lengths = replies
         workers = tuple(_worker_loads(values))
-        return FleetSnapshot(workers, outstanding, time.monotonic())
+        return FleetSnapshot(workers, outstanding, sum(lengths), time.monotonic())
 
     def _spawn(self, coroutine: Any) -> None:
         task = asyncio.get_running_loop().create_task(coroutine)
@@ -325,6 +342,12 @@ class _Progress:
         return min(dated) if dated else (None, "total_timeout")
 
 
+def queue_lists(model: str) -> list[str]:
+    """The Redis lists of ``model``'s queue: kombu keeps one per priority step."""
+    queue = keys.queue_name(model)
+    return [priority_list(queue, step) for step in Channel.priority_steps]
+
+
 def _worker_loads(values: list[str | None]) -> Iterator[WorkerLoad]:
     for value in values:
         if value is None:  # expired between SCAN and MGET
@@ -337,6 +360,8 @@ def _worker_loads(values: list[str | None]) -> Iterator[WorkerLoad]:
 
 _FLEET_GAUGES = {
     "sluice_requests_outstanding": "Queued + in-flight requests (the model's in-flight set).",
+    "sluice_requests_queued": "Jobs in the model's queue lists, not yet taken by a worker.",
+    "sluice_requests_in_flight": "Outstanding requests a worker has taken (not queued).",
     "sluice_workers_live": "Workers with a live heartbeat, draining ones included.",
     "sluice_workers_draining": "Live workers that are draining (taking no new jobs).",
     "sluice_workers_running_requests": "Sequences in the workers' running batches.",
@@ -352,6 +377,8 @@ def fleet_gauges(snapshot: FleetSnapshot, default_capacity: int) -> dict[str, in
     workers = snapshot.workers
     return {
         "sluice_requests_outstanding": snapshot.outstanding,
+        "sluice_requests_queued": snapshot.queued,
+        "sluice_requests_in_flight": snapshot.in_flight,
         "sluice_workers_live": len(workers),
         "sluice_workers_draining": len(workers) - len(snapshot.live),
         "sluice_workers_running_requests": sum(worker.running for worker in workers),
@@ -377,4 +404,4 @@ class FleetCollector(Collector):
             yield family
 
 
-__all__ = ["DistributedBackend", "FleetCollector", "fleet_gauges"]
+__all__ = ["DistributedBackend", "FleetCollector", "fleet_gauges", "queue_lists"]

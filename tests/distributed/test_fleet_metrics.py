@@ -1,0 +1,212 @@
+"""The fleet gauges of ``/metrics``: queued, in flight, live workers and desired workers.
+
+A real API process (``python -m api.server --redis``) on a Redis of this
+module's own, with no worker consuming the queue: the test plays the
+workers. Their heartbeats are written by ``workers.heartbeat.Heartbeat``
+itself, and a worker "takes" jobs the way ``workers.transport`` does (a pop,
+then its take script, which records the messages as unacked). Jobs get on
+the queue by submitting HTTP requests, which stay pending until cancelled.
+
+The point pinned here: a job a worker has reserved has left the list but
+still needs a worker, so the desired count is ``ceil((queued + in flight) /
+capacity)``, not the list length.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Iterator
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from redis.asyncio import Redis as AsyncRedis
+
+from api.backends.distributed import queue_lists
+from api.backends.job_queue import JobQueue
+from shared.registry import DEFAULT_MODEL
+from shared.sampling import SamplingParams
+from shared.wire import Deadlines, Job, PreparedRequest
+from tests.distributed.conftest import Api, RedisServer
+from workers.heartbeat import Heartbeat, WorkerIdentity
+from workers.host import HostSnapshot
+from workers.transport import TAKE_SCRIPT
+from workers.visibility import UNACKED_INDEX_KEY
+
+pytestmark = pytest.mark.distributed
+
+CAPACITY = 2  # per worker, as its heartbeat reports it
+UNACKED_KEY = "unacked"  # kombu's default unacked hash, as the workers use it
+Gauges = dict[str, float]
+
+
+@pytest.fixture(scope="module")
+def metrics_api(own_redis: RedisServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """An API process on the module's Redis, whose queue no worker consumes."""
+    api = Api(own_redis, tmp_path_factory.mktemp("metrics-api"))
+    try:
+        yield api.ensure("--queue-timeout", "60", "--total-timeout", "120")
+    finally:
+        api.stop()
+
+
+@pytest.fixture
+def server(own_redis: RedisServer) -> RedisServer:
+    own_redis.client.flushall()
+    return own_redis
+
+
+def beat(server: RedisServer, worker_id: str, running: int = 0, waiting: int = 0) -> None:
+    """One heartbeat, written by the workers' own code (long TTL: no thread renews it)."""
+    snapshot = HostSnapshot(
+        capacity=CAPACITY, max_model_len=1024, kv_blocks_total=64, running=running,
+        waiting=waiting, kv_blocks_used=8 * (running + waiting),
+    )  # fmt: skip
+    identity = WorkerIdentity(worker_id, DEFAULT_MODEL)
+    Heartbeat(server.client, identity, lambda: snapshot, lambda: False, ttl_s=60).beat()
+
+
+def take(server: RedisServer, count: int) -> list[str]:
+    """Reserve ``count`` jobs as a worker's consumer does: pop one, the take script the rest."""
+    lists = queue_lists(DEFAULT_MODEL)
+    first = server.client.rpop(lists[0])
+    assert first is not None, "no job on the queue"
+    script = server.client.register_script(TAKE_SCRIPT)
+    recorded, taken = script(
+        keys=[UNACKED_INDEX_KEY, UNACKED_KEY, *lists], args=[time.time(), count - 1, first]
+    )
+    assert len(recorded) == count and len(taken) == 2 * (count - 1)
+    return recorded
+
+
+def fleet_gauges(text: str) -> Gauges:
+    """The ``sluice_*`` gauges of the served model, by name."""
+    return {
+        sample.name: sample.value
+        for family in text_string_to_metric_families(text)
+        if family.type == "gauge"
+        for sample in family.samples
+        if sample.labels.get("model") == DEFAULT_MODEL
+    }
+
+
+async def scrape_until(
+    client: httpx.AsyncClient, condition: Callable[[Gauges], bool], what: str
+) -> Gauges:
+    """Scrape ``/metrics`` until ``condition`` holds (the API reads the fleet every second)."""
+    deadline = time.monotonic() + 10
+    while True:
+        response = await client.get("/metrics")
+        response.raise_for_status()
+        gauges = fleet_gauges(response.text)
+        if condition(gauges):
+            return gauges
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out waiting for {what}; last scrape: {gauges}")
+        await asyncio.sleep(0.1)
+
+
+def fleet(gauges: Gauges) -> dict[str, float]:
+    """The gauges this module asserts on, without the ``sluice_`` prefix."""
+    names = (
+        "requests_queued", "requests_in_flight", "requests_outstanding", "workers_live",
+        "workers_running_requests", "desired_workers",
+    )  # fmt: skip
+    return {name: gauges[f"sluice_{name}"] for name in names}
+
+
+async def submit(client: httpx.AsyncClient) -> httpx.Response:
+    body = {"model": "default", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
+    return await client.post("/v1/chat/completions", json=body)
+
+
+def test_taken_jobs_count_as_in_flight_and_keep_the_desired_workers(
+    metrics_api: str, server: RedisServer
+):
+    beat(server, "w1")
+
+    async def scenario() -> list[dict[str, float]]:
+        seen = []
+        async with httpx.AsyncClient(base_url=metrics_api, timeout=90) as client:
+            requests = [asyncio.create_task(submit(client)) for _ in range(3)]
+            try:
+                gauges = await scrape_until(
+                    client, lambda g: g["sluice_requests_queued"] == 3, "3 queued jobs"
+                )
+                seen.append(fleet(gauges))
+
+                await asyncio.to_thread(take, server, 2)  # reserved by w1; one reached its engine
+                beat(server, "w1", running=1)
+                gauges = await scrape_until(
+                    client,
+                    lambda g: (
+                        g["sluice_requests_queued"] == 1
+                        and g["sluice_workers_running_requests"] == 1
+                    ),
+                    "2 jobs taken",
+                )
+                seen.append(fleet(gauges))
+
+                beat(server, "w2")
+                gauges = await scrape_until(
+                    client, lambda g: g["sluice_workers_live"] == 2, "a second worker"
+                )
+                seen.append(fleet(gauges))
+            finally:
+                for task in requests:
+                    task.cancel()  # the client leaves: the API cancels each request
+                await asyncio.gather(*requests, return_exceptions=True)
+            gauges = await scrape_until(
+                client, lambda g: g["sluice_requests_outstanding"] == 0, "the requests to end"
+            )
+            seen.append(fleet(gauges))
+        return seen
+
+    queued, taken, second_worker, cancelled = asyncio.run(scenario())
+    assert queued == {
+        "requests_queued": 3, "requests_in_flight": 0, "requests_outstanding": 3,
+        "workers_live": 1, "workers_running_requests": 0, "desired_workers": 2,
+    }  # fmt: skip
+    # The list holds 1 job, but 3 still need a worker: ceil(3 / 2), not ceil(1 / 2).
+    assert taken == {
+        "requests_queued": 1, "requests_in_flight": 2, "requests_outstanding": 3,
+        "workers_live": 1, "workers_running_requests": 1, "desired_workers": 2,
+    }  # fmt: skip
+    assert second_worker == {**taken, "workers_live": 2}
+    # The untaken job's message stays in the list until a worker pops (and drops) it.
+    assert cancelled == {
+        "requests_queued": 1, "requests_in_flight": 0, "requests_outstanding": 0,
+        "workers_live": 2, "workers_running_requests": 1, "desired_workers": 1,
+    }  # fmt: skip
+
+
+def test_jobs_on_every_priority_list_count_as_queued(metrics_api: str, server: RedisServer):
+    beat(server, "w1")
+
+    async def scenario() -> tuple[Gauges, list[int]]:
+        client = AsyncRedis.from_url(server.url, decode_responses=True)
+        try:
+            queue, now = JobQueue(client), time.time()
+            for index, priority in enumerate((0, 4, 9, 9, 9)):
+                params = SamplingParams(max_tokens=4, temperature=0.0)
+                request = PreparedRequest(
+                    f"prio-{index}", DEFAULT_MODEL, [1, 2, 3], params, created=now,
+                    priority=priority,
+                )  # fmt: skip
+                assert await queue.put(Job(request, Deadlines(total=now + 60)), now + 60)
+        finally:
+            await client.aclose()
+        lengths = [server.client.llen(name) for name in queue_lists(DEFAULT_MODEL)]
+        async with httpx.AsyncClient(base_url=metrics_api, timeout=30) as http:
+            gauges = await scrape_until(
+                http, lambda g: g["sluice_requests_outstanding"] == 5, "5 outstanding jobs"
+            )
+        return gauges, lengths
+
+    gauges, lengths = asyncio.run(scenario())
+    assert lengths == [1, 1, 0, 3]  # kombu's lists for priorities 0, 3, 6 and 9
+    assert fleet(gauges) == {
+        "requests_queued": 5, "requests_in_flight": 0, "requests_outstanding": 5,
+        "workers_live": 1, "workers_running_requests": 0, "desired_workers": 3,
+    }  # fmt: skip
