@@ -224,15 +224,20 @@ def _generation_route(protocol: Protocol, serving: Serving) -> Callable[..., Awa
         prepared = await serving.prepare(protocol, await read_json(request), request_id)
         processor, events = serving.run(prepared, arrived)
         if prepared.request.stream:
-            response = await event_source(processor, events, protocol.done_marker)
+            answer: Awaitable[Response] = event_source(processor, events, protocol.done_marker)
         else:
-            body = await _unless_client_leaves(request, collect(processor, events))
-            response = JSONResponse(body) if body is not None else Response(status_code=499)
+            answer = _json_response(collect(processor, events))
+        response = await _unless_client_leaves(request, answer) or Response(status_code=499)
         serving.metrics.count_request(protocol.name, response.status_code)
         return response
 
     generate.__name__ = f"create_{protocol.name.replace('.', '_')}"
     return generate
+
+
+async def _json_response(body: Awaitable[dict]) -> Response:
+    """The whole response, as one awaitable that the client leaving can cancel."""
+    return JSONResponse(await body)
 
 
 def _count_tokens_route(serving: Serving) -> Callable[..., Awaitable[Response]]:
@@ -322,10 +327,14 @@ async def _unless_client_leaves(request: Request, work: Awaitable[T]) -> T | Non
     """Await ``work``, cancelling it (and returning None) if the client disconnects first.
 
     Starlette does not cancel a handler whose client left, so a whole
-    (non-stream) response would otherwise run to the end for nobody. The
-    body is already read, so the only message left to receive is the
-    disconnect. Cancelling ``work`` (``collect``) closes the backend's
-    iterator, which cancels the request in the engine.
+    (non-stream) response would otherwise run to the end for nobody, and a
+    stream still waiting for its first event (queued behind busy workers)
+    would stay queued and later run for nobody: sse-starlette only watches
+    for the disconnect once it has the response. The body is already read,
+    so the only message left to receive is the disconnect. Cancelling
+    ``work`` (``collect`` or ``event_source``) closes the backend's
+    iterator, which cancels the request (distributed: the cancel flag and
+    channel, so a job not yet started is dropped unrun).
     """
     result: T | None = None
     failure: Exception | None = None

@@ -260,7 +260,11 @@ async def event_source(
 
     Waiting for it lets a request the backend refuses at once (an ``Error``
     first) get a real status code and the protocol's error body instead of an
-    error inside a 200 stream. From here on ``sse_stream`` owns ``events``.
+    error inside a 200 stream. The wait can be long (a job queued behind busy
+    workers) and no one but the caller can see the client leave meanwhile, so
+    the caller cancels this when it does (``api.app._unless_client_leaves``);
+    ``events`` is closed on that exit too, which cancels the request before it
+    runs. Once the response is returned, ``sse_stream`` owns ``events``.
     """
     try:
         first = await anext(events, None)

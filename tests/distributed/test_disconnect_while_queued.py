@@ -1,0 +1,136 @@
+"""A client that leaves while its job is still queued cancels it before any worker runs it.
+
+The real API process serves the default model in distributed mode against a
+Redis of this module's own. No worker consumes the model's queue; a heartbeat
+written by hand stands in for one, so admission accepts the request and its
+job stays queued. A client that disconnects before the first event must make
+the API set the request's cancel flag and publish its id on the cancel
+channel at once: that is what lets a worker drop the job without prefill
+when it gets to it. A stream nobody starts must still be refused with a
+status (503), not a 200 stream holding an error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+import redis
+
+from shared import keys
+from shared.registry import DEFAULT_MODEL
+from tests.distributed.conftest import Api, RedisServer, wait_until
+
+pytestmark = pytest.mark.distributed
+
+QUEUE_TIMEOUT_S = 4  # far beyond the 1 s the cancel may take, so a late one cannot pass
+CANCEL_WITHIN_S = 1.0
+MESSAGES = [{"role": "user", "content": "Hello"}]
+
+
+@pytest.fixture(scope="module")
+def queued_api(own_redis: RedisServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The API on ``own_redis``, whose jobs stay queued (no worker consumes them)."""
+    api = Api(own_redis, tmp_path_factory.mktemp("queued-api"))
+    try:
+        yield api.ensure("--queue-timeout", str(QUEUE_TIMEOUT_S))
+    finally:
+        api.stop()
+
+
+@pytest.fixture
+def server(own_redis: RedisServer) -> RedisServer:
+    own_redis.client.flushall()
+    ghost_worker(own_redis)
+    return own_redis
+
+
+def ghost_worker(server: RedisServer) -> None:
+    """A heartbeat, so admission sees a live worker (nothing consumes the queue)."""
+    beat = {"worker_id": "ghost", "model": DEFAULT_MODEL, "capacity": 4, "max_model_len": 1024}
+    server.client.set(keys.heartbeat(DEFAULT_MODEL, "ghost"), json.dumps(beat), ex=60)
+
+
+class CancelListener:
+    """The request ids published on the cancel channel, read as they come."""
+
+    def __init__(self, client: redis.Redis) -> None:
+        self._pubsub = client.pubsub()
+        self._pubsub.subscribe(keys.CANCEL_CHANNEL)
+        self._pubsub.get_message(timeout=5)  # the subscription is in place from here on
+        self.seen: set[str] = set()
+
+    def published(self, request_id: str) -> bool:
+        message = self._pubsub.get_message(ignore_subscribe_messages=True, timeout=0.05)
+        if message is not None:
+            self.seen.add(message["data"])
+        return request_id in self.seen
+
+    def close(self) -> None:
+        self._pubsub.close()
+
+
+async def leave_while_queued(base_url: str, path: str, body: dict, server: RedisServer) -> str:
+    """POST ``body``, wait until its job is queued, then drop the connection; the request id.
+
+    The request id is read from the model's in-flight set: the client never
+    sees it, since no event (and so no response header) comes before it leaves.
+    """
+    inflight = keys.inflight(DEFAULT_MODEL)
+    async with httpx.AsyncClient(base_url=base_url, timeout=30) as client:
+
+        async def request() -> None:
+            async with client.stream("POST", path, json=body) as response:
+                await response.aread()
+
+        task = asyncio.create_task(request())
+        deadline = time.monotonic() + 10
+        while not (queued := await asyncio.to_thread(server.client.zrange, inflight, 0, -1)):
+            assert not task.done(), "the request ended before its job was queued"
+            assert time.monotonic() < deadline, "the job was never queued"
+            await asyncio.sleep(0.02)
+        assert not task.done()  # still waiting for its first event
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    return queued[0]  # the client has closed its connection here
+
+
+@pytest.mark.parametrize(
+    ("path", "stream"),
+    [("/v1/chat/completions", True), ("/v1/messages", True), ("/v1/chat/completions", False)],
+    ids=["chat-stream", "messages-stream", "chat-whole"],
+)
+def test_a_client_that_leaves_while_queued_cancels_its_job(
+    queued_api: str, server: RedisServer, path: str, stream: bool
+):
+    body = {"model": "default", "messages": MESSAGES, "max_tokens": 8, "stream": stream}
+    listener = CancelListener(server.client)
+    try:
+        request_id = asyncio.run(leave_while_queued(queued_api, path, body, server))
+        wait_until(lambda: listener.published(request_id), CANCEL_WITHIN_S, "the cancel", 0)
+    finally:
+        listener.close()
+    assert server.client.get(keys.cancel_flag(request_id)) == "1"
+    assert server.client.ttl(keys.cancel_flag(request_id)) > 0  # it expires on its own
+    inflight = keys.inflight(DEFAULT_MODEL)
+    wait_until(lambda: server.client.zscore(inflight, request_id) is None, 5, "ZREM")
+
+
+def test_a_stream_nobody_starts_is_still_refused_with_a_status(
+    queued_api: str, server: RedisServer
+):
+    body = {"model": "default", "messages": MESSAGES, "max_tokens": 8, "stream": True}
+    began = time.monotonic()
+    response = httpx.post(f"{queued_api}/v1/chat/completions", json=body, timeout=30)
+    assert response.status_code == 503  # the queue timeout, before any SSE
+    assert response.headers["content-type"].startswith("application/json")
+    assert int(response.headers["retry-after"]) > 0
+    assert response.json()["error"]["type"] == "overloaded_error"
+    assert "No worker started the request" in response.json()["error"]["message"]
+    assert QUEUE_TIMEOUT_S <= time.monotonic() - began < QUEUE_TIMEOUT_S + 2
