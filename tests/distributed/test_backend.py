@@ -159,12 +159,16 @@ def test_closing_the_events_early_cancels_the_request(server: RedisServer):
 
 @pytest.mark.parametrize(
     ("written", "kind"),
-    [((), "queue_timeout"), ((Ready("req-late", 3, 0),), "first_token_timeout")],
+    [
+        ((), "queue_timeout"),
+        ((Ready("req-late", 3, 0),), "first_token_timeout"),
+        ((Ready("req-late", 3, 0), Text("req-late", "a", [1])), "total_timeout"),
+    ],
 )
 def test_a_missed_deadline_ends_the_request_and_cancels_it(
     server: RedisServer, written: tuple, kind: str
 ):
-    limits = {"queue_timeout_s": 0.4, "first_token_timeout_s": 0.8, "total_timeout_s": 5}
+    limits = {"queue_timeout_s": 0.4, "first_token_timeout_s": 0.8, "total_timeout_s": 1.5}
 
     async def scenario() -> list:
         backend = await started(DistributedBackend(server.url, SPEC, settings(server, **limits)))
@@ -180,6 +184,7 @@ def test_a_missed_deadline_ends_the_request_and_cancels_it(
             await backend.stop()
 
     received = asyncio.run(scenario())
+    assert received[:-1] == list(written)
     assert isinstance(received[-1], Error) and received[-1].kind == kind
     assert server.client.exists(keys.cancel_flag("req-late"))
 
