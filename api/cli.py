@@ -10,6 +10,17 @@ import argparse
 import sys
 
 
+def _at_least_one(text: str) -> int:
+    """An argparse type: a whole number of at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="default", help="model name, alias or path")
     parser.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
@@ -127,7 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--max-inflight",
-        type=int,
+        type=_at_least_one,  # 0 would not mean "unbounded": it would refuse every request
         default=256,
         metavar="N",
         help="--redis: 429 beyond N queued + running requests per model",

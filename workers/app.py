@@ -40,7 +40,19 @@ from kombu import Exchange, Queue
 from workers.transport import Transport
 from workers.visibility import UNACKED_INDEX_KEY, UNACKED_MUTEX_KEY
 
-DEFAULT_VISIBILITY_TIMEOUT_S = 60
+DEFAULT_VISIBILITY_TIMEOUT_S = 15
+"""Seconds after a job's last refresh that the sweep hands it to another worker.
+
+Running jobs are refreshed with every heartbeat (``workers.visibility``, every
+``REFRESH_INTERVAL_S`` = 1 s), so this bounds only how long a dead worker's
+jobs wait, not how long a generation may run; a live worker would have to
+miss 15 refreshes in a row to lose its job (the worker refuses a timeout
+under three). A job whose worker is killed is back in its queue within this
+plus one refresh and one sweep interval (3 s here): about 19 s, well inside
+the API's default queue (30 s) and first-token (60 s) deadlines, so the
+resumed attempt can still answer. At 60 s, a kill before the first token
+meant a 504 before the job came back, and a kill mid-stream a minute's stall.
+"""
 BROKER_SOCKET_TIMEOUT_S = 10  # a vanished broker fails a command instead of hanging it
 
 

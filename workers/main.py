@@ -25,6 +25,11 @@ from shared.heap import freeze_startup_heap
 from shared.registry import ModelRegistry, ModelSpec, default_registry
 from workers.app import DEFAULT_VISIBILITY_TIMEOUT_S, create_app
 from workers.heartbeat import WorkerIdentity
+from workers.visibility import (
+    MIN_REFRESHES_PER_TIMEOUT,
+    REFRESH_INTERVAL_S,
+    check_visibility_timeout,
+)
 
 if TYPE_CHECKING:
     from engine.config import EngineArgs
@@ -70,7 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--visibility-timeout",
         type=float,
         default=DEFAULT_VISIBILITY_TIMEOUT_S,
-        help="seconds after its worker's last sign of life that a job is redelivered",
+        help="seconds after its worker's last sign of life that a job is redelivered "
+        f"(default {DEFAULT_VISIBILITY_TIMEOUT_S:g}; at least {MIN_REFRESHES_PER_TIMEOUT} "
+        f"heartbeats of {REFRESH_INTERVAL_S:g}s)",
     )
     parser.add_argument(
         "--drain-grace",
@@ -83,7 +90,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        check_visibility_timeout(args.visibility_timeout)
+    except ValueError as exc:  # refused before the model loads
+        parser.error(f"argument --visibility-timeout: {exc}")
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     logging.basicConfig(
         level=args.loglevel.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -127,7 +139,10 @@ def serve(
     from workers.runtime import WorkerRuntime
     from workers.task import register_task
 
-    runtime = WorkerRuntime.start(redis_url, identity, engine)
+    check_visibility_timeout(visibility_timeout_s, REFRESH_INTERVAL_S)
+    runtime = WorkerRuntime.start(
+        redis_url, identity, engine, heartbeat_interval_s=REFRESH_INTERVAL_S
+    )
     app = create_app(redis_url, queues, engine.args.max_num_seqs, visibility_timeout_s)
     register_task(app, runtime.context)
 

@@ -13,6 +13,10 @@ meanwhile). The visibility timeout then only bounds how long a dead worker's
 jobs wait, not how long a generation may run; a job whose worker stops
 refreshing is redelivered ``visibility_timeout`` (plus one sweep interval)
 after its last refresh.
+
+The refresh rides on the heartbeat, every ``REFRESH_INTERVAL_S``; a visibility
+timeout shorter than a few of those would redeliver a live worker's job after
+one slow or failed beat, so the worker refuses one (``check_visibility_timeout``).
 """
 
 from __future__ import annotations
@@ -25,6 +29,21 @@ import redis
 
 UNACKED_INDEX_KEY = "unacked_index"  # kombu's default, passed to it explicitly
 UNACKED_MUTEX_KEY = "unacked_mutex"  # the sweep's lock (kombu's default name)
+REFRESH_INTERVAL_S = 1.0  # the worker's heartbeat interval, which refreshes running messages
+MIN_REFRESHES_PER_TIMEOUT = 3  # refreshes a live worker may miss before its job looks dead
+
+
+def check_visibility_timeout(
+    timeout_s: float, refresh_interval_s: float = REFRESH_INTERVAL_S
+) -> None:
+    """Refuse a visibility timeout that a live worker's refreshes would not reliably beat."""
+    minimum_s = MIN_REFRESHES_PER_TIMEOUT * refresh_interval_s
+    if not timeout_s >= minimum_s:  # also refuses NaN
+        raise ValueError(
+            f"visibility timeout {timeout_s:g}s is too short: running jobs are refreshed "
+            f"every {refresh_interval_s:g}s, so it must be at least {minimum_s:g}s "
+            f"({MIN_REFRESHES_PER_TIMEOUT} refreshes) or live workers' jobs get redelivered"
+        )
 
 
 class DeliveryTracker:

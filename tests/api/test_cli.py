@@ -1,10 +1,15 @@
-"""``sluice generate`` refuses bad options with a message, not a traceback."""
+"""``sluice`` refuses bad options with a message, not a traceback."""
 
 from __future__ import annotations
 
 import pytest
 
-from api.cli import main
+from api.cli import build_parser, main
+from workers.app import broker_transport_options
+from workers.main import build_parser as build_worker_parser
+from workers.visibility import MIN_REFRESHES_PER_TIMEOUT, REFRESH_INTERVAL_S
+
+UNREACHABLE_REDIS = "redis://127.0.0.1:1/0"  # never contacted: the options fail first
 
 
 @pytest.mark.parametrize(
@@ -19,3 +24,43 @@ def test_generate_refuses_bad_options(
 ) -> None:
     assert main(["generate", *options, "hello"]) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("value", "message"), [("0", "must be at least 1, got 0"), ("x", "expected a whole number")]
+)
+def test_serve_refuses_a_max_inflight_below_one(
+    value: str, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """0 is no "unbounded": admission would answer every request with a 429."""
+    with pytest.raises(SystemExit) as exited:
+        main(["serve", "--redis", UNREACHABLE_REDIS, "--max-inflight", value])
+    assert exited.value.code == 2
+    assert f"argument --max-inflight: {message}" in capsys.readouterr().err
+    assert build_parser().parse_args(["serve", "--max-inflight", "1"]).max_inflight == 1
+
+
+def test_worker_refuses_a_visibility_timeout_its_heartbeats_cannot_beat(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    minimum_s = MIN_REFRESHES_PER_TIMEOUT * REFRESH_INTERVAL_S
+    too_short = str(minimum_s / 2)
+    with pytest.raises(SystemExit) as exited:
+        main(["worker", "--redis", UNREACHABLE_REDIS, "--visibility-timeout", too_short])
+    assert exited.value.code == 2
+    error = capsys.readouterr().err
+    assert "argument --visibility-timeout" in error and f"at least {minimum_s:g}s" in error
+
+
+def test_a_killed_worker_s_job_is_back_before_the_api_s_deadlines() -> None:
+    """Default timing: redelivery after a ``kill -9`` beats the queue and first-token deadlines.
+
+    A live worker's job, refreshed every heartbeat, is not redelivered unless
+    it misses many refreshes in a row.
+    """
+    serve = build_parser().parse_args(["serve"])
+    worker = build_worker_parser().parse_args(["--redis", UNREACHABLE_REDIS])
+    sweep_s = broker_transport_options(worker.visibility_timeout)["unacked_restore_interval"]
+    redelivered_within_s = REFRESH_INTERVAL_S + worker.visibility_timeout + sweep_s
+    assert redelivered_within_s < serve.queue_timeout < serve.first_token_timeout
+    assert worker.visibility_timeout >= 5 * MIN_REFRESHES_PER_TIMEOUT * REFRESH_INTERVAL_S
