@@ -101,7 +101,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=args.loglevel.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     try:
-        spec = resolve_model(args.model, args.config)
+        registry = ModelRegistry.from_toml(args.config) if args.config else default_registry()
+        spec = registry.resolve(args.model)
+        queues = worker_queues(registry, spec, split_queues(args.queues))
         engine = load_engine(
             engine_args_for(
                 spec, args.dtype, args.max_model_len, args.max_num_seqs, args.quantization
@@ -111,7 +113,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"sluice worker: {exc}", file=sys.stderr)
         return 2
     identity = WorkerIdentity(args.worker_id or default_worker_id(), spec.name)
-    queues = [keys.queue_name(spec.name), *split_queues(args.queues)]
     return serve(
         args.redis,
         identity,
@@ -175,9 +176,21 @@ def serve(
     return worker.exitcode or 0
 
 
-def resolve_model(name: str, config: str | None) -> ModelSpec:
-    registry = ModelRegistry.from_toml(config) if config else default_registry()
-    return registry.resolve(name)
+def worker_queues(registry: ModelRegistry, spec: ModelSpec, extra: Sequence[str]) -> list[str]:
+    """The model's own queue, then ``extra``; another model's queue is refused.
+
+    This worker would take that model's jobs only to answer each with an
+    error, while a worker of the right model could have run it.
+    """
+    foreign = {keys.queue_name(other.name): other.name for other in registry.specs()}
+    foreign.pop(keys.queue_name(spec.name), None)
+    for queue in extra:
+        if queue in foreign:
+            raise ValueError(
+                f"queue {queue!r} holds the jobs of model {foreign[queue]!r}; "
+                f"a worker of {spec.name!r} cannot run them"
+            )
+    return [keys.queue_name(spec.name), *extra]
 
 
 def engine_args_for(

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
-from workers.main import build_parser, main, split_queues
+from shared import keys
+from shared.registry import default_registry
+from workers.main import build_parser, main, split_queues, worker_queues
 
 
 def test_unknown_model_fails_before_loading_anything(capsys: pytest.CaptureFixture[str]) -> None:
@@ -16,3 +20,22 @@ def test_extra_queues_may_be_repeated_or_comma_separated() -> None:
     args = build_parser().parse_args(["--redis", "redis://x", "--queues", "a,b", "c"])
     assert split_queues(args.queues) == ["a", "b", "c"]
     assert args.drain_grace == 30 and args.max_num_seqs == 64
+
+
+def test_another_model_s_queue_is_refused_before_loading_anything(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Its jobs would each be answered with an error instead of waiting for their own worker."""
+    config = tmp_path / "models.toml"
+    config.write_text('[models.other]\nweights = "/nowhere/other.gguf"\n')
+    queue = keys.queue_name("other")
+    argv = ["--redis", "redis://127.0.0.1:1/0", "--config", str(config), "--queues", f"x,{queue}"]
+
+    assert main(argv) == 2
+    assert f"queue {queue!r} holds the jobs of model 'other'" in capsys.readouterr().err
+
+
+def test_extra_queues_follow_the_model_s_own() -> None:
+    spec = default_registry().resolve("default")
+    queues = worker_queues(default_registry(), spec, ["batch"])
+    assert queues == [keys.queue_name(spec.name), "batch"]
