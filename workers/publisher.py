@@ -19,17 +19,20 @@ import redis
 
 from shared import keys
 from shared.event_codec import encode_event
-from shared.events import InferenceEvent
+from shared.events import Error, Finish, InferenceEvent
 
-# KEYS: (lease, stream) per request.
+# KEYS: the model's in-flight set, then (lease, stream) per request.
 # ARGV: maxlen, ttl, then per request: attempt, the first event's sequence
-#   number, event count, and per event: field count n, then n field/value pairs.
+#   number, event count, its id if the events end it (else ""), and per
+#   event: field count n, then n field/value pairs.
 # A current lease, and its stream, are kept alive as long as a finished
 # stream, so both outlive any generation that keeps writing and a stream
 # whose writer died expires on its own. The stream's last entry says how far
 # this attempt has written: a write sent again after its reply was lost
-# skips the events it already added. Returns the 1-based indexes of the
-# requests whose lease is not their attempt.
+# skips the events it already added. A request's end takes it out of the
+# in-flight set, as its API does when it reads the end: an API that died
+# would leave it counted against the model's bound until its deadline.
+# Returns the 1-based indexes of the requests whose lease is not their attempt.
 _PUBLISH_SCRIPT = """
 local maxlen, ttl = ARGV[1], ARGV[2]
 local fenced = {}
@@ -46,16 +49,17 @@ local function written(stream, attempt)
   return 0
 end
 
-for i = 1, #KEYS, 2 do
-  local attempt, seq, count = ARGV[pos], tonumber(ARGV[pos + 1]), tonumber(ARGV[pos + 2])
-  pos = pos + 3
+for i = 2, #KEYS, 2 do
+  local attempt, seq = ARGV[pos], tonumber(ARGV[pos + 1])
+  local count, ends = tonumber(ARGV[pos + 2]), ARGV[pos + 3]
+  pos = pos + 4
   local current = redis.call('GET', KEYS[i]) == attempt
   local done = 0
   if current then
     redis.call('EXPIRE', KEYS[i], ttl)
     done = written(KEYS[i + 1], attempt)
   else
-    fenced[#fenced + 1] = (i + 1) / 2
+    fenced[#fenced + 1] = i / 2
   end
   for e = 0, count - 1 do
     local nfields = tonumber(ARGV[pos])
@@ -70,6 +74,9 @@ for i = 1, #KEYS, 2 do
   end
   if current then
     redis.call('EXPIRE', KEYS[i + 1], ttl)
+    if ends ~= '' then
+      redis.call('ZREM', KEYS[1], ends)
+    end
   end
 end
 return fenced
@@ -109,11 +116,13 @@ class EventPublisher:
     def __init__(
         self,
         client: redis.Redis,
+        model: str,
         maxlen: int = keys.EVENT_STREAM_MAXLEN,
         ttl_s: int = keys.FINISHED_STREAM_TTL_S,
     ) -> None:
         self._client = client
         self._script = client.register_script(_PUBLISH_SCRIPT)
+        self._inflight = keys.inflight(model)
         self._maxlen = maxlen
         self._ttl_s = ttl_s
 
@@ -163,11 +172,13 @@ class EventPublisher:
         )
 
     def _arguments(self, batches: Sequence[Batch]) -> tuple[list[str], list[str | int]]:
-        script_keys: list[str] = []
+        script_keys: list[str] = [self._inflight]
         args: list[str | int] = [self._maxlen, self._ttl_s]
         for batch in batches:
             script_keys += [keys.lease(batch.request_id), keys.event_stream(batch.request_id)]
-            args += [str(batch.attempt), batch.seq, len(batch.events)]
+            final = batch.events and isinstance(batch.events[-1], Finish | Error)
+            ends = batch.request_id if final else ""
+            args += [str(batch.attempt), batch.seq, len(batch.events), ends]
             for seq, event in enumerate(batch.events, batch.seq):
                 fields = encode_event(event, batch.attempt, seq)
                 args.append(len(fields))

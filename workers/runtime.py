@@ -69,7 +69,8 @@ class WorkerRuntime:
         heartbeat_interval_s: float = 1.0,
     ) -> WorkerRuntime:
         client = connect(redis_url)
-        publisher = EventPublisher(client, keys.event_stream_maxlen(engine.max_model_len))
+        maxlen = keys.event_stream_maxlen(engine.max_model_len)
+        publisher = EventPublisher(client, identity.model, maxlen)
         host = WorkerHost(engine, publisher)
         deliveries = DeliveryTracker()
         runtime = cls(

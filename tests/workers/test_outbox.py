@@ -12,6 +12,7 @@ import redis
 from shared import keys
 from shared.event_codec import decode_entry
 from shared.events import Finish, FinishReason, Ready, Text
+from shared.registry import DEFAULT_MODEL
 from tests.servers import free_port
 from workers.outbox import Attempt, Outbox
 from workers.publisher import WRITER_NAME, Batch, EventPublisher
@@ -46,7 +47,7 @@ def _texts(client: redis.Redis, request_id: str) -> list[str]:
 
 def test_steps_are_written_in_order_and_coalesced(client: redis.Redis) -> None:
     results = Results()
-    outbox = Outbox(EventPublisher(client), results)
+    outbox = Outbox(EventPublisher(client, DEFAULT_MODEL), results)
     request_ids = [_request(client, 1) for _ in range(4)]
     outbox.start()
     try:
@@ -68,7 +69,7 @@ def test_steps_are_written_in_order_and_coalesced(client: redis.Redis) -> None:
 
 def test_a_stale_attempt_is_fenced_beside_the_current_one(client: redis.Redis) -> None:
     results = Results()
-    outbox = Outbox(EventPublisher(client), results)
+    outbox = Outbox(EventPublisher(client, DEFAULT_MODEL), results)
     rid = _request(client, 2)
     outbox.start()
     outbox.put([Batch(rid, 1, 1, [Text(rid, "stale", [1])])])
@@ -85,7 +86,7 @@ def test_after_a_failed_write_an_attempt_writes_nothing_more() -> None:
     """A later write of the same attempt would leave a hole where the lost events were."""
     results = Results()
     unreachable = redis.Redis(port=free_port(), socket_connect_timeout=1)
-    outbox = Outbox(EventPublisher(unreachable), results)
+    outbox = Outbox(EventPublisher(unreachable, DEFAULT_MODEL), results)
     outbox.start()
     try:
         outbox.put([Batch("lost", 1, 1, [Text("lost", "a", [1])])])
@@ -105,7 +106,7 @@ class SendingThreads(EventPublisher):
     """The real publisher, noting which thread sent each write."""
 
     def __init__(self, client: redis.Redis) -> None:
-        super().__init__(client)
+        super().__init__(client, DEFAULT_MODEL)
         self.threads: list[str] = []
 
     def send(self, connection: redis.Connection, batches, *, check_health: bool = True) -> None:  # noqa: ANN001
@@ -140,7 +141,7 @@ def test_a_write_whose_connection_dropped_is_sent_again_on_a_new_one(
 ) -> None:
     """As redis-py's retry did; after a Redis restart it is then fenced out, not failed."""
     results = Results()
-    outbox = Outbox(EventPublisher(client), results)
+    outbox = Outbox(EventPublisher(client, DEFAULT_MODEL), results)
     rid = _request(client, 1)
     others = _writers(client)
     outbox.start()
@@ -215,7 +216,7 @@ def test_a_write_sent_again_after_its_reply_was_lost_adds_no_event_twice(
     proxy = ReplyDroppingProxy(client.connection_pool.connection_kwargs["port"], b'"b"')
     relayed = connect(f"redis://127.0.0.1:{proxy.port}/0")
     results = Results()
-    outbox = Outbox(EventPublisher(relayed), results)
+    outbox = Outbox(EventPublisher(relayed, DEFAULT_MODEL), results)
     outbox.start()
     try:
         for seq, text in enumerate("abc", 1):

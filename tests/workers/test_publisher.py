@@ -9,6 +9,7 @@ import redis
 from shared import keys
 from shared.event_codec import Entry, decode_entry
 from shared.events import Finish, FinishReason, Ready, Text
+from shared.registry import DEFAULT_MODEL
 from workers.publisher import Batch, EventPublisher
 
 
@@ -24,7 +25,7 @@ def _stream(client: redis.Redis, request_id: str) -> list[Entry]:
 
 
 def test_current_attempt_writes_and_stale_attempt_is_dropped(client: redis.Redis) -> None:
-    publisher = EventPublisher(client)
+    publisher = EventPublisher(client, DEFAULT_MODEL)
     current, stale = _request(client, 2), _request(client, 3)
     events = [Ready(current, 5, 0), Text(current, "Hi", [42])]
 
@@ -42,14 +43,16 @@ def test_current_attempt_writes_and_stale_attempt_is_dropped(client: redis.Redis
 
 def test_a_missing_lease_fences_everyone_out(client: redis.Redis) -> None:
     request_id = uuid.uuid4().hex
-    fenced = EventPublisher(client).publish([Batch(request_id, 1, 1, [Ready(request_id, 1, 0)])])
+    fenced = EventPublisher(client, DEFAULT_MODEL).publish(
+        [Batch(request_id, 1, 1, [Ready(request_id, 1, 0)])]
+    )
     assert fenced == {(request_id, 1)}
     assert not client.exists(keys.event_stream(request_id))
 
 
 def test_every_write_keeps_the_stream_and_its_lease_expiring(client: redis.Redis) -> None:
     """A stream whose writer dies mid-generation must not stay behind forever."""
-    publisher = EventPublisher(client, ttl_s=100)
+    publisher = EventPublisher(client, DEFAULT_MODEL, ttl_s=100)
     request_id = _request(client, 1)
     stream = keys.event_stream(request_id)
 
@@ -66,7 +69,7 @@ def test_every_write_keeps_the_stream_and_its_lease_expiring(client: redis.Redis
 
 def test_a_repeated_write_adds_only_the_events_not_written_yet(client: redis.Redis) -> None:
     """A write sent again after its reply was lost: the script ran once already."""
-    publisher = EventPublisher(client)
+    publisher = EventPublisher(client, DEFAULT_MODEL)
     request_id = _request(client, 1)
     first = [Ready(request_id, 3, 0), Text(request_id, "a", [1])]
     publisher.publish([Batch(request_id, 1, 1, first)])
@@ -81,7 +84,7 @@ def test_a_repeated_write_adds_only_the_events_not_written_yet(client: redis.Red
 
 
 def test_a_new_attempt_numbers_its_events_from_one(client: redis.Redis) -> None:
-    publisher = EventPublisher(client)
+    publisher = EventPublisher(client, DEFAULT_MODEL)
     request_id = _request(client, 1)
     publisher.publish(
         [Batch(request_id, 1, 1, [Ready(request_id, 3, 0), Text(request_id, "a", [1])])]
@@ -98,7 +101,7 @@ def test_a_new_attempt_numbers_its_events_from_one(client: redis.Redis) -> None:
 
 
 def test_the_script_is_reloaded_after_the_server_forgets_it(client: redis.Redis) -> None:
-    publisher = EventPublisher(client)
+    publisher = EventPublisher(client, DEFAULT_MODEL)
     request_id = _request(client, 1)
     client.script_flush()  # what a Redis restart does to the script cache
 
@@ -109,7 +112,7 @@ def test_the_script_is_reloaded_after_the_server_forgets_it(client: redis.Redis)
 def test_a_split_write_sends_the_script_itself_after_the_server_forgets_it(
     client: redis.Redis,
 ) -> None:
-    publisher = EventPublisher(client)
+    publisher = EventPublisher(client, DEFAULT_MODEL)
     connection = publisher.connection()
     current, stale = _request(client, 1), _request(client, 2)
     batches = [
@@ -125,3 +128,21 @@ def test_a_split_write_sends_the_script_itself_after_the_server_forgets_it(
 
     assert fenced == {(stale, 1)}
     assert _stream(client, current) == [Entry(1, 1, Ready(current, 3, 0))]
+
+
+def test_a_request_s_end_takes_it_out_of_the_in_flight_set(client: redis.Redis) -> None:
+    """So an API that died before reading the end leaves no phantom load on the model's bound."""
+    publisher = EventPublisher(client, DEFAULT_MODEL)
+    inflight = keys.inflight(DEFAULT_MODEL)
+    running, ending, stale = _request(client, 1), _request(client, 1), _request(client, 2)
+    client.zadd(inflight, {running: 1e12, ending: 1e12, stale: 1e12})
+
+    publisher.publish(
+        [
+            Batch(running, 1, 1, [Ready(running, 3, 0), Text(running, "a", [1])]),
+            Batch(ending, 1, 1, [Text(ending, "b", [2]), Finish(ending, FinishReason.STOP, 1, 2)]),
+            Batch(stale, 1, 1, [Finish(stale, FinishReason.STOP, 1, 2)]),
+        ]
+    )
+
+    assert {member.decode() for member in client.zrange(inflight, 0, -1)} == {running, stale}

@@ -10,6 +10,7 @@ import redis
 
 from shared import keys
 from shared.events import Finish, Ready, Text
+from shared.registry import DEFAULT_MODEL
 from shared.sampling import SamplingParams
 from tests.workers.conftest import PROMPT, Producer, Reference, text_of, tokens_of, wait_until
 from workers.publisher import Batch, EventPublisher
@@ -35,7 +36,7 @@ def test_resumed_job_continues_exactly_where_the_last_attempt_stopped(
         Text(request_id, event.text, event.token_ids) for event in whole[:cut]
     ]
     client.set(keys.lease(request_id), 1)
-    EventPublisher(client).publish([Batch(request_id, 1, 1, earlier)])
+    EventPublisher(client, DEFAULT_MODEL).publish([Batch(request_id, 1, 1, earlier)])
 
     producer.send(params, request_id=request_id)
     producer.wait_end(request_id)

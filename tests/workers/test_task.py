@@ -10,6 +10,7 @@ import redis
 
 from shared import keys
 from shared.events import Error, Finish, FinishReason, Ready, Text
+from shared.registry import DEFAULT_MODEL
 from shared.sampling import SamplingParams
 from shared.wire import Deadlines
 from tests.workers.conftest import (
@@ -85,7 +86,7 @@ def test_job_whose_stream_already_ended_is_only_acked(
         Text(request_id, "x", [5]),
         Finish(request_id, FinishReason.STOP, 1),
     ]
-    EventPublisher(client).publish([Batch(request_id, 1, 1, done)])
+    EventPublisher(client, DEFAULT_MODEL).publish([Batch(request_id, 1, 1, done)])
 
     producer.send(GREEDY, request_id=request_id)
 
