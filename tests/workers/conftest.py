@@ -112,13 +112,8 @@ def engine() -> LLMEngine:
     return LLMEngine(args)
 
 
-@pytest.fixture(scope="session")
-def reference(engine: LLMEngine) -> Reference:
-    """``(prompt, params) -> [Text, ..., Finish]`` from an engine of its own on the same weights.
-
-    This is the offline path (``LLM.generate`` drives exactly this loop), on
-    a fresh KV cache so that it shares nothing with the worker's engine.
-    """
+def engine_on_the_same_weights(engine: LLMEngine) -> LLMEngine:
+    """A second engine on ``engine``'s weights with a KV cache of its own: it shares no state."""
     from engine.attention import KVCache, make_backend
     from engine.llm_engine import LLMEngine
     from engine.setup import LoadedModel
@@ -137,7 +132,17 @@ def reference(engine: LLMEngine) -> Reference:
         max_model_len=engine.max_model_len,
         num_blocks=KV_BLOCKS,
     )
-    offline = LLMEngine(dataclasses.replace(engine.args), loaded)
+    return LLMEngine(dataclasses.replace(engine.args), loaded)
+
+
+@pytest.fixture(scope="session")
+def reference(engine: LLMEngine) -> Reference:
+    """``(prompt, params) -> [Text, ..., Finish]`` from an engine of its own on the same weights.
+
+    This is the offline path (``LLM.generate`` drives exactly this loop), on
+    a fresh KV cache so that it shares nothing with the worker's engine.
+    """
+    offline = engine_on_the_same_weights(engine)
 
     def run(prompt: list[int], params: SamplingParams) -> list[InferenceEvent]:
         request_id = uuid.uuid4().hex
