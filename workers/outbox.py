@@ -136,14 +136,18 @@ class Outbox:
         generate for no one.
         """
         connection = self._connection
+        tries = 0
         if sent:
             try:
                 return self._publisher.receive(connection, batches)
             except (redis.ConnectionError, redis.TimeoutError):
                 connection.disconnect()  # sent again below
+                tries = 1
 
         def send_and_receive() -> set[Attempt]:
-            self._publisher.send(connection, batches)
+            nonlocal tries
+            repeated, tries = tries > 0, tries + 1  # a lost reply may follow a write that ran
+            self._publisher.send(connection, batches, repeated=repeated)
             return self._publisher.receive(connection, batches)
 
         return connection.retry.call_with_retry(

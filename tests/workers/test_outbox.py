@@ -109,9 +109,9 @@ class SendingThreads(EventPublisher):
         super().__init__(client, DEFAULT_MODEL)
         self.threads: list[str] = []
 
-    def send(self, connection: redis.Connection, batches, *, check_health: bool = True) -> None:  # noqa: ANN001
+    def send(self, connection: redis.Connection, batches, **options: bool) -> None:  # noqa: ANN001
         self.threads.append(threading.current_thread().name)
-        super().send(connection, batches, check_health=check_health)
+        super().send(connection, batches, **options)
 
 
 def test_an_idle_outbox_sends_the_step_on_the_engine_thread(client: redis.Redis) -> None:

@@ -8,9 +8,9 @@ import redis
 
 from shared import keys
 from shared.event_codec import Entry, decode_entry
-from shared.events import Finish, FinishReason, Ready, Text
+from shared.events import Finish, FinishReason, InferenceEvent, Ready, Text
 from shared.registry import DEFAULT_MODEL
-from workers.publisher import Batch, EventPublisher
+from workers.publisher import REFRESH_EVERY, Batch, EventPublisher
 
 
 def _request(client: redis.Redis, attempt: int) -> str:
@@ -50,21 +50,24 @@ def test_a_missing_lease_fences_everyone_out(client: redis.Redis) -> None:
     assert not client.exists(keys.event_stream(request_id))
 
 
-def test_every_write_keeps_the_stream_and_its_lease_expiring(client: redis.Redis) -> None:
+def test_the_stream_and_its_lease_keep_expiring_while_written(client: redis.Redis) -> None:
     """A stream whose writer dies mid-generation must not stay behind forever."""
     publisher = EventPublisher(client, DEFAULT_MODEL, ttl_s=100)
     request_id = _request(client, 1)
-    stream = keys.event_stream(request_id)
+    stream, lease = keys.event_stream(request_id), keys.lease(request_id)
 
-    publisher.publish(
-        [Batch(request_id, 1, 1, [Ready(request_id, 3, 0), Text(request_id, "a", [1])])]
-    )
-    assert 0 < client.ttl(stream) <= 100
-    client.persist(stream)
+    def write(seq: int, *events: InferenceEvent) -> tuple[int, int]:
+        client.persist(stream)
+        client.persist(lease)
+        publisher.publish([Batch(request_id, 1, seq, list(events))])
+        return client.ttl(stream), client.ttl(lease)
 
-    publisher.publish([Batch(request_id, 1, 3, [Finish(request_id, FinishReason.STOP, 1, 2)])])
-    assert 0 < client.ttl(stream) <= 100
-    assert 0 < client.ttl(keys.lease(request_id)) <= 100
+    assert min(write(1, Ready(request_id, 3, 0), Text(request_id, "a", [1]))) > 0  # the first
+    assert write(3, Text(request_id, "b", [2])) == (-1, -1)  # not every write: it costs
+    filler = [Text(request_id, "c", [3])] * (REFRESH_EVERY - 3)
+    assert min(write(4, *filler, Text(request_id, "d", [4]))) > 0  # reaches the next refresh
+    assert min(write(REFRESH_EVERY + 2, Finish(request_id, FinishReason.STOP, 1, 2))) > 0
+    assert max(client.ttl(stream), client.ttl(lease)) <= 100
 
 
 def test_a_repeated_write_adds_only_the_events_not_written_yet(client: redis.Redis) -> None:
