@@ -21,6 +21,26 @@ def _at_least_one(text: str) -> int:
     return value
 
 
+def _generation_time(text: str) -> float:
+    """An argparse type for --total-timeout: seconds, less than a request stream's lifetime.
+
+    Workers give a request's stream and lease an hour to live when its run
+    starts and renew it only every few dozen events: a run allowed longer
+    could lose them while waiting without events.
+    """
+    from shared.keys import FINISHED_STREAM_TTL_S
+
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+    if not 0 < value < FINISHED_STREAM_TTL_S:
+        raise argparse.ArgumentTypeError(
+            f"must be more than 0 and less than {FINISHED_STREAM_TTL_S} s, got {value:g}"
+        )
+    return value
+
+
 def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="default", help="model name, alias or path")
     parser.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
@@ -131,7 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--total-timeout",
-        type=float,
+        type=_generation_time,
         default=600.0,
         metavar="S",
         help="--redis: 504 if a generation runs longer than S seconds",

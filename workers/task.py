@@ -216,7 +216,9 @@ def begin_all(client: redis.Redis, request_ids: Sequence[str]) -> list[Start]:
 def _fail(context: TaskContext, request_id: str, message: str) -> None:
     """End the request with an Error under a fresh attempt, so no client waits forever."""
     try:
-        attempt = int(context.client.incr(keys.lease(request_id)))
+        pipe = context.client.pipeline(transaction=True)
+        pipe.incr(keys.lease(request_id)).expire(keys.lease(request_id), keys.FINISHED_STREAM_TTL_S)
+        attempt = int(pipe.execute()[0])
         context.publisher.publish([Batch(request_id, attempt, 1, [Error(request_id, message)])])
     except redis.RedisError as exc:
         log.error("could not report the failure of %s: %s", request_id, exc)

@@ -27,17 +27,28 @@ def test_generate_refuses_bad_options(
 
 
 @pytest.mark.parametrize(
-    ("value", "message"), [("0", "must be at least 1, got 0"), ("x", "expected a whole number")]
+    ("option", "value", "message"),
+    [
+        # 0 is no "unbounded": admission would answer every request with a 429
+        ("--max-inflight", "0", "must be at least 1, got 0"),
+        ("--max-inflight", "x", "expected a whole number"),
+        # a request's stream and lease live an hour from its run's start
+        ("--total-timeout", "3600", "must be more than 0 and less than 3600 s, got 3600"),
+        ("--total-timeout", "0", "must be more than 0 and less than 3600 s, got 0"),
+    ],
 )
-def test_serve_refuses_a_max_inflight_below_one(
-    value: str, message: str, capsys: pytest.CaptureFixture[str]
+def test_serve_refuses_limits_it_cannot_keep(
+    option: str, value: str, message: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """0 is no "unbounded": admission would answer every request with a 429."""
     with pytest.raises(SystemExit) as exited:
-        main(["serve", "--redis", UNREACHABLE_REDIS, "--max-inflight", value])
+        main(["serve", "--redis", UNREACHABLE_REDIS, option, value])
     assert exited.value.code == 2
-    assert f"argument --max-inflight: {message}" in capsys.readouterr().err
-    assert build_parser().parse_args(["serve", "--max-inflight", "1"]).max_inflight == 1
+    assert f"argument {option}: {message}" in capsys.readouterr().err
+
+
+def test_serve_takes_limits_within_range() -> None:
+    args = build_parser().parse_args(["serve", "--max-inflight", "1", "--total-timeout", "3599"])
+    assert (args.max_inflight, args.total_timeout) == (1, 3599.0)
 
 
 def test_worker_refuses_a_visibility_timeout_its_heartbeats_cannot_beat(

@@ -2,9 +2,10 @@
 
 The worker being drained here is a second host of this process, on the same
 weights, driven through the task's own code (``run_job``) the way Celery's
-thread would; the job it hands back goes to the head of the queue, where the
-suite's running worker takes it and resumes from the stream. (The whole
-worker process under SIGTERM is ``tests/distributed/test_drain.py``.)
+thread would; the job it hands back goes to the head of the queue (that
+order is ``test_requeue.py``'s to check), where the suite's running worker
+takes it and resumes from the stream. (The whole worker process under
+SIGTERM is ``tests/distributed/test_drain.py``.)
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ LONG = SamplingParams(max_tokens=48, temperature=0.0)  # outlasts the grace by f
 GRACE_S = 0.05
 
 
-def test_a_run_outlasting_the_grace_is_handed_back_first_in_line_and_resumed(
+def test_a_run_outlasting_the_grace_is_handed_back_and_resumed_elsewhere(
     worker: WorkerRuntime,
     producer: Producer,
     engine: LLMEngine,
