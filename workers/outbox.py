@@ -133,7 +133,9 @@ class Outbox:
         client's retry policy, as redis-py's own calls are: after a Redis
         restart the write is then fenced out (the lease is gone) rather than
         failed, and its run is dropped instead of being queued again to
-        generate for no one.
+        generate for no one. A write sent again may already have run (only
+        its reply was lost), so it goes as ``repeated``: the script then
+        skips the events the streams already hold.
         """
         connection = self._connection
         tries = 0

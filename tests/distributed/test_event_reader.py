@@ -39,6 +39,20 @@ def run(coroutine: Coroutine[Any, Any, T]) -> T:
     return asyncio.run(coroutine)
 
 
+def read_stream(server: RedisServer, request_id: str, count: int) -> list:
+    """The first ``count`` events a fresh reader delivers for ``request_id``."""
+
+    async def scenario() -> list:
+        reader = EventReader(server.url)
+        await reader.start()
+        try:
+            return await receive(reader.open(request_id), count)
+        finally:
+            await reader.stop()
+
+    return run(scenario())
+
+
 def test_events_written_before_the_first_read_arrive_in_order(own_redis: RedisServer):
     events = [Ready("r1", 5, 0), Text("r1", "Hi", [1]), Text("r1", "!", [2]),
               Finish("r1", FinishReason.STOP, 2)]  # fmt: skip
@@ -85,15 +99,7 @@ def test_a_stale_attempt_a_repeated_event_and_a_second_ready_are_dropped(
     write(own_redis, "r2", 1, Text("r2", "stale", [9]))
     write(own_redis, "r2", 2, Finish("r2", FinishReason.LENGTH, 2))
 
-    async def scenario() -> list:
-        reader = EventReader(own_redis.url)
-        await reader.start()
-        try:
-            return await receive(reader.open("r2"), 4)
-        finally:
-            await reader.stop()
-
-    received = run(scenario())
+    received = read_stream(own_redis, "r2", 4)
     assert [type(event) for event in received] == [Ready, Text, Text, Finish]
     assert [event.text for event in received[1:3]] == ["a", "b"]
 
@@ -109,15 +115,7 @@ def test_entries_of_an_earlier_release_without_sequence_numbers_are_all_delivere
         own_redis.client.xadd(stream, fields)
     write(own_redis, "r3", 2, Text("r3", "c", [9]), Finish("r3", FinishReason.LENGTH, 3))
 
-    async def scenario() -> list:
-        reader = EventReader(own_redis.url)
-        await reader.start()
-        try:
-            return await receive(reader.open("r3"), 5)
-        finally:
-            await reader.stop()
-
-    received = run(scenario())
+    received = read_stream(own_redis, "r3", 5)
     assert [event.text for event in received if isinstance(event, Text)] == ["a", "b", "c"]
     assert isinstance(received[-1], Finish)
 
