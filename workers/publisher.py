@@ -23,9 +23,9 @@ from shared.events import Error, Finish, InferenceEvent
 
 # KEYS: the model's in-flight set, then (lease, stream) per request.
 # ARGV: maxlen, ttl, "1" if this write may repeat one that already ran,
-#   REFRESH_EVERY, then per request: attempt, the first event's sequence number, event count, its
-#   id if the events end it (else ""), and per event: field count n, then n
-#   field/value pairs.
+#   REFRESH_EVERY, then per request: attempt, the first event's sequence
+#   number, event count, its id if the events end it (else ""), and per
+#   event: field count n, then n field/value pairs.
 # A current lease and its stream get the time to live of a finished stream
 # when an attempt starts writing, every REFRESH_EVERY events and at the end,
 # so both outlive any generation that keeps writing and a stream whose

@@ -11,10 +11,10 @@ through the process-wide ``EventReader``. Who owns what:
   its cleanup (cancel, leaving the in-flight set) runs as a task of its own,
   so it completes even when the closing task is being cancelled.
 - A fleet watcher reads worker heartbeats, the in-flight set and the length
-  of the model's queue about once a second ; ``health``,
-  ``models``, ``/metrics`` and admission's wait for a live worker read that
-  snapshot, so none of them costs a Redis round trip per call. The bound on
-  outstanding work is checked again, exactly, by the submission's script
+  of the model's queue about once a second; ``health``, ``models``,
+  ``/metrics`` and admission's wait for a live worker read that snapshot, so
+  none of them costs a Redis round trip per call. The bound on outstanding
+  work is checked again, exactly, by the submission's script
   (``api.backends.job_queue``).
 
 Unseeded sampling requests get a seed here, at submission: a job redelivered
