@@ -21,6 +21,12 @@ message: ``FINISHED`` and ``FENCED`` are acked (the stream has its end, or a
 newer attempt owns the request); ``HANDED_BACK`` and ``UNPUBLISHED`` are
 requeued, so another worker resumes the request from its stream.
 
+The engine thread may die (an exception no step or command catches): its
+runs can then never finish, and nothing is left to run the commands that
+would hand them back. ``engine_died`` tells when it has: a drain then hands
+every run back from its own thread at once, and the worker's watchdog
+(``workers.runtime.EngineWatchdog``) shuts the worker down.
+
 Each run is known to the engine as ``<request id>/<attempt>``, so that a
 request redelivered to the worker that still runs its stale attempt gets a
 sequence of its own, and the abort event of a dropped run can never be
@@ -29,6 +35,7 @@ mistaken for its successor's.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -56,6 +63,9 @@ A task reads the cancel flag before it submits its run; a cancel published
 in between reaches the engine thread before the run does. The window is
 milliseconds; every cancel of every worker passes through here, so the
 memory is kept short."""
+
+ENGINE_CHECK_S = 1.0
+"""How often a drain waiting for its runs, and the worker's watchdog, look at the engine thread."""
 
 
 class Outcome(Enum):
@@ -136,20 +146,38 @@ class WorkerHost:
         self._idle = threading.Condition()  # notified whenever a run resolves
         self.draining = False
         self.snapshot = self._take_snapshot(engine)
+        self._started = False
+        self._stopped = False
+        self._died = False  # the engine thread was dead when ``stop`` came
 
     # --- any thread ----------------------------------------------------------
 
     def start(self) -> None:
         self._outbox.start()
         self._thread.start()
+        self._started = True  # only now: a thread not yet started is not a dead one
 
     def stop(self, timeout: float | None = None) -> None:
         """Stop stepping, then write what the last steps produced."""
+        self._died = self.engine_died()  # a stop must not hide an earlier death
+        self._stopped = True  # before the thread ends, so that its end is no death
         self._thread.stop(timeout)
         self._outbox.stop(timeout)
 
     def is_alive(self) -> bool:
         return self._thread.is_alive()
+
+    def engine_died(self) -> bool:
+        """Whether the engine thread ended without ``stop``: nothing here runs any more.
+
+        ``is_alive`` alone cannot tell, being False before ``start`` and after
+        ``stop`` as well. The reads are ordered (``start`` and ``stop`` write
+        in the opposite order) so that neither a start nor a stop happening
+        meanwhile looks like a death, nor hides one.
+        """
+        started = self._started
+        alive = self._thread.is_alive()
+        return (started and not alive and not self._stopped) or self._died
 
     def submit(self, run: Run) -> None:
         self._thread.call(lambda engine: self._add(engine, run))
@@ -168,18 +196,45 @@ class WorkerHost:
 
         Returns how many runs were handed back. Their tasks requeue their
         messages; nothing is published for them, so the client sees the
-        next worker's tokens continue the stream.
+        next worker's tokens continue the stream. Once the engine thread is
+        dead no run can finish, so the grace is not waited out. (A run
+        submitted after the death never reached the run table; its task
+        sees the dead thread itself, within ``workers.task.HOST_CHECK_S``.)
         """
         self.draining = True
         deadline = time.monotonic() + grace_s
         with self._idle:
-            while self._current and (left := deadline - time.monotonic()) > 0:
-                self._idle.wait(left)
+            while (
+                self._current
+                and not self.engine_died()
+                and (left := deadline - time.monotonic()) > 0
+            ):
+                self._idle.wait(min(left, ENGINE_CHECK_S))
             remaining = len(self._current)
-        if remaining:
-            log.warning("drain grace of %.0f s is over: handing back %d runs", grace_s, remaining)
-            self._thread.call(self._hand_back_all)
+        if not remaining:
+            return 0
+        if self.engine_died():
+            log.error("the engine thread is gone: handing back %d runs now", remaining)
+            return self._hand_back_orphans()
+        log.warning("drain grace of %.0f s is over: handing back %d runs", grace_s, remaining)
+        self._thread.call(self._hand_back_all)
         return remaining
+
+    def _hand_back_orphans(self) -> int:
+        """Resolve every run as handed back from this thread, the engine's being dead.
+
+        ``_hand_back_all`` would be queued for a thread that no longer runs
+        commands. The engine is not touched: it may have died mid-step, and
+        the process is about to exit. Only the outbox thread may still take
+        runs out (those it saw finish); ``_untrack`` resolves each run once.
+        """
+        handed_back = sum(
+            self._untrack(run, Outcome.HANDED_BACK) for run in list(self._runs.values())
+        )
+        self.snapshot = dataclasses.replace(
+            self.snapshot, running=0, waiting=0, runs=len(self._runs)
+        )
+        return handed_back
 
     # --- the engine thread ---------------------------------------------------
 
@@ -314,14 +369,16 @@ class WorkerHost:
         with self._idle:
             self._current[run.request_id] = run
 
-    def _untrack(self, run: Run, outcome: Outcome) -> None:
+    def _untrack(self, run: Run, outcome: Outcome) -> bool:
+        """Take the run out and resolve it; False if another thread already did."""
         if self._runs.pop(run.engine_id, None) is None:
-            return
+            return False
         with self._idle:
             if self._current.get(run.request_id) is run:
                 del self._current[run.request_id]
             self._idle.notify_all()
         run.resolve(outcome)
+        return True
 
     def _refresh(self, engine: LLMEngine) -> None:
         self.snapshot = self._take_snapshot(engine)

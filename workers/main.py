@@ -7,6 +7,10 @@ lets running generations finish for ``--drain-grace`` seconds and then
 hands the rest back to the queue, where another worker resumes them from
 their streams. SIGQUIT hands everything back at once.
 
+A worker whose engine thread dies shuts itself down the same way, without
+the grace (its generations can never finish): it takes no more jobs, hands
+back what it runs and exits with code 1, for its supervisor to restart it.
+
 Also runnable as ``python -m workers.main``.
 """
 
@@ -38,6 +42,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("workers")
 
 DEFAULT_DRAIN_GRACE_S = 30.0
+EXIT_ENGINE_DIED = 1  # a warm shutdown alone exits 0, as if the worker had been asked to
 GIL_SWITCH_INTERVAL_S = 0.0005
 """How long a thread may hold the GIL while another waits (Python's default: 5 ms).
 
@@ -134,7 +139,12 @@ def serve(
     drain_grace_s: float = DEFAULT_DRAIN_GRACE_S,
     loglevel: str = "INFO",
 ) -> int:
-    """Run the Celery worker in this (main) thread until a shutdown signal; the exit code."""
+    """Run the Celery worker in this (main) thread until a shutdown signal; the exit code.
+
+    The code is ``EXIT_ENGINE_DIED`` when the worker shut itself down because
+    its engine thread died: Celery's warm shutdown alone would exit 0, and a
+    supervisor would take the worker for one that was asked to stop.
+    """
     from celery import signals
 
     from workers.runtime import WorkerRuntime
@@ -173,6 +183,13 @@ def serve(
     finally:
         signals.worker_shutting_down.disconnect(on_shutdown)
         runtime.stop()
+    if runtime.engine_died:
+        log.error(
+            "worker %s exits with code %d: its engine thread died",
+            identity.worker_id,
+            EXIT_ENGINE_DIED,
+        )
+        return EXIT_ENGINE_DIED
     return worker.exitcode or 0
 
 

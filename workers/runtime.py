@@ -6,12 +6,19 @@ thread-safe). The client retries briefly on connection errors and never
 waits on a socket for long, so when Redis goes away a write fails within
 seconds (the runs it concerned are stopped and handed back) and the threads
 carry on and reconnect once it is back.
+
+A watchdog ends the worker when its engine thread dies (see
+``EngineWatchdog``): without it the worker would go on taking jobs only to
+hand each back a second later, forever.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -22,7 +29,7 @@ from redis.retry import Retry
 from shared import keys
 from workers.cancellation import CancellationWatcher
 from workers.heartbeat import Heartbeat, WorkerIdentity
-from workers.host import WorkerHost
+from workers.host import ENGINE_CHECK_S, WorkerHost
 from workers.publisher import EventPublisher
 from workers.task import TaskContext
 from workers.visibility import DeliveryTracker
@@ -48,6 +55,61 @@ def connect(redis_url: str) -> redis.Redis:
     )
 
 
+def terminate_self() -> None:
+    """Begin this process's warm shutdown, as a supervisor's SIGTERM would.
+
+    Celery's handler runs in the main thread and calls ``serve``'s
+    ``on_shutdown``, so a dead engine ends the worker by the same path as a
+    drain: no new jobs, every run handed back, the heartbeat key deleted.
+    (Before Celery installs its handler, SIGTERM's default action ends the
+    process, with a non-zero status as well.)
+    """
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+class EngineWatchdog:
+    """A thread that shuts the worker down once its engine thread has died.
+
+    It looks every ``interval_s``: a thread's death notifies no one, and the
+    task threads that notice it only hand their own job back. ``on_death``
+    is called once, after the host is marked draining (its next
+    heartbeat says so, and the API stops counting this worker as live).
+    """
+
+    def __init__(
+        self,
+        host: WorkerHost,
+        on_death: Callable[[], None] = terminate_self,
+        interval_s: float = ENGINE_CHECK_S,
+    ) -> None:
+        self._host = host
+        self._on_death = on_death
+        self._interval_s = interval_s
+        self.fired = False  # the engine died and ``on_death`` was called
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="sluice-watchdog", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float | None = None) -> None:
+        self._stopping.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    def _run(self) -> None:
+        while not self._stopping.wait(self._interval_s):
+            if self._host.engine_died():
+                self._fire()
+                return
+
+    def _fire(self) -> None:
+        log.error("the engine thread died: taking no more jobs and shutting the worker down")
+        self.fired = True
+        self._host.draining = True
+        self._on_death()
+
+
 @dataclass(slots=True)
 class WorkerRuntime:
     """The running parts of one worker; ``start`` builds them, ``stop`` ends them."""
@@ -59,6 +121,7 @@ class WorkerRuntime:
     heartbeat: Heartbeat
     deliveries: DeliveryTracker
     context: TaskContext
+    watchdog: EngineWatchdog
 
     @classmethod
     def start(
@@ -67,7 +130,10 @@ class WorkerRuntime:
         identity: WorkerIdentity,
         engine: LLMEngine,
         heartbeat_interval_s: float = 1.0,
+        on_engine_death: Callable[[], None] = terminate_self,
+        engine_check_s: float = ENGINE_CHECK_S,
     ) -> WorkerRuntime:
+        """Start every thread; ``on_engine_death`` ends the process (tests observe it)."""
         client = connect(redis_url)
         maxlen = keys.event_stream_maxlen(engine.max_model_len)
         publisher = EventPublisher(client, identity.model, maxlen)
@@ -88,12 +154,23 @@ class WorkerRuntime:
             ),
             deliveries=deliveries,
             context=TaskContext(client, publisher, host, identity.model),
+            watchdog=EngineWatchdog(host, on_engine_death, engine_check_s),
         )
         deliveries.connect()
         host.start()
         runtime.cancellation.start()
         runtime.heartbeat.start()
+        runtime.watchdog.start()
         return runtime
+
+    @property
+    def engine_died(self) -> bool:
+        """Whether the engine thread died, as the watchdog or the host's ``stop`` found.
+
+        A shutdown begun otherwise (a supervisor's SIGTERM) may come between
+        the death and the watchdog's next look.
+        """
+        return self.watchdog.fired or self.host.engine_died()
 
     def drain_in_background(self, grace_s: float) -> threading.Thread:
         """Start the drain without blocking (it is begun from a signal handler)."""
@@ -105,6 +182,7 @@ class WorkerRuntime:
 
     def stop(self) -> None:
         """Stop every thread; the heartbeat key is deleted last, once nothing runs."""
+        self.watchdog.stop(timeout=5)  # first: the engine thread is about to end on purpose
         self.deliveries.disconnect()
         self.cancellation.stop(timeout=5)
         self.host.stop(timeout=10)
