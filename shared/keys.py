@@ -31,6 +31,16 @@ def queue_name(model: str) -> str:
     return f"{PREFIX}.{model}"
 
 
+def queue_wake(queue: str) -> str:
+    """A list holding one token per job put on ``queue``'s lists: what workers block on.
+
+    A worker pops a token, never a job: the jobs leave their lists only in
+    the script that records them as taken (``workers.transport``), so a
+    worker killed between waking and taking loses a token, not a request.
+    """
+    return f"{PREFIX}:wake:{queue}"
+
+
 def event_stream(request_id: str) -> str:
     """Redis Stream of one request's events, in order, across attempts."""
     return f"{PREFIX}:events:{request_id}"

@@ -1,8 +1,9 @@
 """A job as a Celery task message, written straight to kombu's Redis lists.
 
 Senders that write with their own Redis client instead of ``send_task``
-(the API queueing a burst in one pipeline, a worker putting a handed-back
-job first in line) build the message here. Headers and body come from
+(the API queueing each request from its event loop, a worker putting a
+handed-back job first in line) build the message here, and push a wake
+token beside it. Headers and body come from
 Celery's task protocol 2 (``app.amqp.as_task_v2``), wrapped in the envelope
 kombu's Redis transport reads, for the list kombu keeps that priority on.
 ``tests/distributed/test_job_queue.py`` compares it with ``send_task``'s.
@@ -16,6 +17,7 @@ import uuid
 from bisect import bisect
 from datetime import UTC, datetime
 from functools import cache
+from typing import NamedTuple
 
 from celery import Celery
 from kombu.transport.redis import Channel
@@ -26,8 +28,20 @@ from shared.wire import Job, encode_job
 CELERY_PRIORITIES = range(10)  # kombu's Redis transport: 0 is served first
 
 
-def task_message(job: Job) -> tuple[str, str]:
-    """The Redis list ``job`` belongs on, and its message."""
+class TaskMessage(NamedTuple):
+    """A job's message, the list it goes on, and the list of its wake token.
+
+    Whoever pushes ``body`` onto ``key`` pushes a token onto ``wake`` in the
+    same transaction: workers block on the tokens (``keys.queue_wake``).
+    """
+
+    key: str
+    body: str
+    wake: str
+
+
+def task_message(job: Job) -> TaskMessage:
+    """The message of ``job``, for the list of its model's queue and priority."""
     request, queue = job.request, keys.queue_name(job.request.model)
     expires = datetime.fromtimestamp(job.deadlines.queue, UTC) if job.deadlines.queue else None
     headers, properties, body, _ = _builder().amqp.as_task_v2(
@@ -48,7 +62,7 @@ def task_message(job: Job) -> tuple[str, str]:
             "delivery_tag": str(uuid.uuid4()),
         },
     }
-    return priority_list(queue, priority), json.dumps(envelope)
+    return TaskMessage(priority_list(queue, priority), json.dumps(envelope), keys.queue_wake(queue))
 
 
 def priority_list(queue: str, priority: int) -> str:

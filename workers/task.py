@@ -149,9 +149,12 @@ def run_job(context: TaskContext, payload: str) -> None:
 
 def requeue_first(client: redis.Redis, job: Job, reason: str) -> None:
     """Put ``job`` at the head of its queue; ``Reject`` to the tail if Redis refuses."""
-    queue, message = task_message(job)
+    message = task_message(job)
+    pipe = client.pipeline(transaction=True)
+    pipe.rpush(message.key, message.body)
+    pipe.lpush(message.wake, "1")
     try:
-        client.rpush(queue, message)
+        pipe.execute()
     except redis.RedisError as exc:
         raise Reject(f"{reason} ({exc})", requeue=True) from exc
 

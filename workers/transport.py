@@ -1,25 +1,37 @@
-"""kombu's Redis transport, taking a burst of jobs, and acking one, in one round trip.
+"""kombu's Redis transport, waking on tokens, taking jobs atomically, acking in bursts.
 
-kombu's consumer takes one message per ``BRPOP`` and then makes one more
-round trip to record it as unacked (``unacked`` hash + ``unacked_index``),
-so a burst of 32 jobs reached a worker one message, and two round trips, at
-a time: about 1-1.7 ms per job on two shared cores, 30-50 ms for the last of
-the burst, while the engine could have admitted them all in one step.
+kombu's consumer ``BRPOP``s a message off its queue and then, in a round
+trip of its own, records it as unacked (``unacked`` hash + ``unacked_index``).
+Between the two the message is in neither place: a worker killed there
+(``kill -9``, the OOM killer, a lost node) loses the job, and its client
+waits out the queue deadline for nothing. It also took a burst of 32 jobs
+one message, and two round trips, at a time: about 1-1.7 ms per job on two
+shared cores, 30-50 ms for the last of the burst.
 
-Here, once ``BRPOP`` wakes the consumer, one script records that message
-and pops up to the consumer's remaining prefetch credit from the same
-queues (in ``BRPOP``'s priority order), recording each popped message as
-unacked in the same atomic step, so a popped job is never outside both the
-queue and the unacked records. The messages are then delivered one by one,
-as ``BRPOP`` would have delivered them; their unacked records are already
-written, so ``append`` skips that round trip. Everything else (acks,
-rejects, the redelivery sweep) is kombu's own.
+Here a worker blocks on the queues' wake lists instead (``keys.queue_wake``):
+every sender pushes one token beside each job, in the same transaction
+(the API's submit script, ``requeue_first``, and this transport's own
+``_put`` and restore). Popping a token takes nothing; it only wakes the
+worker, which then runs one script that pops up to its prefetch credit from
+the queue lists (in kombu's priority order) and records each popped message
+as unacked in the same atomic step. A job is therefore always in its queue
+or in the unacked records, which the redelivery sweep returns to the queue.
+The script also trims each wake list to the number of jobs still queued, so
+tokens never outnumber jobs and a burst taken at once leaves no spurious
+wake-ups behind. A message queued without a token (a sender using
+kombu's stock transport, a token lost with its worker) is taken when the
+blocking read times out (``brpop_timeout``, 1 s): an idle worker also runs
+the script then. The messages are delivered one by one, as ``BRPOP``
+would have delivered them; their unacked records are already written, so
+``append`` skips that round trip.
 
-A message the script cannot parse is popped but not recorded; the script
-names the tags it recorded, and kombu's own ``append`` records the rest, as
-it would have for a ``BRPOP``ed one.
+Unacked records are scored with Redis's clock (``TIME`` in the script), and
+the redelivery sweep compares them with Redis's clock too, as the
+visibility refresh does (``workers.visibility``): kombu uses each worker's
+own clock, so a worker whose clock ran a few seconds ahead swept the jobs
+live workers were still running.
 
-Acks go the same way. kombu removes an acked message's unacked records in a
+Acks go in bursts too. kombu removes an acked message's unacked records in a
 round trip of its own, on the consumer's event loop, which meanwhile reads
 no new jobs: a burst's 32 acks held it for about 20 ms (sampled at 32
 streams, tiny model), enough to delay the next burst. Here an ack frees the
@@ -41,7 +53,7 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
+from time import monotonic
 from typing import Any
 
 import redis
@@ -51,12 +63,20 @@ from kombu.transport.virtual import QoS as VirtualQoS
 from kombu.utils.encoding import bytes_to_str
 from kombu.utils.json import loads
 
+from shared import keys
+
 log = logging.getLogger(__name__)
 
 TAKE_SCRIPT = """
--- KEYS: unacked index, unacked hash, then the queue lists in BRPOP's order.
--- ARGV: now, how many more messages to pop, the message BRPOP took.
+-- KEYS: unacked index, unacked hash, the queues' wake lists (one per queue), then
+-- the queue lists in kombu's BRPOP order: priority-major, so list i (from 0)
+-- belongs to queue i % #queues.
+-- ARGV: how many messages to pop, the number of queues.
 -- Returns the delivery tags recorded, then the messages popped (key, message, ...).
+local clock = redis.call('TIME')
+local now = tonumber(clock[1]) + tonumber(clock[2]) / 1000000
+local queues = tonumber(ARGV[2])
+local first_list = 3 + queues
 local recorded = {}
 local function record(item)
   local ok, message = pcall(cjson.decode, item)
@@ -67,15 +87,16 @@ local function record(item)
   if type(info) ~= 'table' then info = {} end
   local exchange = cjson.encode(info['exchange'] or '')
   local routing_key = cjson.encode(info['routing_key'] or '')
-  redis.call('ZADD', KEYS[1], ARGV[1], properties['delivery_tag'])
+  redis.call('ZADD', KEYS[1], now, properties['delivery_tag'])
   redis.call('HSET', KEYS[2], properties['delivery_tag'],
              '[' .. item .. ',' .. exchange .. ',' .. routing_key .. ']')
   recorded[#recorded + 1] = properties['delivery_tag']
 end
-record(ARGV[3])
 local taken = {}
-local wanted = tonumber(ARGV[2])
-for i = 3, #KEYS do
+local wanted = tonumber(ARGV[1])
+local queued = {}
+for q = 1, queues do queued[q] = 0 end
+for i = first_list, #KEYS do
   while wanted > 0 do
     local item = redis.call('RPOP', KEYS[i])
     if not item then break end
@@ -83,6 +104,16 @@ for i = 3, #KEYS do
     taken[#taken + 1] = KEYS[i]
     taken[#taken + 1] = item
     wanted = wanted - 1
+  end
+  local q = (i - first_list) % queues + 1
+  queued[q] = queued[q] + redis.call('LLEN', KEYS[i])
+end
+for q = 1, queues do
+  local wake = KEYS[2 + q]
+  if queued[q] == 0 then
+    redis.call('DEL', wake)
+  elseif redis.call('LLEN', wake) > queued[q] then
+    redis.call('LTRIM', wake, 0, queued[q] - 1)
   end
 end
 return {recorded, taken}
@@ -121,6 +152,29 @@ class QoS(kombu_redis.QoS):
         elif first:
             loop.call_soon(self.flush_acks)  # from a task thread, this wakes the loop
 
+    def restore_visible(self, start: int = 0, num: int | None = None, interval: int = 10) -> None:
+        """kombu's redelivery sweep, with its cut-off read from Redis's clock.
+
+        The records it compares are scored with that clock (the take script,
+        the visibility refresh); a worker's own clock may disagree by seconds.
+        """
+        self._vrestore_count += 1
+        if (self._vrestore_count - 1) % (interval or 1):
+            return
+        with self.channel.conn_or_acquire() as client:
+            seconds, microseconds = client.time()
+            ceil = seconds + microseconds / 1e6 - self.visibility_timeout
+            try:
+                with kombu_redis.Mutex(client, self.unacked_mutex_key, self.unacked_mutex_expire):
+                    visible = client.zrange(
+                        self.unacked_index_key, ceil, 0, desc=True, byscore=True,
+                        offset=num and start, num=num,
+                    )  # fmt: skip
+                    for tag in visible:
+                        self.restore_by_tag(tag, client)
+            except kombu_redis.MutexHeld:
+                pass
+
     def flush_acks(self) -> None:
         """Remove every pending ack's records in one write; a failure only logs."""
         with self._acks_lock:
@@ -145,56 +199,86 @@ class Channel(kombu_redis.Channel):
             self._qos.flush_acks()  # what the loop has not written yet
         super().close()
 
+    def _put(self, queue: str, message: Any, **kwargs: Any) -> None:
+        """kombu's push, with the job's wake token after it."""
+        batch = kwargs.get("_publish_batch")
+        super()._put(queue, message, **kwargs)
+        if batch is not None:
+            batch.add("lpush", keys.queue_wake(queue), "1")
+        else:
+            with self.conn_or_acquire() as client:
+                client.lpush(keys.queue_wake(queue), "1")
+
+    def _do_restore_message(
+        self, payload: Any, exchange: str, routing_key: str, pipe: Any, leftmost: bool = False
+    ) -> None:
+        """kombu's restore (a reject, the redelivery sweep), with wake tokens in its transaction."""
+        super()._do_restore_message(payload, exchange, routing_key, pipe, leftmost)
+        for queue in self._lookup(exchange, routing_key):
+            pipe.lpush(keys.queue_wake(queue), "1")
+
+    def _brpop_start(self, timeout: float | None = None) -> None:
+        """Block on the queues' wake lists: a token is popped, never a job."""
+        queues = self._queue_cycle.consume(len(self.active_queues))
+        if not queues:
+            return
+        wake = [keys.queue_wake(queue) for queue in queues]
+        self._in_poll = self.client.connection
+        self._brpop_sent_at = monotonic()
+        timeout = self.brpop_timeout if timeout is None else timeout
+        self.client.connection.send_command("BRPOP", *wake, timeout or 0)
+
     def _brpop_read(self, **options: Any) -> bool:
-        """kombu's ``_brpop_read``, followed by the rest of the burst the credit allows."""
+        """A token or a timeout; either way, take up to the credit in one script."""
         try:
             try:
-                reply = self.client.parse_response(self.client.connection, "BRPOP", **options)
+                self.client.parse_response(self.client.connection, "BRPOP", **options)
             except self.connection_errors:
                 self.client.connection.disconnect()  # the next poll reconnects
                 raise
-            if not reply:
+            messages = self._take()
+            if not messages:
                 raise kombu_redis.Empty()
-            first_key, first_item = bytes_to_str(reply[0]), bytes_to_str(reply[1])
-            self._queue_cycle.rotate(self._queue_of(first_key))
-            for key, message in self._take_burst(first_key, first_item):
+            self._queue_cycle.rotate(self._queue_of(messages[0][0]))
+            for key, message in messages:
                 self.connection._deliver(message, self._queue_of(key))
             return True
         finally:
             self._in_poll = None
             self._flush_brpop_reauth()
 
-    def _take_burst(self, first_key: str, first_item: str) -> list[tuple[str, Any]]:
-        """The first message and up to the remaining credit more, decoded.
+    def _take(self) -> list[tuple[str, Any]]:
+        """Pop and record up to the credit's worth of messages, decoded.
 
-        If the script fails, only the first message is returned, and kombu's
-        ``append`` records it (or fails the way it would have).
+        If the script fails nothing was popped: the jobs stay queued for the
+        next poll (this worker's or another's).
         """
         try:
-            recorded, taken = self._run_take_script(first_item)
+            recorded, taken = self._run_take_script()
         except self.connection_errors as exc:
-            log.warning("could not take a burst from Redis: %s", exc)
-            return [(first_key, loads(first_item))]
+            log.warning("could not take jobs from Redis: %s", exc)
+            return []
         self.qos.recorded.update(recorded)
         messages = []
-        for key, item in [(first_key, first_item), *taken]:
+        for key, item in taken:
             try:
                 messages.append((key, loads(item)))
             except ValueError:
                 log.error("dropping a message that is not JSON from %s: %.200r", key, item)
         return messages
 
-    def _run_take_script(self, first_item: str) -> tuple[list[str], list[tuple[str, str]]]:
+    def _run_take_script(self) -> tuple[list[str], list[tuple[str, str]]]:
         """The delivery tags the script recorded, and the (list, message) pairs it popped."""
-        more = max(self.qos.can_consume_max_estimate() - 1, 0)
+        credit = self.qos.can_consume_max_estimate()
         queues = self._queue_cycle.consume(len(self.active_queues))
-        keys = [self._q_for_pri(queue, pri) for pri in self.priority_steps for queue in queues]
+        wake = [keys.queue_wake(queue) for queue in queues]
+        lists = [self._q_for_pri(queue, pri) for pri in self.priority_steps for queue in queues]
         with self.conn_or_acquire() as client:
             if self._take_script is None:
                 self._take_script = client.register_script(TAKE_SCRIPT)
             reply = self._take_script(
-                keys=[self.unacked_index_key, self.unacked_key, *keys],
-                args=[time.time(), more, first_item],
+                keys=[self.unacked_index_key, self.unacked_key, *wake, *lists],
+                args=[credit, len(queues)],
                 client=client,
             )
         recorded, taken = reply

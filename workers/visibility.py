@@ -12,7 +12,9 @@ heartbeat (``ZADD XX``: never re-adds a message that was acked or restored
 meanwhile). The visibility timeout then only bounds how long a dead worker's
 jobs wait, not how long a generation may run; a job whose worker stops
 refreshing is redelivered ``visibility_timeout`` (plus one sweep interval)
-after its last refresh.
+after its last refresh. Scores are Redis's own clock (``TIME``), as in the
+take script and the sweep (``workers.transport``), so the workers' clocks
+need not agree.
 
 The refresh rides on the heartbeat, every ``REFRESH_INTERVAL_S``; a visibility
 timeout shorter than a few of those would redeliver a live worker's job after
@@ -22,7 +24,6 @@ one slow or failed beat, so the worker refuses one (``check_visibility_timeout``
 from __future__ import annotations
 
 import threading
-import time
 from typing import Any
 
 import redis
@@ -31,6 +32,17 @@ UNACKED_INDEX_KEY = "unacked_index"  # kombu's default, passed to it explicitly
 UNACKED_MUTEX_KEY = "unacked_mutex"  # the sweep's lock (kombu's default name)
 REFRESH_INTERVAL_S = 1.0  # the worker's heartbeat interval, which refreshes running messages
 MIN_REFRESHES_PER_TIMEOUT = 3  # refreshes a live worker may miss before its job looks dead
+
+RENEW_SCRIPT = """
+-- KEYS: the unacked index. ARGV: delivery tags. Scores them with Redis's clock,
+-- the one the sweep compares with; never re-adds a tag acked or restored meanwhile.
+local clock = redis.call('TIME')
+local now = tonumber(clock[1]) + tonumber(clock[2]) / 1000000
+for _, tag in ipairs(ARGV) do
+  redis.call('ZADD', KEYS[1], 'XX', now, tag)
+end
+return #ARGV
+"""
 
 
 def check_visibility_timeout(
@@ -65,12 +77,11 @@ class DeliveryTracker:
             self._tags.pop(task_id, None)
 
     def renew(self, pipe: redis.client.Pipeline) -> None:
-        """Queue on ``pipe`` the refresh of every tracked message's score."""
+        """Queue on ``pipe`` the refresh of every tracked message's score, by Redis's clock."""
         with self._lock:
             tags = list(self._tags.values())
         if tags:
-            now = time.time()
-            pipe.zadd(self._index_key, dict.fromkeys(tags, now), xx=True)
+            pipe.eval(RENEW_SCRIPT, 1, self._index_key, *tags)
 
     def connect(self) -> None:
         """Follow Celery's signals: a task is tracked from receipt until it has run."""

@@ -49,12 +49,12 @@ from api.admission import (
 )
 from api.backends.base import BackendHealth, ServedModel
 from api.backends.event_reader import EventReader, Subscription
-from api.backends.job_queue import JobQueue, with_seed
+from api.backends.job_queue import JobQueue, with_seed, withdraw
 from shared import keys
 from shared.events import Error, Finish, InferenceEvent, Text
 from shared.heap import freeze_startup_heap
 from shared.registry import ModelSpec
-from shared.task_message import priority_list
+from shared.task_message import TaskMessage, priority_list
 from shared.tokenizer_loader import LoadedTokenizer, load_tokenizer
 from shared.wire import Deadlines, Job, PreparedRequest
 
@@ -195,26 +195,29 @@ class DistributedBackend:
         Any end but a ``Finish`` (the client gone, a deadline, Redis lost, an
         error) publishes a cancellation: a worker may still be generating for
         a request this side has given up on, and cancelling a job that has
-        already ended costs nothing.
+        already ended costs nothing. A job no event came for yet is also
+        withdrawn from its queue, if no worker has taken it.
         """
         request = with_seed(request)
         request_id = request.request_id
         deadlines = self._limits.deadlines(time.time())
         subscription = self._reader.open(request_id)
+        progress = _Progress()
+        queued: TaskMessage | Error | None = None
         last: InferenceEvent | None = None
         try:
-            refusal = await self._submit(Job(request, deadlines))
-            if refusal is not None:
-                last = refusal
+            queued = await self._submit(Job(request, deadlines))
+            if isinstance(queued, Error):
+                last = queued
                 yield last
                 return
-            progress = _Progress()
             while not isinstance(last, Finish | Error):
                 last = await self._next_event(subscription, deadlines, progress)
                 yield last
         finally:
             self._reader.close(request_id)
-            self._spawn(self._end(request_id, cancel=not isinstance(last, Finish)))
+            untaken = queued if isinstance(queued, TaskMessage) and not progress.started else None
+            self._spawn(self._end(request_id, cancel=not isinstance(last, Finish), untaken=untaken))
 
     async def _count_outstanding(self) -> int:
         """The model's live in-flight entries, read now; a 503 if Redis is unreachable."""
@@ -223,8 +226,8 @@ class DistributedBackend:
         except (RedisError, OSError) as exc:
             raise api_error("unavailable", f"Redis is unreachable ({exc}); retry later.") from exc
 
-    async def _submit(self, job: Job) -> Error | None:
-        """Join the in-flight set and publish the job; the ``Error`` that ends it if refused."""
+    async def _submit(self, job: Job) -> TaskMessage | Error:
+        """Join the in-flight set and queue the job: its message, or the ``Error`` that ends it."""
         request_id, limits = job.request.request_id, self._limits
         try:
             score = job.deadlines.total or time.time() + limits.total_timeout_s
@@ -233,9 +236,9 @@ class DistributedBackend:
             log.warning("submitting %s failed: %s", request_id, exc)
             message = "Could not queue the request: Redis is unreachable; retry later."
             return Error(request_id, message, "unavailable")
-        if not queued:
+        if queued is None:
             return Error(request_id, rate_limited_message(limits.max_inflight), "rate_limited")
-        return None
+        return queued
 
     async def _next_event(
         self, subscription: Subscription, deadlines: Deadlines, progress: _Progress
@@ -260,8 +263,12 @@ class DistributedBackend:
             "total_timeout": f"The generation did not finish within {limits.total_timeout_s:g}s.",
         }[kind]
 
-    async def _end(self, request_id: str, *, cancel: bool) -> None:
-        """Leave the in-flight set and, for a request not run to its end, cancel it."""
+    async def _end(self, request_id: str, *, cancel: bool, untaken: TaskMessage | None) -> None:
+        """Leave the in-flight set and, for a request not run to its end, cancel it.
+
+        ``untaken``: the message of a job no worker had started as far as this
+        process saw; it is withdrawn from the queue if still there.
+        """
         ttl = math.ceil(self._limits.total_timeout_s) + 60
         try:
             async with asyncio.timeout(CLEANUP_TIMEOUT_S):
@@ -269,6 +276,8 @@ class DistributedBackend:
                     if cancel:
                         pipe.set(keys.cancel_flag(request_id), "1", ex=ttl)
                         pipe.publish(keys.CANCEL_CHANNEL, request_id)
+                        if untaken is not None:
+                            withdraw(pipe, untaken)
                     pipe.zrem(keys.inflight(self._model), request_id)
                     await pipe.execute()
         except (RedisError, OSError, TimeoutError) as exc:  # its in-flight score expires anyway

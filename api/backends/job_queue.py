@@ -23,7 +23,8 @@ deadline): ``ZCOUNT now +inf`` skips what a crashed process left behind,
 and the fleet watcher prunes it. Async jobs pass no bound: they are refused,
 if at all, before they are accepted.
 
-The message is Celery's own, built by ``shared.task_message``.
+The message is Celery's own, built by ``shared.task_message``; the same
+script pushes the wake token workers block on (``keys.queue_wake``).
 """
 
 from __future__ import annotations
@@ -34,15 +35,16 @@ import random
 import time
 
 from redis.asyncio import Redis
+from redis.asyncio.client import Pipeline
 
 from shared import keys
-from shared.task_message import task_message
+from shared.task_message import TaskMessage, task_message
 from shared.wire import Job, PreparedRequest
 
 SEND_TIMEOUT_S = 10.0
 
 SUBMIT_SCRIPT = """
--- KEYS: the model's in-flight set, the queue. ARGV: now, the bound (0: none),
+-- KEYS: the model's in-flight set, the queue's list, its wake list. ARGV: now, the bound (0: none),
 -- the job's in-flight score, its request id, its message.
 -- Returns 1 if queued, 0 if refused: the set already counted the bound.
 local bound = tonumber(ARGV[2])
@@ -51,6 +53,18 @@ if bound > 0 and redis.call('ZCOUNT', KEYS[1], ARGV[1], '+inf') >= bound then
 end
 redis.call('ZADD', KEYS[1], ARGV[3], ARGV[4])
 redis.call('LPUSH', KEYS[2], ARGV[5])
+redis.call('LPUSH', KEYS[3], '1')
+return 1
+"""
+
+
+WITHDRAW_SCRIPT = """
+-- KEYS: the job's list, its wake list. ARGV: its message.
+-- Removes a job no worker has taken yet, and a wake token with it. Returns 1 if removed.
+if redis.call('LREM', KEYS[1], 1, ARGV[1]) == 0 then
+  return 0
+end
+redis.call('RPOP', KEYS[2])
 return 1
 """
 
@@ -61,21 +75,37 @@ class JobQueue:
     def __init__(self, client: Redis) -> None:
         self._script = client.register_script(SUBMIT_SCRIPT)
 
-    async def put(self, job: Job, inflight_score: float, bound: int | None = None) -> bool:
+    async def put(
+        self, job: Job, inflight_score: float, bound: int | None = None
+    ) -> TaskMessage | None:
         """Join the model's in-flight set and queue ``job``, unless the set counts ``bound``.
 
-        False when refused; raises what Redis raised. Awaited in the caller's
+        The message queued (what ``withdraw`` removes), or None when refused;
+        raises what Redis raised. Awaited in the caller's
         own task (``asyncio.timeout``, not ``wait_for``, which would start a
         task of its own and send on the next turn). A caller cancelled while
         waiting for the reply may still have queued the job; its cleanup
         cancels the request, which a worker then drops without running it.
         """
         request = job.request
-        queue, message = task_message(job)
-        script_keys = [keys.inflight(request.model), queue]
-        args = [time.time(), bound or 0, inflight_score, request.request_id, message]
+        message = task_message(job)
+        script_keys = [keys.inflight(request.model), message.key, message.wake]
+        args = [time.time(), bound or 0, inflight_score, request.request_id, message.body]
         async with asyncio.timeout(SEND_TIMEOUT_S):
-            return bool(await self._script(keys=script_keys, args=args))
+            queued = await self._script(keys=script_keys, args=args)
+        return message if queued else None
+
+
+def withdraw(pipe: Pipeline, message: TaskMessage) -> None:
+    """Queue on ``pipe`` the removal of a job's message, if no worker has taken it yet.
+
+    A request given up on before its first event (the client left, the queue
+    deadline passed) would otherwise stay queued until a worker popped it only
+    to drop it, counted meanwhile as queued work (``sluice_desired_workers``).
+    Once taken, the message is not in the list and this removes nothing; the
+    cancel flag stops it then.
+    """
+    pipe.eval(WITHDRAW_SCRIPT, 2, message.key, message.wake, message.body)
 
 
 def with_seed(request: PreparedRequest) -> PreparedRequest:

@@ -6,8 +6,10 @@ written by hand stands in for one, so admission accepts the request and its
 job stays queued. A client that disconnects before the first event must make
 the API set the request's cancel flag and publish its id on the cancel
 channel at once: that is what lets a worker drop the job without prefill
-when it gets to it. A stream nobody starts must still be refused with a
-status (503), not a 200 stream holding an error.
+if it already took it; a job still queued is withdrawn from its list, with
+its wake token, so no worker pops it and no autoscaler counts it. A stream
+nobody starts must still be refused with a status (503), not a 200 stream
+holding an error, and its job is withdrawn too.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import httpx
 import pytest
 import redis
 
+from api.backends.distributed import queue_lists
 from shared import keys
 from shared.registry import DEFAULT_MODEL
 from tests.distributed.conftest import Api, RedisServer, wait_until
@@ -54,6 +57,12 @@ def ghost_worker(server: RedisServer) -> None:
     """A heartbeat, so admission sees a live worker (nothing consumes the queue)."""
     beat = {"worker_id": "ghost", "model": DEFAULT_MODEL, "capacity": 4, "max_model_len": 1024}
     server.client.set(keys.heartbeat(DEFAULT_MODEL, "ghost"), json.dumps(beat), ex=60)
+
+
+def nothing_queued(server: RedisServer) -> bool:
+    """No job in the model's queue lists, and no wake token left for one."""
+    lists = [*queue_lists(DEFAULT_MODEL), keys.queue_wake(keys.queue_name(DEFAULT_MODEL))]
+    return server.client.exists(*lists) == 0
 
 
 class CancelListener:
@@ -120,6 +129,7 @@ def test_a_client_that_leaves_while_queued_cancels_its_job(
     assert server.client.ttl(keys.cancel_flag(request_id)) > 0  # it expires on its own
     inflight = keys.inflight(DEFAULT_MODEL)
     wait_until(lambda: server.client.zscore(inflight, request_id) is None, 5, "ZREM")
+    wait_until(lambda: nothing_queued(server), 5, "the job withdrawn from its queue")
 
 
 def test_a_stream_nobody_starts_is_still_refused_with_a_status(
@@ -134,3 +144,4 @@ def test_a_stream_nobody_starts_is_still_refused_with_a_status(
     assert response.json()["error"]["type"] == "overloaded_error"
     assert "No worker started the request" in response.json()["error"]["message"]
     assert QUEUE_TIMEOUT_S <= time.monotonic() - began < QUEUE_TIMEOUT_S + 2
+    wait_until(lambda: nothing_queued(server), 5, "the job withdrawn from its queue")

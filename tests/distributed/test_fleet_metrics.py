@@ -3,8 +3,9 @@
 A real API process (``python -m api.server --redis``) on a Redis of this
 module's own, with no worker consuming the queue: the test plays the
 workers. Their heartbeats are written by ``workers.heartbeat.Heartbeat``
-itself, and a worker "takes" jobs the way ``workers.transport`` does (a pop,
-then its take script, which records the messages as unacked). Jobs get on
+itself, and a worker "takes" jobs the way ``workers.transport`` does (it pops
+a wake token, then runs its take script, which pops the messages and records
+them as unacked). Jobs get on
 the queue by submitting HTTP requests, which stay pending until cancelled.
 
 The point pinned here: a job a worker has reserved has left the list but
@@ -25,6 +26,7 @@ from redis.asyncio import Redis as AsyncRedis
 
 from api.backends.distributed import queue_lists
 from api.backends.job_queue import JobQueue
+from shared import keys
 from shared.registry import DEFAULT_MODEL
 from shared.sampling import SamplingParams
 from shared.wire import Deadlines, Job, PreparedRequest
@@ -68,15 +70,13 @@ def beat(server: RedisServer, worker_id: str, running: int = 0, waiting: int = 0
 
 
 def take(server: RedisServer, count: int) -> list[str]:
-    """Reserve ``count`` jobs as a worker's consumer does: pop one, the take script the rest."""
-    lists = queue_lists(DEFAULT_MODEL)
-    first = server.client.rpop(lists[0])
-    assert first is not None, "no job on the queue"
+    """Reserve ``count`` jobs as a worker's consumer does: wake on a token, take by script."""
+    wake = keys.queue_wake(keys.queue_name(DEFAULT_MODEL))
+    assert server.client.rpop(wake) is not None, "no job on the queue"
     script = server.client.register_script(TAKE_SCRIPT)
-    recorded, taken = script(
-        keys=[UNACKED_INDEX_KEY, UNACKED_KEY, *lists], args=[time.time(), count - 1, first]
-    )
-    assert len(recorded) == count and len(taken) == 2 * (count - 1)
+    script_keys = [UNACKED_INDEX_KEY, UNACKED_KEY, wake, *queue_lists(DEFAULT_MODEL)]
+    recorded, taken = script(keys=script_keys, args=[count, 1])
+    assert len(recorded) == count and len(taken) == 2 * count
     return recorded
 
 
@@ -174,10 +174,10 @@ def test_taken_jobs_count_as_in_flight_and_keep_the_desired_workers(
         "workers_live": 1, "workers_running_requests": 1, "desired_workers": 2,
     }  # fmt: skip
     assert second_worker == {**taken, "workers_live": 2}
-    # The untaken job's message stays in the list until a worker pops (and drops) it.
+    # The untaken job was withdrawn from the list: nothing is left to scale for.
     assert cancelled == {
-        "requests_queued": 1, "requests_in_flight": 0, "requests_outstanding": 0,
-        "workers_live": 2, "workers_running_requests": 1, "desired_workers": 1,
+        "requests_queued": 0, "requests_in_flight": 0, "requests_outstanding": 0,
+        "workers_live": 2, "workers_running_requests": 1, "desired_workers": 0,
     }  # fmt: skip
 
 

@@ -109,7 +109,7 @@ def put_bounded(url: str, bound: int | None, *jobs: Job) -> list[bool]:
         results = await asyncio.gather(*puts)
         for client in clients:
             await client.aclose()
-        return list(results)
+        return [message is not None for message in results]
 
     return asyncio.run(main())
 

@@ -37,7 +37,8 @@ def test_a_handed_back_job_is_taken_before_those_queued_since(
     client: redis.Redis, priority: int
 ) -> None:
     for request_id in ("waiting-1", "waiting-2"):  # queued the way the API queues
-        client.lpush(*task_message(job(request_id, priority)))
+        message = task_message(job(request_id, priority))
+        client.lpush(message.key, message.body)
 
     requeue_first(client, job("handed-back", priority), "handed_back")
 

@@ -1,5 +1,6 @@
-"""The worker's broker transport takes a burst in one read, records it as kombu would,
-and writes the acks of one event-loop iteration together.
+"""The worker's broker transport wakes on tokens, takes a burst in one atomic read,
+records it as kombu would, sweeps by Redis's clock, and writes the acks of one
+event-loop iteration together.
 
 A real Redis and kombu's own producer and consumer, over ``workers.transport``.
 Each test uses a queue of its own, so the session's worker never sees these
@@ -22,7 +23,9 @@ from kombu.asynchronous import Hub
 from kombu.asynchronous.timer import Timer
 from kombu.transport.redis import Channel as KombuChannel
 
+from shared import keys
 from workers.transport import Transport
+from workers.visibility import DeliveryTracker
 
 UNACKED, UNACKED_INDEX = KombuChannel.unacked_key, KombuChannel.unacked_index_key
 
@@ -143,6 +146,98 @@ def test_a_message_the_script_cannot_record_is_recorded_by_kombu(
     for message in received:
         assert client.hget(UNACKED, str(message.delivery_tag)) is not None
         assert client.zscore(UNACKED_INDEX, str(message.delivery_tag)) is not None
+
+
+def test_a_worker_killed_between_waking_and_taking_loses_no_job(
+    connection: Connection, queue: Queue, client: redis.Redis
+) -> None:
+    """A consumer pops a token, never a job: dying with the token loses only the wake-up.
+
+    With kombu's own ``BRPOP`` of the queue list, the job itself was in the
+    dead consumer's socket buffer, in neither the queue nor ``unacked``.
+    """
+    bodies = _publish(connection, queue, 1)
+    woke = client.brpop([keys.queue_wake(queue.name)], timeout=1)  # ...and the consumer dies
+    assert woke is not None
+    assert client.llen(queue.name) == 1
+
+    received = _consume_once(connection, queue, prefetch=4)  # woken by its read's timeout
+
+    assert [message.payload for message in received] == bodies
+    assert client.hget(UNACKED, received[0].delivery_tag) is not None
+
+
+def test_wake_tokens_never_outnumber_the_queued_jobs(
+    connection: Connection, queue: Queue, client: redis.Redis
+) -> None:
+    wake = keys.queue_wake(queue.name)
+    _publish(connection, queue, 10)
+    assert client.llen(wake) == 10
+
+    _consume_once(connection, queue, prefetch=6)
+    assert client.llen(wake) == client.llen(queue.name) == 4  # one read took six
+
+    _consume_once(connection, queue, prefetch=6)
+    assert client.exists(wake, queue.name) == 0
+
+
+def test_a_job_queued_without_a_token_is_taken_when_the_read_times_out(
+    redis_url: str, connection: Connection, queue: Queue
+) -> None:
+    with Connection(redis_url) as stock:  # kombu's own transport pushes no token
+        bodies = _publish(stock, queue, 2)
+
+    received = _consume_once(connection, queue, prefetch=4)
+
+    assert [message.payload for message in received] == bodies
+
+
+def test_restored_jobs_come_back_with_their_wake_tokens(
+    connection: Connection, queue: Queue, client: redis.Redis
+) -> None:
+    _publish(connection, queue, 2)
+    received = _consume_once(connection, queue, prefetch=4)
+    assert client.exists(keys.queue_wake(queue.name)) == 0
+
+    for message in received:
+        message.channel.qos.restore_by_tag(message.delivery_tag, leftmost=True)
+
+    assert client.llen(keys.queue_wake(queue.name)) == client.llen(queue.name) == 2
+
+
+def test_the_sweep_and_the_records_keep_to_redis_clock(
+    redis_url: str, queue: Queue, client: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker whose clock runs an hour ahead neither sweeps live jobs nor misses dead ones."""
+    index, unacked = f"{queue.name}-index", f"{queue.name}-unacked"  # the worker's stay intact
+    options = {"unacked_index_key": index, "unacked_key": unacked, "visibility_timeout": 1}
+    monkeypatch.setattr("kombu.transport.redis.time", lambda: time.time() + 3600)
+    with Connection(redis_url, transport=Transport, transport_options=options) as connection:
+        _publish(connection, queue, 1)
+        received = _consume_once(connection, queue, prefetch=4)
+        qos = received[0].channel.qos
+        seconds, microseconds = client.time()
+        assert client.zscore(index, received[0].delivery_tag) == pytest.approx(
+            seconds + microseconds / 1e6, abs=1
+        )
+
+        qos.restore_visible(interval=1)
+        assert client.llen(queue.name) == 0  # taken just now, by Redis's clock
+
+        tracker = DeliveryTracker(index)
+        tracker.received("task", received[0].delivery_tag)
+        time.sleep(0.8)
+        pipe = client.pipeline()
+        tracker.renew(pipe)
+        pipe.execute()
+        time.sleep(0.5)
+        qos.restore_visible(interval=1)
+        assert client.llen(queue.name) == 0  # renewed 0.5 s ago: still within the timeout
+
+        time.sleep(0.7)
+        qos.restore_visible(interval=1)
+        assert client.llen(queue.name) == 1  # 1.2 s since the last sign of life: swept
+    client.delete(index, unacked)
 
 
 @pytest.fixture
