@@ -13,6 +13,7 @@ CANCEL_CHANNEL = f"{PREFIX}:cancel"  # pub/sub: request ids to stop now
 EVENT_STREAM_MAXLEN = 10_000  # approximate cap per request stream (XADD MAXLEN ~)
 FINISHED_STREAM_TTL_S = 3600  # a finished request's events stay readable this long
 HEARTBEAT_TTL_S = 5  # a worker that missed this many seconds of heartbeats is gone
+API_PROCESS_TTL_S = 10  # an API process that renewed its key this long ago is gone
 
 
 def event_stream_maxlen(max_model_len: int) -> int:
@@ -63,6 +64,15 @@ def heartbeat(model: str, worker_id: str) -> str:
 
 def heartbeat_pattern(model: str) -> str:
     return f"{PREFIX}:worker:{model}:*"
+
+
+def api_process(process_id: str) -> str:
+    """Present while the API process ``process_id`` lives: its clients wait for their events.
+
+    Renewed every second with a TTL of ``API_PROCESS_TTL_S``; a worker cancels
+    the jobs of a process whose key is gone, since nobody will read them.
+    """
+    return f"{PREFIX}:api:{process_id}"
 
 
 def inflight(model: str) -> str:

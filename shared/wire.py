@@ -88,10 +88,17 @@ class Deadlines:
 
 @dataclass(slots=True)
 class Job:
-    """What travels on the queue: the prepared request and its deadlines."""
+    """What travels on the queue: the prepared request and its deadlines.
+
+    ``origin``: the API process whose client waits for the events
+    (``keys.api_process``); a worker stops the job once that process is gone.
+    None for a job nobody waits on in person (an async job, which another API
+    process adopts when its own dies).
+    """
 
     request: PreparedRequest
     deadlines: Deadlines = field(default_factory=Deadlines)
+    origin: str | None = None
 
 
 def encode_job(job: Job) -> str:
@@ -101,6 +108,8 @@ def encode_job(job: Job) -> str:
         "request": job.request.to_dict(),
         "deadlines": asdict(job.deadlines),
     }
+    if job.origin is not None:  # absent otherwise: an earlier worker reads the rest unchanged
+        payload["origin"] = job.origin
     return json.dumps(payload, separators=(",", ":"))
 
 
@@ -117,4 +126,8 @@ def decode_job(payload: str | bytes) -> Job:
     data = json.loads(payload)
     if data.get("v") != JOB_VERSION:
         raise ValueError(f"job encoding version {data.get('v')!r} is not {JOB_VERSION}")
-    return Job(PreparedRequest.from_dict(data["request"]), Deadlines(**data["deadlines"]))
+    origin = data.get("origin")
+    if origin is not None and not isinstance(origin, str):
+        raise TypeError(f"job origin {origin!r} is not a string")
+    request = PreparedRequest.from_dict(data["request"])
+    return Job(request, Deadlines(**data["deadlines"]), origin)

@@ -7,6 +7,10 @@ subscriber is disconnected (redis-py may reconnect and resubscribe on its
 own, unseen), so the flags of the requests running here are also read after
 each subscription and every few seconds: a cancel sent during an outage is
 honoured late rather than never.
+
+The same read stops the requests whose origin, the API process their client
+is connected to, has died (its ``keys.api_process`` key expired): that
+process can no longer cancel them, and nobody will read what they generate.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Mapping
 
 import redis
 
@@ -30,8 +34,8 @@ SUBSCRIBE_TIMEOUT_S = 5.0
 class CancellationWatcher:
     """A thread that forwards cancelled request ids to ``cancel``.
 
-    ``running`` lists the request ids this worker runs, for the catch-up read
-    after a reconnect; ``cancel`` must accept ids this worker does not run
+    ``running`` maps the request ids this worker runs to their origins, for
+    the catch-up read; ``cancel`` must accept ids this worker does not run
     (every worker hears every cancel) and must not block.
     """
 
@@ -39,7 +43,7 @@ class CancellationWatcher:
         self,
         client: redis.Redis,
         cancel: Callable[[str], None],
-        running: Callable[[], Iterable[str]],
+        running: Callable[[], Mapping[str, str | None]],
     ) -> None:
         self._client = client
         self._cancel = cancel
@@ -90,13 +94,21 @@ class CancellationWatcher:
         raise redis.TimeoutError(f"no confirmation of SUBSCRIBE {keys.CANCEL_CHANNEL}")
 
     def _catch_up(self) -> None:
-        """Cancel running requests whose flag was set while nobody listened."""
-        request_ids = list(self._running())
-        if not request_ids:
+        """Cancel running requests whose flag was set unheard, or whose origin is gone."""
+        running = dict(self._running())
+        if not running:
             return
-        flags = self._client.mget([keys.cancel_flag(request_id) for request_id in request_ids])
-        for request_id, flag in zip(request_ids, flags, strict=True):
-            if flag is not None:
+        origins = sorted({origin for origin in running.values() if origin is not None})
+        pipe = self._client.pipeline(transaction=False)
+        pipe.mget([keys.cancel_flag(request_id) for request_id in running])
+        for origin in origins:
+            pipe.exists(keys.api_process(origin))
+        flags, *present = pipe.execute()
+        gone = {origin for origin, alive in zip(origins, present, strict=True) if not alive}
+        for (request_id, origin), flag in zip(running.items(), flags, strict=True):
+            if origin in gone:
+                log.info("cancelling %s: its API process %s is gone", request_id, origin)
+            if flag is not None or origin in gone:
                 self._cancel(request_id)
 
 

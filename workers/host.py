@@ -90,6 +90,7 @@ class Run:
     request: PreparedRequest
     attempt: int
     resume: Resume | None = None
+    origin: str | None = None  # the API process waiting for it (``shared.wire.Job``)
     outcome: Outcome | None = None
     next_seq: int = 1  # the sequence number of the next event this attempt writes
     _done: threading.Event = field(default_factory=threading.Event)
@@ -186,10 +187,10 @@ class WorkerHost:
         """Abort ``request_id`` if this worker runs it; its Finish(abort) is published."""
         self._thread.call(lambda engine: self._cancel(engine, request_id))
 
-    def request_ids(self) -> list[str]:
-        """The requests running here now (a snapshot; it may change at once)."""
+    def running(self) -> dict[str, str | None]:
+        """The requests running here now, with their origins (a copy; it may change at once)."""
         with self._idle:
-            return list(self._current)
+            return {request_id: run.origin for request_id, run in self._current.items()}
 
     def drain(self, grace_s: float) -> int:
         """Stop taking work, wait up to ``grace_s`` for runs to end, hand back the rest.

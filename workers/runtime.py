@@ -143,7 +143,7 @@ class WorkerRuntime:
             identity=identity,
             client=client,
             host=host,
-            cancellation=CancellationWatcher(client, host.cancel, host.request_ids),
+            cancellation=CancellationWatcher(client, host.cancel, host.running),
             heartbeat=Heartbeat(
                 client,
                 identity,

@@ -26,6 +26,7 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import islice
 from typing import Any
 
 import redis
@@ -56,10 +57,10 @@ class TaskContext:
     publisher: EventPublisher
     host: WorkerHost
     model: str  # the registry name this worker serves
-    begin: Coalescer[str, Start] = field(init=False)
+    begin: Coalescer[Job, Start] = field(init=False)
 
     def __post_init__(self) -> None:
-        self.begin = Coalescer(lambda request_ids: begin_all(self.client, request_ids))
+        self.begin = Coalescer(lambda jobs: begin_all(self.client, jobs))
 
 
 @dataclass(slots=True)
@@ -95,10 +96,10 @@ class History:
 
 @dataclass(frozen=True, slots=True)
 class Start:
-    """Where a job's attempt starts: its number, the cancel flag, the stream so far."""
+    """Where a job's attempt starts: its number, whether to drop it, the stream so far."""
 
     attempt: int
-    cancelled: bool
+    cancelled: bool  # its cancel flag is set, or the API process waiting for it is gone
     history: History
 
 
@@ -161,7 +162,7 @@ def requeue_first(client: redis.Redis, job: Job, reason: str) -> None:
 
 def _run(context: TaskContext, job: Job) -> Outcome:
     request = job.request
-    start = context.begin(request.request_id)
+    start = context.begin(job)
     history = start.history
     if history.finished:
         return Outcome.FINISHED
@@ -170,7 +171,7 @@ def _run(context: TaskContext, job: Job) -> Outcome:
         context.publisher.publish([Batch(request.request_id, start.attempt, 1, [answer])])
         return Outcome.FINISHED
     resume = Resume(history.token_ids, history.chars) if history.started else None
-    run = Run(request, start.attempt, resume)
+    run = Run(request, start.attempt, resume, job.origin)
     context.host.submit(run)  # a cancel heard since the flag was read still reaches it
     return _wait(context.host, run)
 
@@ -194,25 +195,31 @@ def _answer_without_engine(
     return None
 
 
-def begin_all(client: redis.Redis, request_ids: Sequence[str]) -> list[Start]:
+def begin_all(client: redis.Redis, jobs: Sequence[Job]) -> list[Start]:
     """Take each job's next attempt, then read its cancel flag and stream, atomically.
 
     Taking the attempt first fences the previous attempt out, so the stream
-    read here is all that attempt will ever have written. The jobs of a
-    burst share one transaction (see ``TaskContext.begin``).
+    read here is all that attempt will ever have written. A job whose origin
+    (the API process its client waits on) is gone counts as cancelled. The
+    jobs of a burst share one transaction (see ``TaskContext.begin``).
     """
     pipe = client.pipeline(transaction=True)
-    for request_id in request_ids:
+    for job in jobs:
+        request_id = job.request.request_id
         lease = keys.lease(request_id)
         pipe.incr(lease)
         pipe.expire(lease, keys.FINISHED_STREAM_TTL_S)
         pipe.exists(keys.cancel_flag(request_id))
         pipe.xrange(keys.event_stream(request_id))
-    replies = pipe.execute()
+        if job.origin is not None:
+            pipe.exists(keys.api_process(job.origin))
+    replies = iter(pipe.execute())
     starts = []
-    for index, request_id in enumerate(request_ids):
-        attempt, _, cancelled, entries = replies[4 * index : 4 * index + 4]
-        starts.append(Start(int(attempt), bool(cancelled), History.read(request_id, entries)))
+    for job in jobs:
+        attempt, _, cancelled, entries = islice(replies, 4)
+        orphaned = job.origin is not None and not next(replies)
+        history = History.read(job.request.request_id, entries)
+        starts.append(Start(int(attempt), bool(cancelled) or orphaned, history))
     return starts
 
 

@@ -10,10 +10,14 @@ through the process-wide ``EventReader``. Who owns what:
   enforces the deadlines. Closing it before the end publishes a cancellation;
   its cleanup (cancel, leaving the in-flight set) runs as a task of its own,
   so it completes even when the closing task is being cancelled.
-- A fleet watcher reads worker heartbeats, the in-flight set and the length
-  of the model's queue about once a second; ``health``, ``models``,
-  ``/metrics`` and admission's wait for a live worker read that snapshot, so
-  none of them costs a Redis round trip per call. The bound on outstanding
+- A fleet watcher renews this process's liveness key (``keys.api_process``)
+  and reads worker heartbeats, the in-flight set and the length of the
+  model's queue about once a second. Every job names this process as its
+  origin: once the key has expired (the process died, and its clients'
+  connections with it), workers stop its jobs instead of generating for
+  nobody. ``health``, ``models``, ``/metrics`` and admission's wait for a
+  live worker read the watcher's snapshot, so none of them costs a Redis
+  round trip per call. The bound on outstanding
   work is checked again, exactly, by the submission's script
   (``api.backends.job_queue``).
 
@@ -29,6 +33,9 @@ import dataclasses
 import json
 import logging
 import math
+import os
+import secrets
+import socket
 import time
 from collections.abc import AsyncIterator, Iterator
 from typing import TYPE_CHECKING, Any
@@ -93,6 +100,7 @@ class DistributedBackend:
         self._tokenizer: LoadedTokenizer | None = None
         self._served: ServedModel | None = None
         self._load_error: str | None = None
+        self._process_id = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
         self._tasks: set[asyncio.Task[Any]] = set()  # request cleanups in progress
         self._watcher: asyncio.Task[None] | None = None
         self.metrics_collector = FleetCollector(self)
@@ -102,6 +110,10 @@ class DistributedBackend:
     async def start(self) -> None:
         """Load the tokenizer and start the stream reader and the fleet watcher."""
         await self._reader.start()
+        try:  # before any job names this process; the watcher renews it from here on
+            await self._renew_liveness()
+        except (RedisError, OSError) as exc:
+            log.warning("could not announce this API process in Redis: %s", exc)
         self._watcher = asyncio.create_task(self._watch_fleet(), name="sluice-fleet-watcher")
         try:
             self._tokenizer = await asyncio.to_thread(load_tokenizer, self._spec.tokenizer)
@@ -206,7 +218,7 @@ class DistributedBackend:
         queued: TaskMessage | Error | None = None
         last: InferenceEvent | None = None
         try:
-            queued = await self._submit(Job(request, deadlines))
+            queued = await self._submit(Job(request, deadlines, origin=self._process_id))
             if isinstance(queued, Error):
                 last = queued
                 yield last
@@ -288,10 +300,15 @@ class DistributedBackend:
     async def _watch_fleet(self) -> None:
         while True:
             try:
+                await self._renew_liveness()
                 self._snapshot = await self._read_fleet()
             except (RedisError, OSError) as exc:
                 log.debug("reading worker heartbeats failed: %s", exc)
             await asyncio.sleep(FLEET_REFRESH_S)
+
+    async def _renew_liveness(self) -> None:
+        key = keys.api_process(self._process_id)
+        await self._redis.set(key, "1", ex=keys.API_PROCESS_TTL_S)
 
     async def _read_fleet(self) -> FleetSnapshot:
         """The model's live heartbeats, in-flight count (expired entries pruned) and queue length.

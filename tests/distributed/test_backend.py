@@ -112,6 +112,8 @@ def test_a_job_is_queued_and_its_events_come_back(server: RedisServer):
     assert message["headers"]["task"] == keys.TASK_NAME
     assert message["headers"]["expires"]  # the queue deadline, for Celery
     assert inflight == ["req-1"]
+    assert job.origin is not None  # this API process, alive while its key is renewed
+    assert 0 < server.client.ttl(keys.api_process(job.origin)) <= keys.API_PROCESS_TTL_S
     wait_until(lambda: not server.client.exists(keys.inflight(DEFAULT_MODEL)), 5, "ZREM")
     assert not server.client.exists(keys.cancel_flag("req-1"))  # it finished: nothing to cancel
 

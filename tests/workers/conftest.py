@@ -197,10 +197,11 @@ class Producer:
         request_id: str | None = None,
         deadlines: Deadlines | None = None,
         model: str = DEFAULT_MODEL,
+        origin: str | None = None,
     ) -> str:
         request_id = request_id or uuid.uuid4().hex
         request = PreparedRequest(request_id, model, prompt, params, created=time.time())
-        self.send_payload(encode_job(Job(request, deadlines or Deadlines())))
+        self.send_payload(encode_job(Job(request, deadlines or Deadlines(), origin)))
         return request_id
 
     def send_payload(self, payload: str) -> None:
@@ -228,8 +229,10 @@ class Producer:
 
 @pytest.fixture(scope="session")
 def producer(redis_url: str, client: redis.Redis) -> Iterator[Producer]:
+    from workers.transport import Transport  # its sends push wake tokens, as the API's do
+
     app = Celery("test-api", broker=redis_url, set_as_current=False)
-    app.conf.update(task_serializer="json", accept_content=["json"])
+    app.conf.update(task_serializer="json", accept_content=["json"], broker_transport=Transport)
     yield Producer(app, client)
     app.close()
 

@@ -1,4 +1,8 @@
-"""Cancellation: before a job starts it never reaches the engine; during one it stops at once."""
+"""Cancellation: before a job starts it never reaches the engine; during one it stops at once.
+
+The same holds for a job whose origin, the API process its client waits on,
+has died: nobody can cancel it any more, and nobody would read its events.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +13,8 @@ import redis
 from shared import keys
 from shared.events import Finish, FinishReason, Text
 from shared.sampling import SamplingParams
-from tests.workers.conftest import Producer, wait_until
+from tests.workers.conftest import MAX_MODEL_LEN, PROMPT, Producer, wait_until
+from workers.cancellation import CATCH_UP_INTERVAL_S
 from workers.runtime import WorkerRuntime
 
 LONG = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
@@ -74,3 +79,34 @@ def test_cancel_heard_before_its_run_reaches_the_engine_still_stops_it(
     events = producer.events(request_id)
     assert isinstance(events[-1], Finish) and events[-1].reason is FinishReason.ABORT
     assert sum(isinstance(event, Text) for event in events) <= 1
+
+
+def test_job_whose_api_process_is_gone_never_reaches_the_engine(
+    worker: WorkerRuntime, producer: Producer, client: redis.Redis
+) -> None:
+    steps = worker.host.snapshot.steps
+
+    request_id = producer.send(LONG, origin=f"gone-{uuid.uuid4().hex}")  # its key never existed
+
+    assert producer.wait_end(request_id) == [Finish(request_id, FinishReason.ABORT, 0)]
+    assert worker.host.snapshot.steps == steps
+
+
+def test_running_job_stops_once_its_api_process_is_gone(
+    worker: WorkerRuntime, producer: Producer, client: redis.Redis
+) -> None:
+    origin = f"api-{uuid.uuid4().hex}"
+    client.set(keys.api_process(origin), 1, ex=60)
+    whole = SamplingParams(
+        max_tokens=MAX_MODEL_LEN - len(PROMPT) - 1, temperature=0.0, ignore_eos=True
+    )
+    request_id = producer.send(whole, origin=origin)
+    stream = keys.event_stream(request_id)
+    wait_until(lambda: client.xlen(stream) >= 4, 30, "a few tokens")
+    assert worker.host.running() == {request_id: origin}
+
+    client.delete(keys.api_process(origin))  # as when its TTL runs out after the process died
+
+    events = producer.wait_end(request_id, timeout=CATCH_UP_INTERVAL_S + 5)
+    assert isinstance(events[-1], Finish) and events[-1].reason is FinishReason.ABORT
+    assert events[-1].completion_tokens < whole.max_tokens

@@ -68,7 +68,7 @@ def test_a_drain_hands_back_a_dead_engine_s_runs_at_once(
     host = WorkerHost(engine_on_the_same_weights(engine), publisher)
     host.start()
     direct_id, task_id = uuid.uuid4().hex, uuid.uuid4().hex
-    (start,) = begin_all(own, [direct_id])
+    (start,) = begin_all(own, [Job(prepared(direct_id))])
     run = Run(prepared(direct_id), start.attempt)
     task = threading.Thread(
         target=run_job,
@@ -100,7 +100,7 @@ def test_a_drain_hands_back_a_dead_engine_s_runs_at_once(
     assert run.wait(0) is Outcome.HANDED_BACK
     assert not task.is_alive()
     assert len(requeued) == 1 and task_id.encode() in requeued[0]  # the task's job, back
-    assert host.request_ids() == [] and host.snapshot.runs == 0
+    assert host.running() == {} and host.snapshot.runs == 0
     assert host.engine_died()  # still, once stopped: the worker's exit code says so
 
 
