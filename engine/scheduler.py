@@ -48,6 +48,9 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: list[Sequence] = []  # sorted by sort_key
         self.running: list[Sequence] = []
+        # The last step preempted, or left a sequence waiting, for want of free
+        # blocks: more requests would only wait here too (a worker takes no more).
+        self.kv_bound = False
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -78,6 +81,7 @@ class Scheduler:
                 continue
             out.scheduled.append(ScheduledSeq(seq, num_tokens))
             budget -= num_tokens
+        self.kv_bound = bool(out.preempted)
         if not out.preempted:
             budget = self._admit_waiting(budget, out)
         return out
@@ -111,6 +115,7 @@ class Scheduler:
             num_tokens = min(len(seq) - cached, budget)
             if not self.block_manager.can_grow(seq, cached + num_tokens):
                 self.block_manager.release(seq)
+                self.kv_bound = True
                 break
             self.block_manager.grow(seq, cached + num_tokens)
             self.waiting.pop(0)

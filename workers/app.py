@@ -37,6 +37,7 @@ from typing import Any
 from celery import Celery
 from kombu import Exchange, Queue
 
+from workers.intake import TRANSPORT_OPTION, Intake
 from workers.transport import Transport
 from workers.visibility import UNACKED_INDEX_KEY, UNACKED_MUTEX_KEY
 
@@ -56,10 +57,13 @@ meant a 504 before the job came back, and a kill mid-stream a minute's stall.
 BROKER_SOCKET_TIMEOUT_S = 10  # a vanished broker fails a command instead of hanging it
 
 
-def broker_transport_options(visibility_timeout_s: float) -> dict[str, Any]:
-    """Redis transport options: the redelivery timing above, bounded socket waits."""
+def broker_transport_options(
+    visibility_timeout_s: float, intake: Intake | None = None
+) -> dict[str, Any]:
+    """Redis transport options: the redelivery timing above, bounded socket waits, the intake."""
     sweep_interval_s = max(1, min(10, round(visibility_timeout_s / 5)))
     return {
+        TRANSPORT_OPTION: intake,
         "visibility_timeout": visibility_timeout_s,
         "unacked_index_key": UNACKED_INDEX_KEY,
         "unacked_restore_interval": sweep_interval_s,
@@ -83,8 +87,13 @@ def create_app(
     queues: Sequence[str],
     concurrency: int,
     visibility_timeout_s: float = DEFAULT_VISIBILITY_TIMEOUT_S,
+    intake: Intake | None = None,
 ) -> Celery:
-    """A Celery app that consumes exactly ``queues`` (the first is the model's own)."""
+    """A Celery app that consumes exactly ``queues`` (the first is the model's own).
+
+    ``intake``: the engine's, so that a worker whose KV cache is full takes
+    no more jobs (``workers.intake``).
+    """
     app = Celery("sluice-worker", broker=redis_url, set_as_current=False)
     app.conf.update(
         task_queues=consumed_queues(queues),
@@ -99,7 +108,7 @@ def create_app(
         task_serializer="json",
         accept_content=["json"],
         broker_transport=Transport,  # kombu's Redis transport, taking bursts at once
-        broker_transport_options=broker_transport_options(visibility_timeout_s),
+        broker_transport_options=broker_transport_options(visibility_timeout_s, intake),
         broker_connection_retry=True,
         broker_connection_retry_on_startup=True,
         broker_connection_max_retries=None,  # a worker outlives any Redis outage

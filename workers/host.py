@@ -48,6 +48,7 @@ import redis
 from engine.host import EngineThread
 from shared.events import Error, Finish, InferenceEvent, Ready
 from shared.wire import PreparedRequest
+from workers.intake import Intake
 from workers.outbox import Attempt, Outbox
 from workers.publisher import Batch, EventPublisher
 
@@ -146,6 +147,7 @@ class WorkerHost:
         self._early_cancels: dict[str, float] = {}  # request id -> when; engine thread only
         self._idle = threading.Condition()  # notified whenever a run resolves
         self.draining = False
+        self.intake = Intake()  # closed while the engine waits for KV blocks
         self.snapshot = self._take_snapshot(engine)
         self._started = False
         self._stopped = False
@@ -383,6 +385,7 @@ class WorkerHost:
 
     def _refresh(self, engine: LLMEngine) -> None:
         self.snapshot = self._take_snapshot(engine)
+        self.intake.set(not engine.scheduler.kv_bound)
 
     def _take_snapshot(self, engine: LLMEngine) -> HostSnapshot:
         blocks = engine.block_manager

@@ -154,7 +154,9 @@ def serve(
     runtime = WorkerRuntime.start(
         redis_url, identity, engine, heartbeat_interval_s=REFRESH_INTERVAL_S
     )
-    app = create_app(redis_url, queues, engine.args.max_num_seqs, visibility_timeout_s)
+    app = create_app(
+        redis_url, queues, engine.args.max_num_seqs, visibility_timeout_s, runtime.host.intake
+    )
     register_task(app, runtime.context)
 
     def on_shutdown(how: str = "Warm", **_: Any) -> None:

@@ -25,6 +25,10 @@ the script then. The messages are delivered one by one, as ``BRPOP``
 would have delivered them; their unacked records are already written, so
 ``append`` skips that round trip.
 
+The credit is Celery's prefetch (the engine's sequence slots), and none at
+all while the engine's intake is closed (``workers.intake``: its KV cache
+is full). A token popped by a read that then finds no credit is put back.
+
 Unacked records are scored with Redis's clock (``TIME`` in the script), and
 the redelivery sweep compares them with Redis's clock too, as the
 visibility refresh does (``workers.visibility``): kombu uses each worker's
@@ -64,14 +68,17 @@ from kombu.utils.encoding import bytes_to_str
 from kombu.utils.json import loads
 
 from shared import keys
+from workers.intake import TRANSPORT_OPTION, Intake
 
 log = logging.getLogger(__name__)
+
+UNBOUNDED_BURST = 64  # the most one read takes for a consumer without a prefetch limit
 
 TAKE_SCRIPT = """
 -- KEYS: unacked index, unacked hash, the queues' wake lists (one per queue), then
 -- the queue lists in kombu's BRPOP order: priority-major, so list i (from 0)
 -- belongs to queue i % #queues.
--- ARGV: how many messages to pop, the number of queues.
+-- ARGV: how many messages to pop, the number of queues, 1 if the read popped a wake token.
 -- Returns the delivery tags recorded, then the messages popped (key, message, ...).
 local clock = redis.call('TIME')
 local now = tonumber(clock[1]) + tonumber(clock[2]) / 1000000
@@ -110,6 +117,9 @@ for i = first_list, #KEYS do
 end
 for q = 1, queues do
   local wake = KEYS[2 + q]
+  if ARGV[3] == '1' and #taken == 0 and queued[q] > 0 then
+    redis.call('LPUSH', wake, '1')  -- the token this read popped, for a worker with credit
+  end
   if queued[q] == 0 then
     redis.call('DEL', wake)
   elseif redis.call('LLEN', wake) > queued[q] then
@@ -124,8 +134,8 @@ class QoS(kombu_redis.QoS):
     """kombu's Redis QoS, with the unacked records written and removed in bursts.
 
     Messages the take script recorded skip kombu's write; acks are removed
-    in one write per pass of the event loop, which the first of them wakes
-    (see the module docstring).
+    in one write per pass of the event loop, which the first of them wakes.
+    A closed intake leaves no credit (see the module docstring).
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -133,6 +143,18 @@ class QoS(kombu_redis.QoS):
         self.recorded: set[str] = set()  # delivery tags written by the take script
         self._acked: list[str] = []  # acked tags whose unacked records are still in Redis
         self._acks_lock = threading.Lock()
+        self._intake: Intake | None = self.channel.connection.client.transport_options.get(
+            TRANSPORT_OPTION
+        )
+
+    def can_consume(self) -> bool:
+        return (self._intake is None or self._intake.open) and super().can_consume()
+
+    def can_consume_max_estimate(self) -> int:
+        if self._intake is not None and not self._intake.open:
+            return 0
+        estimate = super().can_consume_max_estimate()
+        return UNBOUNDED_BURST if estimate is None else estimate
 
     def append(self, message: Any, delivery_tag: str) -> None:
         if delivery_tag in self.recorded:
@@ -232,11 +254,11 @@ class Channel(kombu_redis.Channel):
         """A token or a timeout; either way, take up to the credit in one script."""
         try:
             try:
-                self.client.parse_response(self.client.connection, "BRPOP", **options)
+                woke = self.client.parse_response(self.client.connection, "BRPOP", **options)
             except self.connection_errors:
                 self.client.connection.disconnect()  # the next poll reconnects
                 raise
-            messages = self._take()
+            messages = self._take(woke=bool(woke))
             if not messages:
                 raise kombu_redis.Empty()
             self._queue_cycle.rotate(self._queue_of(messages[0][0]))
@@ -247,14 +269,14 @@ class Channel(kombu_redis.Channel):
             self._in_poll = None
             self._flush_brpop_reauth()
 
-    def _take(self) -> list[tuple[str, Any]]:
+    def _take(self, woke: bool) -> list[tuple[str, Any]]:
         """Pop and record up to the credit's worth of messages, decoded.
 
         If the script fails nothing was popped: the jobs stay queued for the
         next poll (this worker's or another's).
         """
         try:
-            recorded, taken = self._run_take_script()
+            recorded, taken = self._run_take_script(woke)
         except self.connection_errors as exc:
             log.warning("could not take jobs from Redis: %s", exc)
             return []
@@ -267,7 +289,7 @@ class Channel(kombu_redis.Channel):
                 log.error("dropping a message that is not JSON from %s: %.200r", key, item)
         return messages
 
-    def _run_take_script(self) -> tuple[list[str], list[tuple[str, str]]]:
+    def _run_take_script(self, woke: bool) -> tuple[list[str], list[tuple[str, str]]]:
         """The delivery tags the script recorded, and the (list, message) pairs it popped."""
         credit = self.qos.can_consume_max_estimate()
         queues = self._queue_cycle.consume(len(self.active_queues))
@@ -278,7 +300,7 @@ class Channel(kombu_redis.Channel):
                 self._take_script = client.register_script(TAKE_SCRIPT)
             reply = self._take_script(
                 keys=[self.unacked_index_key, self.unacked_key, *wake, *lists],
-                args=[credit, len(queues)],
+                args=[credit, len(queues), int(woke)],
                 client=client,
             )
         recorded, taken = reply
@@ -300,3 +322,10 @@ class Transport(kombu_redis.Transport):
     def register_with_event_loop(self, connection: Any, loop: Hub) -> None:
         super().register_with_event_loop(connection, loop)
         self.event_loop = loop
+        intake: Intake | None = self.client.transport_options.get(TRANSPORT_OPTION)
+        if intake is not None:  # an opened intake wakes the loop to poll for jobs again
+            intake.attach(lambda: loop.call_soon(_nothing))
+
+
+def _nothing() -> None:
+    """A callback whose only effect is to wake the event loop that runs it."""

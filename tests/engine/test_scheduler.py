@@ -273,3 +273,30 @@ def test_remove_releases_waiting_and_running_sequences() -> None:
     scheduler.remove(waiting)
     assert not scheduler.has_work()
     assert scheduler.block_manager.num_free_blocks == 64
+
+
+def test_kv_bound_while_a_waiting_sequence_lacks_blocks() -> None:
+    """What tells a worker to take no more jobs: only a lack of blocks, not of budget or slots."""
+    scheduler = make_scheduler(num_blocks=4, block_size=4, max_num_seqs=1, budget=8)
+    first = make_seq("first", 12, max_tokens=2)
+    scheduler.add(first)
+    step(scheduler)
+    assert not scheduler.kv_bound  # chunked by the budget: waiting for tokens, not blocks
+
+    scheduler.add(make_seq("second", 4))
+    step(scheduler)
+    assert scheduler.waiting and not scheduler.kv_bound  # waits for a slot (max_num_seqs)
+
+    scheduler.max_num_seqs = 2
+    step(scheduler)  # first's decode takes the last free block: second's prompt finds none
+    assert scheduler.kv_bound and [seq.request_id for seq in scheduler.waiting] == ["second"]
+
+    assert run_to_completion(scheduler)[-1] == "second"
+    assert not scheduler.kv_bound
+
+
+def test_kv_bound_after_a_preemption() -> None:
+    scheduler, _, _ = _two_decoding(num_blocks=4, priorities=(0, 0))
+    assert not scheduler.kv_bound
+    out, _ = step(scheduler)
+    assert out.preempted and scheduler.kv_bound

@@ -112,7 +112,7 @@ def engine() -> LLMEngine:
     return LLMEngine(args)
 
 
-def engine_on_the_same_weights(engine: LLMEngine) -> LLMEngine:
+def engine_on_the_same_weights(engine: LLMEngine, num_blocks: int = KV_BLOCKS) -> LLMEngine:
     """A second engine on ``engine``'s weights with a KV cache of its own: it shares no state."""
     from engine.attention import KVCache, make_backend
     from engine.llm_engine import LLMEngine
@@ -121,7 +121,7 @@ def engine_on_the_same_weights(engine: LLMEngine) -> LLMEngine:
     cfg = engine.model_config
     weights = engine.runner.model
     cache = KVCache.allocate(
-        cfg.num_layers, KV_BLOCKS, engine.args.block_size, cfg.num_kv_heads, cfg.head_dim,
+        cfg.num_layers, num_blocks, engine.args.block_size, cfg.num_kv_heads, cfg.head_dim,
         weights.embed_tokens.weight.dtype, engine.runner.device,
     )  # fmt: skip
     loaded = LoadedModel(
@@ -130,7 +130,7 @@ def engine_on_the_same_weights(engine: LLMEngine) -> LLMEngine:
         attention=make_backend(cache, engine.runner.device),
         device=engine.runner.device,
         max_model_len=engine.max_model_len,
-        num_blocks=KV_BLOCKS,
+        num_blocks=num_blocks,
     )
     return LLMEngine(dataclasses.replace(engine.args), loaded)
 
@@ -165,7 +165,7 @@ def worker(redis_url: str, engine: LLMEngine) -> Iterator[WorkerRuntime]:
 
     identity = WorkerIdentity(WORKER_ID, DEFAULT_MODEL)
     runtime = WorkerRuntime.start(redis_url, identity, engine, heartbeat_interval_s=0.25)
-    app = create_app(redis_url, [QUEUE], CAPACITY, VISIBILITY_TIMEOUT_S)
+    app = create_app(redis_url, [QUEUE], CAPACITY, VISIBILITY_TIMEOUT_S, runtime.host.intake)
     register_task(app, runtime.context)
     try:
         with start_worker(

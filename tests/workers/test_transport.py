@@ -24,6 +24,7 @@ from kombu.asynchronous.timer import Timer
 from kombu.transport.redis import Channel as KombuChannel
 
 from shared import keys
+from workers.intake import TRANSPORT_OPTION, Intake
 from workers.transport import Transport
 from workers.visibility import DeliveryTracker
 
@@ -238,6 +239,64 @@ def test_the_sweep_and_the_records_keep_to_redis_clock(
         qos.restore_visible(interval=1)
         assert client.llen(queue.name) == 1  # 1.2 s since the last sign of life: swept
     client.delete(index, unacked)
+
+
+def test_a_closed_intake_takes_nothing_and_loses_no_wake_token(
+    redis_url: str, queue: Queue, client: redis.Redis
+) -> None:
+    intake = Intake()
+    options = {TRANSPORT_OPTION: intake}
+    with Connection(redis_url, transport=Transport, transport_options=options) as connection:
+        bodies = _publish(connection, queue, 2)
+        intake.set(False)  # the engine waits for KV blocks
+        channel = connection.channel()
+        channel.basic_qos(prefetch_count=4)
+        assert channel.qos.can_consume_max_estimate() == 0 and not channel.qos.can_consume()
+
+        # a read already waiting when the intake closed pops a token, then finds no credit
+        assert client.rpop(keys.queue_wake(queue.name)) is not None
+        probe = Consumer(channel, queues=[queue])
+        probe.consume()
+        assert channel._take(woke=True) == []
+        assert client.llen(keys.queue_wake(queue.name)) == client.llen(queue.name) == 2
+        probe.cancel()
+        channel.close()
+
+        intake.set(True)
+        received = _consume_once(connection, queue, prefetch=4)
+    assert [message.payload for message in received] == bodies
+
+
+def test_an_intake_that_opens_wakes_the_loop_to_take_jobs(
+    redis_url: str, queue: Queue, client: redis.Redis
+) -> None:
+    intake = Intake()
+    intake.set(False)
+    options = {TRANSPORT_OPTION: intake}
+    with Connection(redis_url, transport=Transport, transport_options=options) as connection:
+        bodies = _publish(connection, queue, 1)
+        hub = Hub(Timer(max_interval=60))
+        connection.transport.register_with_event_loop(connection.connection, hub)
+        hub.timer.clear()  # the transport's own timers would wake the loop every second
+        hub.call_later(60, lambda: None)  # one far off: the loop polls for kombu's longest, 10 s
+        channel = connection.channel()
+        channel.basic_qos(prefetch_count=4)
+        received: queues.Queue = queues.Queue()
+        consumer = Consumer(channel, queues=[queue], callbacks=[lambda _, m: received.put(m)])
+        consumer.consume()
+        loop = threading.Thread(target=hub.run_forever, daemon=True)
+        loop.start()
+        try:
+            time.sleep(0.3)  # the loop is in its poll, taking nothing
+            assert received.empty() and client.llen(queue.name) == 1
+
+            intake.set(True)  # from another thread, as the engine thread opens it
+
+            assert received.get(timeout=3).payload == bodies[0]
+        finally:
+            hub.stop()
+            loop.join(timeout=15)
+            hub.close()
 
 
 @pytest.fixture
