@@ -48,9 +48,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: list[Sequence] = []  # sorted by sort_key
         self.running: list[Sequence] = []
-        # The last step preempted, or left a sequence waiting, for want of free
-        # blocks: more requests would only wait here too (a worker takes no more).
-        self.kv_bound = False
+        self._short_of_blocks = False  # the last step preempted or stopped admitting for blocks
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -63,6 +61,17 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.block_manager.release(seq)
+
+    @property
+    def kv_bound(self) -> bool:
+        """Sequences wait for free blocks: more requests would only wait here too.
+
+        True after a step that preempted a sequence or could not admit one for
+        want of blocks, for as long as a sequence still waits (an abort that
+        empties the queue ends it without another step). A worker takes no
+        more jobs meanwhile.
+        """
+        return self._short_of_blocks and bool(self.waiting)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -81,7 +90,7 @@ class Scheduler:
                 continue
             out.scheduled.append(ScheduledSeq(seq, num_tokens))
             budget -= num_tokens
-        self.kv_bound = bool(out.preempted)
+        self._short_of_blocks = bool(out.preempted)
         if not out.preempted:
             budget = self._admit_waiting(budget, out)
         return out
@@ -115,7 +124,7 @@ class Scheduler:
             num_tokens = min(len(seq) - cached, budget)
             if not self.block_manager.can_grow(seq, cached + num_tokens):
                 self.block_manager.release(seq)
-                self.kv_bound = True
+                self._short_of_blocks = True
                 break
             self.block_manager.grow(seq, cached + num_tokens)
             self.waiting.pop(0)

@@ -295,8 +295,11 @@ def test_kv_bound_while_a_waiting_sequence_lacks_blocks() -> None:
     assert not scheduler.kv_bound
 
 
-def test_kv_bound_after_a_preemption() -> None:
-    scheduler, _, _ = _two_decoding(num_blocks=4, priorities=(0, 0))
+def test_kv_bound_after_a_preemption_until_nothing_waits() -> None:
+    scheduler, _, second = _two_decoding(num_blocks=4, priorities=(0, 0))
     assert not scheduler.kv_bound
     out, _ = step(scheduler)
-    assert out.preempted and scheduler.kv_bound
+    assert out.preempted == [second] and scheduler.kv_bound
+
+    scheduler.remove(second)  # aborted: the engine may take no further step
+    assert not scheduler.kv_bound
