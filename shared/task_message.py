@@ -68,7 +68,7 @@ def task_message(job: Job) -> TaskMessage:
 def priority_list(queue: str, priority: int) -> str:
     """The list kombu's Redis transport keeps ``queue``'s messages of ``priority`` on.
 
-    Consumers pop from the right (``BRPOP``): ``LPUSH`` queues last, ``RPUSH`` first.
+    Workers pop from the right (``workers.transport``): ``LPUSH`` queues last, ``RPUSH`` first.
     """
     steps = Channel.priority_steps
     step = steps[bisect(steps, priority) - 1]

@@ -53,7 +53,6 @@ def test_the_intake_closes_while_the_engine_waits_for_blocks(
         for run in runs:
             host.submit(run)
         wait_until(lambda: host.intake.closings >= 1, 30, "the intake to close")
-        assert host.snapshot.waiting >= 1  # the third request, waiting for blocks
 
         outcomes = [run.wait(60) for run in runs]
     finally:

@@ -211,7 +211,7 @@ def test_the_sweep_and_the_records_keep_to_redis_clock(
 ) -> None:
     """A worker whose clock runs an hour ahead neither sweeps live jobs nor misses dead ones."""
     index, unacked = f"{queue.name}-index", f"{queue.name}-unacked"  # the worker's stay intact
-    options = {"unacked_index_key": index, "unacked_key": unacked, "visibility_timeout": 1}
+    options = {"unacked_index_key": index, "unacked_key": unacked, "visibility_timeout": 2}
     monkeypatch.setattr("kombu.transport.redis.time", lambda: time.time() + 3600)
     with Connection(redis_url, transport=Transport, transport_options=options) as connection:
         _publish(connection, queue, 1)
@@ -227,17 +227,17 @@ def test_the_sweep_and_the_records_keep_to_redis_clock(
 
         tracker = DeliveryTracker(index)
         tracker.received("task", received[0].delivery_tag)
-        time.sleep(0.8)
+        time.sleep(1.5)
         pipe = client.pipeline()
         tracker.renew(pipe)
         pipe.execute()
-        time.sleep(0.5)
+        time.sleep(1.0)
         qos.restore_visible(interval=1)
-        assert client.llen(queue.name) == 0  # renewed 0.5 s ago: still within the timeout
+        assert client.llen(queue.name) == 0  # taken 2.5 s ago, but renewed 1 s ago
 
-        time.sleep(0.7)
+        time.sleep(1.3)
         qos.restore_visible(interval=1)
-        assert client.llen(queue.name) == 1  # 1.2 s since the last sign of life: swept
+        assert client.llen(queue.name) == 1  # 2.3 s since the last sign of life: swept
     client.delete(index, unacked)
 
 
