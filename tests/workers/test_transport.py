@@ -9,12 +9,14 @@ messages.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import queue as queues
 import threading
 import time
 import uuid
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import redis
@@ -239,6 +241,40 @@ def test_the_sweep_and_the_records_keep_to_redis_clock(
         qos.restore_visible(interval=1)
         assert client.llen(queue.name) == 1  # 2.3 s since the last sign of life: swept
     client.delete(index, unacked)
+
+
+def test_consumers_racing_for_a_burst_take_each_job_once_and_leave_no_token(
+    redis_url: str, queue: Queue, client: redis.Redis
+) -> None:
+    bodies = set()
+    with Connection(redis_url, transport=Transport) as producer:
+        bodies.update(_publish(producer, queue, 30))
+    taken: queues.Queue = queues.Queue()
+
+    def consume() -> None:
+        with Connection(redis_url, transport=Transport) as connection:
+            channel = connection.channel()
+            channel.basic_qos(prefetch_count=4)
+
+            def on_message(_: object, message: Any) -> None:
+                taken.put(message.payload)
+                message.ack()
+
+            with Consumer(channel, queues=[queue], callbacks=[on_message]):
+                deadline = time.monotonic() + 10
+                while time.monotonic() < deadline and client.llen(queue.name):
+                    with contextlib.suppress(TimeoutError):  # socket.timeout, too
+                        connection.drain_events(timeout=0.5)
+
+    consumers = [threading.Thread(target=consume) for _ in range(3)]
+    for consumer in consumers:
+        consumer.start()
+    for consumer in consumers:
+        consumer.join(20)
+
+    received = [taken.get_nowait() for _ in range(taken.qsize())]
+    assert sorted(received) == sorted(bodies)  # every job once: none lost, none twice
+    assert client.exists(queue.name, keys.queue_wake(queue.name)) == 0
 
 
 def test_a_closed_intake_takes_nothing_and_loses_no_wake_token(
