@@ -303,6 +303,33 @@ def test_a_closed_intake_takes_nothing_and_loses_no_wake_token(
     assert [message.payload for message in received] == bodies
 
 
+@contextlib.contextmanager
+def sleepy_loop(connection: Connection, queue: Queue, prefetch: int) -> Iterator[queues.Queue]:
+    """A consumer on a running kombu event loop that, unless woken, sleeps 10 s per poll.
+
+    Yields the queue its messages arrive on. The transport's own timers
+    (which would wake the loop every second) are cleared, and one timer far
+    off leaves the poll kombu's longest wait.
+    """
+    hub = Hub(Timer(max_interval=60))
+    connection.transport.register_with_event_loop(connection.connection, hub)
+    hub.timer.clear()
+    hub.call_later(60, lambda: None)
+    channel = connection.channel()
+    channel.basic_qos(prefetch_count=prefetch)
+    received: queues.Queue = queues.Queue()
+    consumer = Consumer(channel, queues=[queue], callbacks=[lambda _, m: received.put(m)])
+    consumer.consume()
+    loop = threading.Thread(target=hub.run_forever, daemon=True)
+    loop.start()
+    try:
+        yield received
+    finally:
+        hub.stop()
+        loop.join(timeout=15)
+        hub.close()
+
+
 def test_an_intake_that_opens_wakes_the_loop_to_take_jobs(
     redis_url: str, queue: Queue, client: redis.Redis
 ) -> None:
@@ -311,28 +338,13 @@ def test_an_intake_that_opens_wakes_the_loop_to_take_jobs(
     options = {TRANSPORT_OPTION: intake}
     with Connection(redis_url, transport=Transport, transport_options=options) as connection:
         bodies = _publish(connection, queue, 1)
-        hub = Hub(Timer(max_interval=60))
-        connection.transport.register_with_event_loop(connection.connection, hub)
-        hub.timer.clear()  # the transport's own timers would wake the loop every second
-        hub.call_later(60, lambda: None)  # one far off: the loop polls for kombu's longest, 10 s
-        channel = connection.channel()
-        channel.basic_qos(prefetch_count=4)
-        received: queues.Queue = queues.Queue()
-        consumer = Consumer(channel, queues=[queue], callbacks=[lambda _, m: received.put(m)])
-        consumer.consume()
-        loop = threading.Thread(target=hub.run_forever, daemon=True)
-        loop.start()
-        try:
+        with sleepy_loop(connection, queue, prefetch=4) as received:
             time.sleep(0.3)  # the loop is in its poll, taking nothing
             assert received.empty() and client.llen(queue.name) == 1
 
             intake.set(True)  # from another thread, as the engine thread opens it
 
             assert received.get(timeout=3).payload == bodies[0]
-        finally:
-            hub.stop()
-            loop.join(timeout=15)
-            hub.close()
 
 
 @pytest.fixture
@@ -387,18 +399,7 @@ def test_an_ack_from_a_task_thread_wakes_a_loop_that_has_no_credit(
     job would wait in Redis that long.
     """
     _publish(connection, queue, 2)
-    hub = Hub(Timer(max_interval=60))
-    connection.transport.register_with_event_loop(connection.connection, hub)
-    hub.timer.clear()  # the transport's own timers would wake the loop every second
-    hub.call_later(60, lambda: None)  # one far off: the loop polls for kombu's longest, 10 s
-    channel = connection.channel()
-    channel.basic_qos(prefetch_count=1)
-    received: queues.Queue = queues.Queue()
-    consumer = Consumer(channel, queues=[queue], callbacks=[lambda _, m: received.put(m)])
-    consumer.consume()
-    loop = threading.Thread(target=hub.run_forever, daemon=True)
-    loop.start()
-    try:
+    with sleepy_loop(connection, queue, prefetch=1) as received:
         first = received.get(timeout=5)
         time.sleep(0.2)  # the loop is back in its poll, with no credit for the second job
         acker = threading.Thread(target=first.ack)
@@ -409,10 +410,6 @@ def test_an_ack_from_a_task_thread_wakes_a_loop_that_has_no_credit(
 
         assert second.body != first.body
         second.ack()
-    finally:
-        hub.stop()
-        loop.join(timeout=15)
-        hub.close()
 
 
 def test_closing_the_channel_writes_the_pending_acks(
