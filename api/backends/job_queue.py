@@ -44,8 +44,9 @@ from shared.wire import Job, PreparedRequest
 SEND_TIMEOUT_S = 10.0
 
 SUBMIT_SCRIPT = """
--- KEYS: the model's in-flight set, the queue's list, its wake list. ARGV: now, the bound (0: none),
--- the job's in-flight score, its request id, its message.
+-- KEYS: the model's in-flight set, the queue's list, its wake list, and the job's origin key when
+-- it has one. ARGV: now, the bound (0: none), the job's in-flight score, its request id, its
+-- message, the origin key's TTL.
 -- Returns 1 if queued, 0 if refused: the set already counted the bound.
 local bound = tonumber(ARGV[2])
 if bound > 0 and redis.call('ZCOUNT', KEYS[1], ARGV[1], '+inf') >= bound then
@@ -54,6 +55,9 @@ end
 redis.call('ZADD', KEYS[1], ARGV[3], ARGV[4])
 redis.call('LPUSH', KEYS[2], ARGV[5])
 redis.call('LPUSH', KEYS[3], '1')
+if KEYS[4] then
+  redis.call('SET', KEYS[4], '1', 'EX', ARGV[6])
+end
 return 1
 """
 
@@ -86,11 +90,18 @@ class JobQueue:
         task of its own and send on the next turn). A caller cancelled while
         waiting for the reply may still have queued the job; its cleanup
         cancels the request, which a worker then drops without running it.
+
+        The job's origin key is set with it: a worker drops a job whose origin
+        key is missing, and after Redis lost its data (a restart) the key is
+        missing until the next renewal, up to a second away.
         """
         request = job.request
         message = task_message(job)
         script_keys = [keys.inflight(request.model), message.key, message.wake]
+        if job.origin is not None:
+            script_keys.append(keys.api_process(job.origin))
         args = [time.time(), bound or 0, inflight_score, request.request_id, message.body]
+        args.append(keys.API_PROCESS_TTL_S)
         async with asyncio.timeout(SEND_TIMEOUT_S):
             queued = await self._script(keys=script_keys, args=args)
         return message if queued else None

@@ -118,6 +118,31 @@ def test_a_job_is_queued_and_its_events_come_back(server: RedisServer):
     assert not server.client.exists(keys.cancel_flag("req-1"))  # it finished: nothing to cancel
 
 
+def test_a_job_sets_its_origin_key_when_redis_lost_it(server: RedisServer):
+    """After a Redis restart the key is gone until the next renewal, a second
+    away; a job queued meanwhile must not look orphaned to the worker."""
+
+    async def scenario() -> tuple[Job, int]:
+        backend = await started(DistributedBackend(server.url, SPEC, settings(server)))
+        try:
+            for key in server.client.scan_iter(keys.api_process("*")):
+                server.client.delete(key)  # as after a restart that lost the data
+            events = backend.infer(request("req-origin"))
+            first = asyncio.ensure_future(anext(events))
+            job, _ = await asyncio.to_thread(take_job, server)
+            ttl = server.client.ttl(keys.api_process(job.origin))
+            first.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await first
+            return job, ttl
+        finally:
+            await backend.stop()
+
+    job, ttl = asyncio.run(scenario())
+    assert job.origin is not None
+    assert 0 < ttl <= keys.API_PROCESS_TTL_S
+
+
 def test_an_unseeded_sampling_request_gets_a_seed(server: RedisServer):
     async def scenario() -> Job:
         backend = await started(DistributedBackend(server.url, SPEC, settings(server)))
