@@ -38,7 +38,7 @@ import secrets
 import socket
 import time
 from collections.abc import AsyncIterator, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from kombu.transport.redis import Channel
 from prometheus_client.core import GaugeMetricFamily, Metric
@@ -66,6 +66,8 @@ from shared.tokenizer_loader import LoadedTokenizer, load_tokenizer
 from shared.wire import Deadlines, Job, PreparedRequest
 
 if TYPE_CHECKING:
+    from redis.asyncio.client import Pipeline
+
     from api.app import Settings
 
 log = logging.getLogger(__name__)
@@ -102,6 +104,7 @@ class DistributedBackend:
         self._load_error: str | None = None
         self._process_id = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
         self._tasks: set[asyncio.Task[Any]] = set()  # request cleanups in progress
+        self._unsent_ends: dict[str, _End] = {}  # request id -> an end Redis did not receive
         self._watcher: asyncio.Task[None] | None = None
         self.metrics_collector = FleetCollector(self)
 
@@ -279,21 +282,44 @@ class DistributedBackend:
         """Leave the in-flight set and, for a request not run to its end, cancel it.
 
         ``untaken``: the message of a job no worker had started as far as this
-        process saw; it is withdrawn from the queue if still there.
+        process saw; it is withdrawn from the queue if still there. If Redis
+        cannot be reached, the fleet watcher sends it again once Redis
+        answers: a worker that kept its job through the outage would
+        otherwise generate for nobody until the job's budget runs out.
         """
-        ttl = math.ceil(self._limits.total_timeout_s) + 60
+        end = _End(cancel, untaken, time.monotonic() + self._limits.total_timeout_s + 60)
         try:
             async with asyncio.timeout(CLEANUP_TIMEOUT_S):
                 async with self._redis.pipeline(transaction=False) as pipe:
-                    if cancel:
-                        pipe.set(keys.cancel_flag(request_id), "1", ex=ttl)
-                        pipe.publish(keys.CANCEL_CHANNEL, request_id)
-                        if untaken is not None:
-                            withdraw(pipe, untaken)
-                    pipe.zrem(keys.inflight(self._model), request_id)
+                    self._queue_end(pipe, request_id, end)
                     await pipe.execute()
-        except (RedisError, OSError, TimeoutError) as exc:  # its in-flight score expires anyway
-            log.warning("ending %s in Redis failed: %s", request_id, exc)
+        except (RedisError, OSError, TimeoutError) as exc:
+            log.warning("ending %s in Redis failed, to retry: %s", request_id, exc)
+            self._unsent_ends[request_id] = end
+
+    def _queue_end(self, pipe: Pipeline, request_id: str, end: _End) -> None:
+        if end.cancel:
+            ttl = math.ceil(self._limits.total_timeout_s) + 60
+            pipe.set(keys.cancel_flag(request_id), "1", ex=ttl)
+            pipe.publish(keys.CANCEL_CHANNEL, request_id)
+            if end.untaken is not None:
+                withdraw(pipe, end.untaken)
+        pipe.zrem(keys.inflight(self._model), request_id)
+
+    async def _send_unsent_ends(self) -> None:
+        """Send the ends that found Redis unreachable; those past any deadline are dropped."""
+        now = time.monotonic()
+        pending = {rid: end for rid, end in self._unsent_ends.items() if end.until > now}
+        self._unsent_ends = pending
+        if not pending:
+            return
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for request_id, end in pending.items():
+                self._queue_end(pipe, request_id, end)
+            await pipe.execute()
+        for request_id in pending:
+            self._unsent_ends.pop(request_id, None)
+        log.info("sent the ends of %d requests once Redis answered again", len(pending))
 
     # --- the fleet watcher -----------------------------------------------------------
 
@@ -301,6 +327,7 @@ class DistributedBackend:
         while True:
             try:
                 await self._renew_liveness()
+                await self._send_unsent_ends()
                 self._snapshot = await self._read_fleet()
             except (RedisError, OSError) as exc:
                 log.debug("reading worker heartbeats failed: %s", exc)
@@ -344,6 +371,14 @@ class DistributedBackend:
         task = asyncio.get_running_loop().create_task(coroutine)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+
+class _End(NamedTuple):
+    """What ending a request in Redis does (``DistributedBackend._end``), kept for a retry."""
+
+    cancel: bool
+    untaken: TaskMessage | None
+    until: float  # monotonic: past it every deadline has passed and a worker stopped anyway
 
 
 @dataclasses.dataclass(slots=True)

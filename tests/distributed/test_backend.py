@@ -184,6 +184,31 @@ def test_closing_the_events_early_cancels_the_request(server: RedisServer):
     assert not server.client.zrange(keys.inflight(DEFAULT_MODEL), 0, -1)
 
 
+def test_a_cancel_that_found_redis_down_is_sent_once_it_answers(server: RedisServer):
+    """A worker that kept its job through an outage must still hear that the client left."""
+
+    async def scenario() -> None:
+        backend = await started(DistributedBackend(server.url, SPEC, settings(server)))
+        try:
+            events = backend.infer(request("req-outage"))
+            first = asyncio.ensure_future(anext(events))
+            await asyncio.to_thread(take_job, server)
+            write(server, "req-outage", Ready("req-outage", 3, 0))
+            assert isinstance(await first, Ready)
+            server.kill()
+            await events.aclose()  # the client leaves while Redis is down
+            await asyncio.sleep(0.5)  # the cleanup fails
+            server.start()  # empty: the restart lost everything
+            flag = keys.cancel_flag("req-outage")
+            while not await asyncio.to_thread(server.client.exists, flag):
+                await asyncio.sleep(0.1)
+        finally:
+            await backend.stop()
+
+    asyncio.run(asyncio.wait_for(scenario(), 15))
+    fake_worker(server)  # for the module's next tests
+
+
 @pytest.mark.parametrize(
     ("written", "kind"),
     [

@@ -11,12 +11,20 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 
 import openai
 import pytest
 from openai import OpenAI
 
-from tests.distributed.conftest import Fleet, Greedy, RedisServer, stream_chat, tokenize
+from tests.distributed.conftest import (
+    Fleet,
+    Greedy,
+    RedisServer,
+    stream_chat,
+    tokenize,
+    wait_until,
+)
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -57,8 +65,18 @@ def test_a_redis_restart_fails_requests_in_flight_and_later_ones_succeed(
     assert stream_failed_after < 5
 
     fleet.wait_live(timeout=30)  # the workers reconnect by themselves
+    # nothing keeps generating for the failed requests (their leases went with the data)
+    wait_until(idle_fleet(fleet), 10, "the workers to stop the failed requests", interval=0.2)
     again = openai_client.chat.completions.create(
         model="default", messages=SHORT, max_tokens=12, temperature=0
     )
     assert again.choices[0].message.content == expected
     assert time.monotonic() - restarted < 30
+
+
+def idle_fleet(fleet: Fleet) -> Callable[[], bool]:
+    def idle() -> bool:
+        beats = fleet.heartbeats().values()
+        return bool(beats) and all(beat["running"] + beat["waiting"] == 0 for beat in beats)
+
+    return idle
