@@ -309,16 +309,16 @@ class DistributedBackend:
     async def _send_unsent_ends(self) -> None:
         """Send the ends that found Redis unreachable; those past any deadline are dropped."""
         now = time.monotonic()
-        pending = {rid: end for rid, end in self._unsent_ends.items() if end.until > now}
-        self._unsent_ends = pending
+        pending = [(rid, end) for rid, end in self._unsent_ends.items() if end.until > now]
+        self._unsent_ends = dict(pending)  # ends failing while this one is sent join it
         if not pending:
             return
         async with self._redis.pipeline(transaction=False) as pipe:
-            for request_id, end in pending.items():
+            for request_id, end in pending:
                 self._queue_end(pipe, request_id, end)
             await pipe.execute()
-        for request_id in pending:
-            self._unsent_ends.pop(request_id, None)
+        for request_id, _ in pending:
+            del self._unsent_ends[request_id]
         log.info("sent the ends of %d requests once Redis answered again", len(pending))
 
     # --- the fleet watcher -----------------------------------------------------------
@@ -331,6 +331,8 @@ class DistributedBackend:
                 self._snapshot = await self._read_fleet()
             except (RedisError, OSError) as exc:
                 log.debug("reading worker heartbeats failed: %s", exc)
+            except Exception:  # a watcher that died would leave this process unready for good
+                log.exception("the fleet watcher failed")
             await asyncio.sleep(FLEET_REFRESH_S)
 
     async def _renew_liveness(self) -> None:

@@ -21,7 +21,7 @@ import pytest
 
 from api.admission import ERROR_STATUSES, api_error
 from api.app import Settings
-from api.backends.distributed import DistributedBackend
+from api.backends.distributed import FLEET_REFRESH_S, DistributedBackend
 from api.errors import ApiError
 from shared import keys
 from shared.events import Error, Finish, FinishReason, Ready, Text
@@ -202,11 +202,15 @@ def test_a_cancel_that_found_redis_down_is_sent_once_it_answers(server: RedisSer
             flag = keys.cancel_flag("req-outage")
             while not await asyncio.to_thread(server.client.exists, flag):
                 await asyncio.sleep(0.1)
+            for key in server.client.scan_iter(keys.api_process("*")):
+                server.client.delete(key)
+            await asyncio.sleep(2 * FLEET_REFRESH_S)
+            renewed = server.client.keys(keys.api_process("*"))
+            assert renewed, "the fleet watcher stopped after sending it"
         finally:
             await backend.stop()
 
     asyncio.run(asyncio.wait_for(scenario(), 15))
-    fake_worker(server)  # for the module's next tests
 
 
 @pytest.mark.parametrize(
