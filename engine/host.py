@@ -98,7 +98,10 @@ class EngineThread:
             events = self.engine.step()
         except Exception as exc:
             log.exception("engine step failed")
-            self._on_step_failure(self.engine, exc)
+            try:
+                self._on_step_failure(self.engine, exc)
+            except Exception:  # the thread must live on to serve the next requests
+                log.exception("handling a failed step failed")
             return
         try:
             self._on_events(self.engine, events)

@@ -65,6 +65,8 @@ class CancellationWatcher:
                 self._listen()
             except redis.RedisError as exc:
                 log.warning("cancel channel lost (%s); resubscribing in %.0f s", exc, RETRY_DELAY_S)
+            except Exception:  # a dead thread would leave this worker deaf to cancels for good
+                log.exception("the cancel listener failed; resubscribing in %.0f s", RETRY_DELAY_S)
             finally:
                 self.subscribed.clear()
             self._stopping.wait(RETRY_DELAY_S)
@@ -113,4 +115,4 @@ class CancellationWatcher:
 
 
 def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
+    return value.decode(errors="replace") if isinstance(value, bytes) else value

@@ -94,6 +94,7 @@ class Run:
     origin: str | None = None  # the API process waiting for it (``shared.wire.Job``)
     outcome: Outcome | None = None
     next_seq: int = 1  # the sequence number of the next event this attempt writes
+    ended: bool = False  # its Finish or Error is published (written, or on its way)
     _done: threading.Event = field(default_factory=threading.Event)
 
     @property
@@ -261,8 +262,11 @@ class WorkerHost:
                 emitted_chars=resume.emitted_chars,
             )
         except ValueError as exc:  # the engine refuses what it cannot run
-            error = Error(run.request_id, str(exc), "invalid_request")
-            self._publish(engine, {run.engine_id: [error]})
+            self._publish([(run, [Error(run.request_id, str(exc), "invalid_request")])])
+        except Exception as exc:  # tracked already: unresolved, it would hold its slot for good
+            log.exception("adding %s to the engine failed", run.request_id)
+            engine.abort(run.engine_id)  # in case it got in before failing
+            self._publish([(run, [Error(run.request_id, f"the engine failed: {exc}")])])
         else:
             if self._early_cancels.pop(run.request_id, None) is not None:
                 self._cancel(engine, run.request_id)
@@ -293,15 +297,15 @@ class WorkerHost:
         self._refresh(engine)
 
     def _on_events(self, engine: LLMEngine, events: list[InferenceEvent]) -> None:
-        by_run: dict[str, list[InferenceEvent]] = {}
+        by_run: dict[str, tuple[Run, list[InferenceEvent]]] = {}
         for event in events:
             run = self._runs.get(event.request_id)
-            if run is None:  # dropped here (fenced, handed back): nothing more to say
+            if run is None or run.ended:  # dropped here (fenced, handed back), or ended
                 continue
             if isinstance(event, Ready) and run.resume is not None:
                 continue  # the client has its Ready from the first attempt
-            by_run.setdefault(run.engine_id, []).append(event)
-        self._publish(engine, by_run)
+            by_run.setdefault(run.engine_id, (run, []))[1].append(event)
+        self._publish(list(by_run.values()))
         self._refresh(engine)
 
     def _on_step_failure(self, engine: LLMEngine, exc: Exception) -> None:
@@ -310,16 +314,21 @@ class WorkerHost:
         runs = list(self._runs.values())
         for run in runs:
             engine.abort(run.engine_id)  # frees the blocks; its Finish(abort) is dropped
-        self._publish(engine, {run.engine_id: [Error(run.request_id, message)] for run in runs})
+        self._publish([(run, [Error(run.request_id, message)]) for run in runs if not run.ended])
         self._refresh(engine)
 
-    def _publish(self, engine: LLMEngine, by_run: dict[str, list[InferenceEvent]]) -> None:
-        """Queue the events for the outbox; ``_settle`` sees how their write went."""
+    def _publish(self, runs: list[tuple[Run, list[InferenceEvent]]]) -> None:
+        """Queue the events for the outbox; ``_settle`` sees how their write went.
+
+        Takes the runs themselves, not their ids: the outbox thread untracks a
+        run whose Finish it wrote at any moment, also between a lookup here
+        and this call.
+        """
         batches = []
-        for key, events in by_run.items():
-            run = self._runs[key]
+        for run, events in runs:
             batches.append(Batch(run.request_id, run.attempt, run.next_seq, events))
             run.next_seq += len(events)
+            run.ended = run.ended or isinstance(events[-1], Finish | Error)
         self._outbox.put(batches)
 
     def _on_written(

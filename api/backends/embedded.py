@@ -156,6 +156,10 @@ class EmbeddedBackend:
             )
         except ValueError as exc:  # the engine refuses what it cannot run
             self._send([Error(request.request_id, str(exc), "invalid_request")])
+        except Exception as exc:  # its client would otherwise wait for events that never come
+            log.exception("adding %s to the engine failed", request.request_id)
+            engine.abort(request.request_id)
+            self._send([Error(request.request_id, f"the engine failed: {exc}")])
 
     def _on_events(self, engine: LLMEngine, events: list[InferenceEvent]) -> None:
         if events:

@@ -176,17 +176,27 @@ class EventReader:
     # --- the loop ---------------------------------------------------------------
 
     async def _run(self) -> None:
+        """Read until stopped; an outage, or a failure of any kind, is retried with backoff.
+
+        The outage ends at the first read that succeeds, not at the
+        reconnection: a server that accepts connections but fails every
+        ``XREAD`` must still back off and, past the grace, fail the requests.
+        """
         backoff = 0.05
         while not self._stopping:
             try:
                 await self._connect()
+                await self._read_once()
+                self._recovered()
                 backoff = 0.05
                 while not self._stopping:
                     await self._read_once()
-            except (RedisError, OSError) as exc:
+            except Exception as exc:  # not only Redis: a dead loop would hang every request
                 self.connected = False
                 if self._stopping:
                     return
+                if not isinstance(exc, RedisError | OSError):
+                    log.exception("reading the event streams failed")
                 self._note_outage(exc)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, self._max_backoff_s)
@@ -197,9 +207,12 @@ class EventReader:
         if self._run_id is not None and run_id != self._run_id:
             log.warning("Redis restarted (run_id changed); failing the requests in flight")
             self._fail_all("Redis restarted and lost this request's events; retry it")
+        self._run_id, self.connected = run_id, True
+
+    def _recovered(self) -> None:
         if self._down_since is not None:
-            log.info("reconnected to Redis after %.1fs", time.monotonic() - self._down_since)
-        self._run_id, self._down_since, self.connected = run_id, None, True
+            log.info("reading again after %.1fs", time.monotonic() - self._down_since)
+        self._down_since = None
 
     def _note_outage(self, exc: Exception) -> None:
         now = time.monotonic()

@@ -355,6 +355,8 @@ class FakeEngine:
         if not ids:
             raise ValueError("prompt_token_ids must not be empty")
         self.sequences[request_id] = 0
+        if ids == BROKEN_PROMPT:  # in, then failing: a bug, not a refusal
+            raise KeyError("a table the engine expected")
 
     def abort(self, request_id: str) -> bool:
         self.threads.add(threading.get_ident())
@@ -381,6 +383,9 @@ class FakeEngine:
             self.sequences[request_id] = count + 1
         self.stats.tokens += len(self.sequences)
         return events
+
+
+BROKEN_PROMPT = [13, 13]
 
 
 def _wire(request_id: str, prompt: list[int] | None = None) -> PreparedRequest:
@@ -436,6 +441,23 @@ def test_a_refused_request_and_a_failing_step_become_error_events():
     assert isinstance(refused[-1], Error) and refused[-1].kind == "invalid_request"
     assert isinstance(failed[-1], Error) and "device lost" in failed[-1].message
     assert not engine.sequences  # the failed request's blocks were given back
+
+
+def test_an_add_that_fails_unexpectedly_ends_its_request_and_nothing_else():
+    engine = FakeEngine()
+
+    async def run(backend: EmbeddedBackend) -> tuple[list[Any], list[Any]]:
+        broken_events = backend.infer(_wire("broken", BROKEN_PROMPT))
+        broken = [await asyncio.wait_for(anext(broken_events), 5)]
+        events = backend.infer(_wire("next"))
+        after = [await anext(events), await anext(events)]
+        await events.aclose()
+        return broken, after
+
+    broken, after = _run(_with_backend(engine, run))
+    assert isinstance(broken[-1], Error) and "a table the engine expected" in broken[-1].message
+    assert [type(event) for event in after] == [Ready, Text]
+    assert "broken" not in engine.sequences  # taken out again
 
 
 def test_the_engine_thread_sleeps_when_idle():

@@ -141,3 +141,29 @@ def test_a_redis_restart_fails_open_requests_and_reading_resumes(own_redis: Redi
     assert isinstance(failure, Error) and failure.kind == "unavailable"
     assert elapsed < 5
     assert after == [Ready("fresh", 2, 0)]
+
+
+def test_reads_that_keep_failing_end_open_requests_after_the_grace(own_redis: RedisServer):
+    """The server answers, but every ``XREAD`` fails: that is an outage too.
+
+    A key of the wrong type under a request's stream name makes the whole
+    multi-stream ``XREAD`` fail with ``WRONGTYPE`` on each try.
+    """
+    own_redis.client.set(keys.event_stream("clobbered"), "not a stream")
+
+    async def scenario() -> tuple[InferenceEvent, InferenceEvent, float]:
+        reader = EventReader(own_redis.url, block_ms=1000, outage_grace_s=1.0)
+        await reader.start()
+        try:
+            started = time.monotonic()
+            bystander, clobbered = reader.open("bystander"), reader.open("clobbered")
+            failures = [(await receive(sub, 1))[0] for sub in (bystander, clobbered)]
+            return failures[0], failures[1], time.monotonic() - started
+        finally:
+            await reader.stop()
+            own_redis.client.delete(keys.event_stream("clobbered"))
+
+    first, second, elapsed = run(scenario())
+    assert isinstance(first, Error) and first.kind == "unavailable" and "WRONGTYPE" in first.message
+    assert isinstance(second, Error) and second.kind == "unavailable"
+    assert elapsed < 4

@@ -59,6 +59,21 @@ def test_job_cancelled_while_generating_stops_within_a_step(
     assert producer.heartbeat()["running"] == 0
 
 
+def test_a_malformed_message_on_the_cancel_channel_leaves_cancels_working(
+    worker: WorkerRuntime, producer: Producer, client: redis.Redis
+) -> None:
+    client.publish(keys.CANCEL_CHANNEL, b"\xff\xfe not UTF-8")
+    request_id = producer.send(LONG)
+    stream = keys.event_stream(request_id)
+    wait_until(lambda: client.xlen(stream) >= 4, 30, "a few tokens")
+
+    _cancel(client, request_id)
+    events = producer.wait_end(request_id, timeout=10)
+
+    assert isinstance(events[-1], Finish) and events[-1].reason is FinishReason.ABORT
+    assert len(events) < LONG.max_tokens
+
+
 def test_cancel_heard_before_its_run_reaches_the_engine_still_stops_it(
     worker: WorkerRuntime, producer: Producer, client: redis.Redis
 ) -> None:
