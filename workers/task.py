@@ -57,7 +57,7 @@ class TaskContext:
     publisher: EventPublisher
     host: WorkerHost
     model: str  # the registry name this worker serves
-    begin: Coalescer[Job, Start] = field(init=False)
+    begin: Coalescer[Job, Start | BeginFailed] = field(init=False)
 
     def __post_init__(self) -> None:
         self.begin = Coalescer(lambda jobs: begin_all(self.client, jobs))
@@ -92,6 +92,10 @@ class History:
     def trimmed(self) -> bool:
         """Tokens without a Ready before them: ``MAXLEN ~`` cut the stream's start."""
         return bool(self.token_ids) and not self.started
+
+
+class BeginFailed(Exception):
+    """One job of a burst could not begin (``begin_all``); the others are unaffected."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,6 +167,8 @@ def requeue_first(client: redis.Redis, job: Job, reason: str) -> None:
 def _run(context: TaskContext, job: Job) -> Outcome:
     request = job.request
     start = context.begin(job)
+    if isinstance(start, BeginFailed):
+        raise start
     history = start.history
     if history.finished:
         return Outcome.FINISHED
@@ -195,13 +201,14 @@ def _answer_without_engine(
     return None
 
 
-def begin_all(client: redis.Redis, jobs: Sequence[Job]) -> list[Start]:
+def begin_all(client: redis.Redis, jobs: Sequence[Job]) -> list[Start | BeginFailed]:
     """Take each job's next attempt, then read its cancel flag and stream, atomically.
 
     Taking the attempt first fences the previous attempt out, so the stream
     read here is all that attempt will ever have written. A job whose origin
     (the API process its client waits on) is gone counts as cancelled. The
-    jobs of a burst share one transaction (see ``TaskContext.begin``).
+    jobs of a burst share one transaction (see ``TaskContext.begin``); what
+    is wrong with one job's keys or stream fails that job alone.
     """
     pipe = client.pipeline(transaction=True)
     for job in jobs:
@@ -213,14 +220,25 @@ def begin_all(client: redis.Redis, jobs: Sequence[Job]) -> list[Start]:
         pipe.xrange(keys.event_stream(request_id))
         if job.origin is not None:
             pipe.exists(keys.api_process(job.origin))
-    replies = iter(pipe.execute())
-    starts = []
+    replies = iter(pipe.execute(raise_on_error=False))
+    starts: list[Start | BeginFailed] = []
     for job in jobs:
         attempt, _, cancelled, entries = islice(replies, 4)
-        orphaned = job.origin is not None and not next(replies)
-        history = History.read(job.request.request_id, entries)
-        starts.append(Start(int(attempt), bool(cancelled) or orphaned, history))
+        origin_alive = next(replies) if job.origin is not None else 1
+        try:
+            starts.append(_start(job, attempt, cancelled, entries, origin_alive))
+        except (redis.ResponseError, KeyError, ValueError, TypeError, IndexError) as exc:
+            starts.append(BeginFailed(f"cannot read what earlier attempts wrote: {exc}"))
     return starts
+
+
+def _start(job: Job, attempt: Any, cancelled: Any, entries: Any, origin_alive: Any) -> Start:
+    """One job's ``Start`` from its replies; raises the first reply that is an error."""
+    for reply in (attempt, cancelled, entries, origin_alive):
+        if isinstance(reply, Exception):
+            raise reply
+    history = History.read(job.request.request_id, entries)
+    return Start(int(attempt), bool(cancelled) or not origin_alive, history)
 
 
 def _fail(context: TaskContext, request_id: str, message: str) -> None:

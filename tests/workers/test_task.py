@@ -12,7 +12,7 @@ from shared import keys
 from shared.events import Error, Finish, FinishReason, Ready, Text
 from shared.registry import DEFAULT_MODEL
 from shared.sampling import SamplingParams
-from shared.wire import Deadlines
+from shared.wire import Deadlines, Job, PreparedRequest
 from tests.workers.conftest import (
     PROMPT,
     QUEUE,
@@ -24,6 +24,7 @@ from tests.workers.conftest import (
 )
 from workers.publisher import Batch, EventPublisher
 from workers.runtime import WorkerRuntime
+from workers.task import BeginFailed, Start, begin_all
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
 
@@ -104,3 +105,22 @@ def test_job_for_another_model_is_answered_with_an_error(
 
     assert len(events) == 1 and isinstance(events[0], Error)
     assert events[0].kind == "invalid_request" and "some-other-model" in events[0].message
+
+
+def test_what_is_wrong_with_one_job_of_a_burst_fails_that_job_alone(client: redis.Redis) -> None:
+    """The jobs of a burst begin in one transaction; a bad stream must not fail its neighbours."""
+    clobbered, malformed, fine = (uuid.uuid4().hex for _ in range(3))
+    client.set(keys.event_stream(clobbered), "not a stream")  # XRANGE: WRONGTYPE
+    client.xadd(keys.event_stream(malformed), {"junk": "1"})  # no event in it
+
+    starts = begin_all(
+        client, [Job(prepared(request_id)) for request_id in (clobbered, malformed, fine)]
+    )
+
+    assert isinstance(starts[0], BeginFailed) and "WRONGTYPE" in str(starts[0])
+    assert isinstance(starts[1], BeginFailed)
+    assert isinstance(starts[2], Start) and starts[2].attempt == 1 and not starts[2].cancelled
+
+
+def prepared(request_id: str) -> PreparedRequest:
+    return PreparedRequest(request_id, DEFAULT_MODEL, PROMPT, GREEDY, created=time.time())
