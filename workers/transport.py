@@ -263,11 +263,35 @@ class Channel(kombu_redis.Channel):
                 raise kombu_redis.Empty()
             self._queue_cycle.rotate(self._queue_of(messages[0][0]))
             for key, message in messages:
-                self.connection._deliver(message, self._queue_of(key))
+                self._deliver_one(key, message)
             return True
         finally:
             self._in_poll = None
             self._flush_brpop_reauth()
+
+    def _deliver_one(self, key: str, message: dict[str, Any]) -> None:
+        """Hand a message to its consumer; an error stays here.
+
+        Raised into the event loop, the error would stop the worker, and the
+        message, recorded as taken, would come back after the visibility
+        timeout to stop the next one. A message that never became a kombu
+        message (its body or encoding is malformed) is dropped; one whose
+        consumer failed is left recorded, for the sweep to redeliver.
+        """
+        tag = _delivery_tag(message)
+        try:
+            self.connection._deliver(message, self._queue_of(key))
+        except Exception:
+            if tag is None:  # the take script recorded nothing for it
+                log.exception("dropping a message without a delivery tag from %s", key)
+                return
+            self.qos.recorded.discard(tag)
+            if tag in self.qos._delivered:
+                log.exception("delivering %s failed; the sweep redelivers it", tag)
+                VirtualQoS.ack(self.qos, tag)  # frees its credit, keeps its record
+            else:
+                log.exception("dropping a malformed message from %s: %.200r", key, message)
+                self.qos.ack(tag)  # removes its record
 
     def _take(self, woke: bool) -> list[tuple[str, Any]]:
         """Pop and record up to the credit's worth of messages, decoded.
@@ -325,6 +349,12 @@ class Transport(kombu_redis.Transport):
         intake: Intake | None = self.client.transport_options.get(TRANSPORT_OPTION)
         if intake is not None:  # an opened intake wakes the loop to poll for jobs again
             intake.attach(lambda: loop.call_soon(_nothing))
+
+
+def _delivery_tag(message: dict[str, Any]) -> str | None:
+    properties = message.get("properties") if isinstance(message, dict) else None
+    tag = properties.get("delivery_tag") if isinstance(properties, dict) else None
+    return tag if isinstance(tag, str) else None
 
 
 def _nothing() -> None:

@@ -135,6 +135,54 @@ def test_a_message_that_is_not_json_is_dropped_without_losing_the_burst(
     assert client.llen(queue.name) == 0
 
 
+def _forged(client: redis.Redis, queue: Queue, **changes: Any) -> str:
+    """Queue a copy of the queue's last message, with a tag of its own and ``changes``."""
+    message = json.loads(client.lindex(queue.name, 0))
+    tag = message["properties"]["delivery_tag"] = uuid.uuid4().hex
+    message.update(changes)
+    client.lpush(queue.name, json.dumps(message))
+    client.lpush(keys.queue_wake(queue.name), "1")
+    return tag
+
+
+def test_a_malformed_message_is_dropped_and_forgotten_without_losing_the_burst(
+    connection: Connection, queue: Queue, client: redis.Redis
+) -> None:
+    """Raised into the loop it would stop the worker, and come back to stop the next one."""
+    good = _publish(connection, queue, 1)
+    bad = _forged(client, queue, body="%%% not base64 %%%")
+    more = _publish(connection, queue, 1)
+
+    received = _consume_once(connection, queue, prefetch=10)
+
+    assert [message.payload for message in received] == good + more
+    assert client.hget(UNACKED, bad) is None and client.zscore(UNACKED_INDEX, bad) is None
+
+
+def test_a_message_whose_consumer_fails_stays_recorded_for_the_sweep(
+    connection: Connection, queue: Queue, client: redis.Redis
+) -> None:
+    first, second = _publish(connection, queue, 2)
+    received: list = []
+
+    def consume(body: str, message: Any) -> None:
+        if body == first:
+            raise RuntimeError("a consumer bug")
+        received.append(message)
+
+    channel = connection.channel()
+    channel.basic_qos(prefetch_count=10)
+    with Consumer(channel, queues=[queue], callbacks=[consume]):
+        connection.drain_events(timeout=5)
+
+    assert [message.payload for message in received] == [second]
+    records = client.hgetall(UNACKED).items()
+    ours = {tag.decode() for tag, record in records if queue.name.encode() in record}
+    failed = ours - {received[0].delivery_tag}
+    assert len(failed) == 1  # the sweep puts it back after the visibility timeout
+    assert channel.qos.can_consume_max_estimate() == 9  # its credit is free again
+
+
 def test_a_message_the_script_cannot_record_is_recorded_by_kombu(
     connection: Connection, queue: Queue, client: redis.Redis
 ) -> None:
