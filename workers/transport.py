@@ -12,22 +12,25 @@ Here a worker blocks on the queues' wake lists instead (``keys.queue_wake``):
 every sender pushes one token beside each job, in the same transaction
 (the API's submit script, ``requeue_first``, and this transport's own
 ``_put`` and restore). Popping a token takes nothing; it only wakes the
-worker, which then runs one script that pops up to its prefetch credit from
-the queue lists (in kombu's priority order) and records each popped message
-as unacked in the same atomic step. A job is therefore always in its queue
-or in the unacked records, which the redelivery sweep returns to the queue.
-The script also trims each wake list to the number of jobs still queued, so
-tokens never outnumber jobs and a burst taken at once leaves no spurious
-wake-ups behind. A message queued without a token (a sender using
-kombu's stock transport, a token lost with its worker) is taken when the
-blocking read times out (``brpop_timeout``, 1 s): an idle worker also runs
-the script then. The messages are delivered one by one, as ``BRPOP``
-would have delivered them; their unacked records are already written, so
-``append`` skips that round trip.
+worker. Sent right behind the blocking read, on the same connection, goes a
+script that pops up to the worker's prefetch credit from the queue lists (in
+kombu's priority order) and records each popped message as unacked in the
+same atomic step; Redis runs it the moment the read returns, so one round
+trip both wakes and takes. A job is therefore always in its queue or in the
+unacked records, which the redelivery sweep returns to the queue. The script
+also sets each wake list to the number of jobs still queued, so tokens never
+outnumber jobs (a burst taken at once leaves no spurious wake-ups behind)
+and jobs this worker had no credit for keep theirs. A message queued
+without a token (a sender using kombu's stock transport, a token lost with
+its worker) is taken when the blocking read times out (``brpop_timeout``,
+1 s): the script runs then too. The messages are delivered one by one, as
+``BRPOP`` would have delivered them; their unacked records are already
+written, so ``append`` skips that round trip.
 
-The credit is Celery's prefetch (the engine's sequence slots), and none at
-all while the engine's intake is closed (``workers.intake``: its KV cache
-is full). A token popped by a read that then finds no credit is put back.
+The credit is Celery's prefetch (the engine's sequence slots) as the read is
+sent, and no read is sent while the engine's intake is closed
+(``workers.intake``: its KV cache is full). A read already waiting when it
+closes is still read and its jobs delivered: they are taken by then.
 
 Unacked records are scored with Redis's clock (``TIME`` in the script), and
 the redelivery sweep compares them with Redis's clock too, as the
@@ -78,8 +81,10 @@ TAKE_SCRIPT = """
 -- KEYS: unacked index, unacked hash, the queues' wake lists (one per queue), then
 -- the queue lists in kombu's BRPOP order: priority-major, so list i (from 0)
 -- belongs to queue i % #queues.
--- ARGV: how many messages to pop, the number of queues, 1 if the read popped a wake token.
+-- ARGV: how many messages to pop, the number of queues.
 -- Returns the delivery tags recorded, then the messages popped (key, message, ...).
+-- Runs right after the wake-up read on the same connection, which may or may not have popped
+-- a token: it leaves each wake list as long as the jobs still queued, neither more nor fewer.
 local clock = redis.call('TIME')
 local now = tonumber(clock[1]) + tonumber(clock[2]) / 1000000
 local queues = tonumber(ARGV[2])
@@ -117,13 +122,13 @@ for i = first_list, #KEYS do
 end
 for q = 1, queues do
   local wake = KEYS[2 + q]
-  if ARGV[3] == '1' and #taken == 0 and queued[q] > 0 then
-    redis.call('LPUSH', wake, '1')  -- the token this read popped, for a worker with credit
-  end
+  local tokens = redis.call('LLEN', wake)
   if queued[q] == 0 then
     redis.call('DEL', wake)
-  elseif redis.call('LLEN', wake) > queued[q] then
+  elseif tokens > queued[q] then
     redis.call('LTRIM', wake, 0, queued[q] - 1)
+  elseif tokens < queued[q] then  -- for other workers (this one took what its credit allows)
+    for _ = tokens + 1, queued[q] do redis.call('LPUSH', wake, '1') end
   end
 end
 return {recorded, taken}
@@ -148,7 +153,16 @@ class QoS(kombu_redis.QoS):
         )
 
     def can_consume(self) -> bool:
-        return (self._intake is None or self._intake.open) and super().can_consume()
+        """A closed intake stops new reads; one in flight is still read.
+
+        Its jobs are taken already (the script ran as its wait ended), and
+        kombu leaves a reply it may not consume unread: they would sit in the
+        socket, recorded as taken, until the sweep sent them to another
+        worker while this one still held them.
+        """
+        reading = bool(self.channel._in_poll)
+        open_ = self._intake is None or self._intake.open or reading
+        return open_ and super().can_consume()
 
     def can_consume_max_estimate(self) -> int:
         if self._intake is not None and not self._intake.open:
@@ -214,7 +228,6 @@ class QoS(kombu_redis.QoS):
 
 class Channel(kombu_redis.Channel):
     QoS = QoS
-    _take_script: Any = None
 
     def close(self) -> None:
         if self._qos is not None:
@@ -240,25 +253,56 @@ class Channel(kombu_redis.Channel):
             pipe.lpush(keys.queue_wake(queue), "1")
 
     def _brpop_start(self, timeout: float | None = None) -> None:
-        """Block on the queues' wake lists: a token is popped, never a job."""
+        """Block on the queues' wake lists, with the take script sent right behind.
+
+        Redis runs the script as soon as the blocking read returns (a token,
+        or the timeout), so waking and taking cost one round trip, not two.
+        The credit is this moment's: it can only grow while the read waits
+        (acks free slots), and what it misses the next read takes.
+        """
         queues = self._queue_cycle.consume(len(self.active_queues))
         if not queues:
             return
         wake = [keys.queue_wake(queue) for queue in queues]
-        self._in_poll = self.client.connection
-        self._brpop_sent_at = monotonic()
+        lists = [self._q_for_pri(queue, pri) for pri in self.priority_steps for queue in queues]
+        credit = self.qos.can_consume_max_estimate()
         timeout = self.brpop_timeout if timeout is None else timeout
-        self.client.connection.send_command("BRPOP", *wake, timeout or 0)
+        connection = self.client.connection
+        self._in_poll = connection
+        self._brpop_sent_at = monotonic()
+        connection.send_packed_command(
+            connection.pack_commands(
+                [
+                    ("BRPOP", *wake, timeout or 0),
+                    (
+                        "EVAL",
+                        TAKE_SCRIPT,
+                        2 + len(wake) + len(lists),
+                        self.unacked_index_key,
+                        self.unacked_key,
+                        *wake,
+                        *lists,
+                        credit,
+                        len(queues),
+                    ),
+                ]
+            )  # fmt: skip
+        )
 
     def _brpop_read(self, **options: Any) -> bool:
-        """A token or a timeout; either way, take up to the credit in one script."""
+        """The wake-up's reply, then the take script's: deliver what it took."""
         try:
+            connection = self.client.connection
             try:
-                woke = self.client.parse_response(self.client.connection, "BRPOP", **options)
+                self.client.parse_response(connection, "BRPOP", **options)
+                reply = self.client.parse_response(connection, "EVAL")
             except self.connection_errors:
-                self.client.connection.disconnect()  # the next poll reconnects
+                connection.disconnect()  # the next poll reconnects
                 raise
-            messages = self._take(woke=bool(woke))
+            except redis.ResponseError as exc:  # nothing was popped: the jobs stay queued
+                log.warning("could not take jobs from Redis: %s", exc)
+                raise kombu_redis.Empty() from exc
+            messages = self._received(reply)
             if not messages:
                 raise kombu_redis.Empty()
             self._queue_cycle.rotate(self._queue_of(messages[0][0]))
@@ -293,45 +337,17 @@ class Channel(kombu_redis.Channel):
                 log.exception("dropping a malformed message from %s: %.200r", key, message)
                 self.qos.ack(tag)  # removes its record
 
-    def _take(self, woke: bool) -> list[tuple[str, Any]]:
-        """Pop and record up to the credit's worth of messages, decoded.
-
-        If the script fails nothing was popped: the jobs stay queued for the
-        next poll (this worker's or another's).
-        """
-        try:
-            recorded, taken = self._run_take_script(woke)
-        except self.connection_errors as exc:
-            log.warning("could not take jobs from Redis: %s", exc)
-            return []
-        self.qos.recorded.update(recorded)
+    def _received(self, reply: list[Any]) -> list[tuple[str, Any]]:
+        """The take script's messages, decoded; their records are written already."""
+        recorded, taken = reply
+        self.qos.recorded.update(bytes_to_str(tag) for tag in recorded)
         messages = []
-        for key, item in taken:
+        for key, item in zip(taken[::2], taken[1::2], strict=True):
             try:
-                messages.append((key, loads(item)))
+                messages.append((bytes_to_str(key), loads(bytes_to_str(item))))
             except ValueError:
                 log.error("dropping a message that is not JSON from %s: %.200r", key, item)
         return messages
-
-    def _run_take_script(self, woke: bool) -> tuple[list[str], list[tuple[str, str]]]:
-        """The delivery tags the script recorded, and the (list, message) pairs it popped."""
-        credit = self.qos.can_consume_max_estimate()
-        queues = self._queue_cycle.consume(len(self.active_queues))
-        wake = [keys.queue_wake(queue) for queue in queues]
-        lists = [self._q_for_pri(queue, pri) for pri in self.priority_steps for queue in queues]
-        with self.conn_or_acquire() as client:
-            if self._take_script is None:
-                self._take_script = client.register_script(TAKE_SCRIPT)
-            reply = self._take_script(
-                keys=[self.unacked_index_key, self.unacked_key, *wake, *lists],
-                args=[credit, len(queues), int(woke)],
-                client=client,
-            )
-        recorded, taken = reply
-        pairs = zip(taken[::2], taken[1::2], strict=True)
-        return [bytes_to_str(tag) for tag in recorded], [
-            (bytes_to_str(key), bytes_to_str(item)) for key, item in pairs
-        ]
 
     def _queue_of(self, key: str) -> str:
         return key.rsplit(self.sep, 1)[0]

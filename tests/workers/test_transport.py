@@ -337,13 +337,9 @@ def test_a_closed_intake_takes_nothing_and_loses_no_wake_token(
         channel.basic_qos(prefetch_count=4)
         assert channel.qos.can_consume_max_estimate() == 0 and not channel.qos.can_consume()
 
-        # a read already waiting when the intake closed pops a token, then finds no credit
-        assert client.rpop(keys.queue_wake(queue.name)) is not None
-        probe = Consumer(channel, queues=[queue])
-        probe.consume()
-        assert channel._take(woke=True) == []
+        with Consumer(channel, queues=[queue]), pytest.raises(TimeoutError):  # no read is sent
+            connection.drain_events(timeout=0.5)
         assert client.llen(keys.queue_wake(queue.name)) == client.llen(queue.name) == 2
-        probe.cancel()
         channel.close()
 
         intake.set(True)
@@ -393,6 +389,35 @@ def test_an_intake_that_opens_wakes_the_loop_to_take_jobs(
             intake.set(True)  # from another thread, as the engine thread opens it
 
             assert received.get(timeout=3).payload == bodies[0]
+
+
+def test_a_read_waiting_when_the_intake_closes_still_delivers_what_it_took(
+    redis_url: str, queue: Queue, client: redis.Redis
+) -> None:
+    """The script behind the read took the job as the read returned: it must not sit unread."""
+    intake = Intake()
+    options = {TRANSPORT_OPTION: intake}
+    connection = Connection(redis_url, transport=Transport, transport_options=options)
+    with connection, sleepy_loop(connection, queue, prefetch=4) as received:
+        time.sleep(0.3)  # the loop waits on the wake list
+        intake.set(False)
+        with Connection(redis_url, transport=Transport) as producer:
+            bodies = _publish(producer, queue, 1)
+
+        assert received.get(timeout=3).payload == bodies[0]
+        assert client.exists(queue.name, keys.queue_wake(queue.name)) == 0
+
+
+def test_a_job_beyond_the_credit_keeps_its_token_for_another_worker(
+    connection: Connection, queue: Queue, client: redis.Redis
+) -> None:
+    _publish(connection, queue, 3)
+    client.delete(keys.queue_wake(queue.name))  # sent without tokens (kombu's stock producer)
+
+    received = _consume_once(connection, queue, prefetch=2)
+
+    assert len(received) == 2
+    assert client.llen(keys.queue_wake(queue.name)) == client.llen(queue.name) == 1
 
 
 @pytest.fixture
