@@ -75,6 +75,7 @@ log = logging.getLogger(__name__)
 FLEET_REFRESH_S = 1.0  # heartbeats are read at most this stale
 FLEET_STALE_S = 5.0  # no successful read for this long: Redis is unreachable, not ready
 CLEANUP_TIMEOUT_S = 5.0
+MAX_UNSENT_ENDS = 10_000  # kept for when Redis answers again; older ones are let go
 
 
 class DistributedBackend:
@@ -296,6 +297,8 @@ class DistributedBackend:
         except (RedisError, OSError, TimeoutError) as exc:
             log.warning("ending %s in Redis failed, to retry: %s", request_id, exc)
             self._unsent_ends[request_id] = end
+            if len(self._unsent_ends) > MAX_UNSENT_ENDS:  # a long outage under load
+                del self._unsent_ends[next(iter(self._unsent_ends))]  # the oldest
 
     def _queue_end(self, pipe: Pipeline, request_id: str, end: _End) -> None:
         if end.cancel:

@@ -213,6 +213,30 @@ def test_a_cancel_that_found_redis_down_is_sent_once_it_answers(server: RedisSer
     asyncio.run(asyncio.wait_for(scenario(), 15))
 
 
+def test_ends_kept_through_an_outage_are_bounded_oldest_first(
+    server: RedisServer, monkeypatch: pytest.MonkeyPatch
+):
+    monkeypatch.setattr("api.backends.distributed.MAX_UNSENT_ENDS", 2)
+
+    async def scenario() -> None:
+        backend = await started(DistributedBackend(server.url, SPEC, settings(server)))
+        try:
+            server.kill()
+            for name in ("req-old", "req-mid", "req-new"):
+                events = [event async for event in backend.infer(request(name))]
+                assert isinstance(events[-1], Error) and events[-1].kind == "unavailable"
+                await asyncio.sleep(0.2)  # its end fails, and is kept
+            server.start()
+            flags = [keys.cancel_flag("req-mid"), keys.cancel_flag("req-new")]
+            while await asyncio.to_thread(server.client.exists, *flags) < 2:
+                await asyncio.sleep(0.1)
+        finally:
+            await backend.stop()
+
+    asyncio.run(asyncio.wait_for(scenario(), 20))
+    assert not server.client.exists(keys.cancel_flag("req-old"))
+
+
 @pytest.mark.parametrize(
     ("written", "kind"),
     [
