@@ -211,6 +211,16 @@ class QoS(kombu_redis.QoS):
             except kombu_redis.MutexHeld:
                 pass
 
+    def restore_unacked_once(self, stderr: Any = None) -> None:
+        """kombu's restore at close, then the acks that came in meanwhile.
+
+        A task thread may ack after close wrote the pending acks: the restore
+        skips that job, and its records would stay behind for the sweep.
+        """
+        super().restore_unacked_once(stderr)
+        if self.channel.connection is not None:  # also called at garbage collection
+            self.flush_acks()
+
     def flush_acks(self) -> None:
         """Remove every pending ack's records in one write; a failure only logs."""
         with self._acks_lock:

@@ -498,6 +498,26 @@ def test_closing_the_channel_writes_the_pending_acks(
     assert all(client.hget(UNACKED, message.delivery_tag) is None for message in received)
 
 
+def test_an_ack_that_arrives_while_the_channel_closes_is_written_too(
+    connection: Connection, queue: Queue, client: redis.Redis, event_loop_hub: Hub
+) -> None:
+    """A task thread acks after close wrote the pending acks, before it restored the rest."""
+    _publish(connection, queue, 1)
+    (message,) = _consume_once(connection, queue, prefetch=5)
+    qos = message.channel.qos
+    restore = qos.restore_unacked_once
+
+    def ack_then_restore(*args: Any, **kwargs: Any) -> Any:
+        message.ack()  # as from a task thread, mid-close
+        return restore(*args, **kwargs)
+
+    qos.restore_unacked_once = ack_then_restore
+    message.channel.close()
+
+    assert client.hget(UNACKED, message.delivery_tag) is None
+    assert client.llen(queue.name) == 0  # acked: not restored either
+
+
 def test_an_ack_redis_refuses_is_logged_not_raised_into_the_loop(
     redis_url: str, queue: Queue, client: redis.Redis, caplog: pytest.LogCaptureFixture
 ) -> None:
