@@ -280,24 +280,10 @@ class Channel(kombu_redis.Channel):
         connection = self.client.connection
         self._in_poll = connection
         self._brpop_sent_at = monotonic()
-        connection.send_packed_command(
-            connection.pack_commands(
-                [
-                    ("BRPOP", *wake, timeout or 0),
-                    (
-                        "EVAL",
-                        TAKE_SCRIPT,
-                        2 + len(wake) + len(lists),
-                        self.unacked_index_key,
-                        self.unacked_key,
-                        *wake,
-                        *lists,
-                        credit,
-                        len(queues),
-                    ),
-                ]
-            )  # fmt: skip
-        )
+        script_keys = [self.unacked_index_key, self.unacked_key, *wake, *lists]
+        wait = ("BRPOP", *wake, timeout or 0)
+        take = ("EVAL", TAKE_SCRIPT, len(script_keys), *script_keys, credit, len(queues))
+        connection.send_packed_command(connection.pack_commands([wait, take]))
 
     def _brpop_read(self, **options: Any) -> bool:
         """The wake-up's reply, then the take script's: deliver what it took."""
