@@ -320,8 +320,8 @@ class DistributedBackend:
             for request_id, end in pending:
                 self._queue_end(pipe, request_id, end)
             await pipe.execute()
-        for request_id, _ in pending:
-            del self._unsent_ends[request_id]
+        for request_id, _ in pending:  # the bound may have let some go meanwhile
+            self._unsent_ends.pop(request_id, None)
         log.info("sent the ends of %d requests once Redis answered again", len(pending))
 
     # --- the fleet watcher -----------------------------------------------------------
