@@ -26,6 +26,7 @@ from kombu.asynchronous.timer import Timer
 from kombu.transport.redis import Channel as KombuChannel
 
 from shared import keys
+from tests.workers.conftest import wait_until
 from workers.intake import TRANSPORT_OPTION, Intake
 from workers.transport import Transport
 from workers.visibility import DeliveryTracker
@@ -348,10 +349,12 @@ def test_a_closed_intake_takes_nothing_and_loses_no_wake_token(
 
 
 @contextlib.contextmanager
-def sleepy_loop(connection: Connection, queue: Queue, prefetch: int) -> Iterator[queues.Queue]:
+def sleepy_loop(
+    connection: Connection, queue: Queue, prefetch: int
+) -> Iterator[tuple[queues.Queue, Any]]:
     """A consumer on a running kombu event loop that, unless woken, sleeps 10 s per poll.
 
-    Yields the queue its messages arrive on. The transport's own timers
+    Yields the queue its messages arrive on, and its channel. The transport's own timers
     (which would wake the loop every second) are cleared, and one timer far
     off leaves the poll kombu's longest wait.
     """
@@ -367,7 +370,7 @@ def sleepy_loop(connection: Connection, queue: Queue, prefetch: int) -> Iterator
     loop = threading.Thread(target=hub.run_forever, daemon=True)
     loop.start()
     try:
-        yield received
+        yield received, channel
     finally:
         hub.stop()
         loop.join(timeout=15)
@@ -382,7 +385,7 @@ def test_an_intake_that_opens_wakes_the_loop_to_take_jobs(
     options = {TRANSPORT_OPTION: intake}
     with Connection(redis_url, transport=Transport, transport_options=options) as connection:
         bodies = _publish(connection, queue, 1)
-        with sleepy_loop(connection, queue, prefetch=4) as received:
+        with sleepy_loop(connection, queue, prefetch=4) as (received, _):
             time.sleep(0.3)  # the loop is in its poll, taking nothing
             assert received.empty() and client.llen(queue.name) == 1
 
@@ -398,8 +401,8 @@ def test_a_read_waiting_when_the_intake_closes_still_delivers_what_it_took(
     intake = Intake()
     options = {TRANSPORT_OPTION: intake}
     connection = Connection(redis_url, transport=Transport, transport_options=options)
-    with connection, sleepy_loop(connection, queue, prefetch=4) as received:
-        time.sleep(0.3)  # the loop waits on the wake list
+    with connection, sleepy_loop(connection, queue, prefetch=4) as (received, channel):
+        wait_until(lambda: channel._in_poll, 5, "the loop to wait on the wake list")
         intake.set(False)
         with Connection(redis_url, transport=Transport) as producer:
             bodies = _publish(producer, queue, 1)
@@ -472,7 +475,7 @@ def test_an_ack_from_a_task_thread_wakes_a_loop_that_has_no_credit(
     job would wait in Redis that long.
     """
     _publish(connection, queue, 2)
-    with sleepy_loop(connection, queue, prefetch=1) as received:
+    with sleepy_loop(connection, queue, prefetch=1) as (received, _):
         first = received.get(timeout=5)
         time.sleep(0.2)  # the loop is back in its poll, with no credit for the second job
         acker = threading.Thread(target=first.ack)
