@@ -217,12 +217,13 @@ class DistributedBackend:
         request = with_seed(request)
         request_id = request.request_id
         deadlines = self._limits.deadlines(time.time())
-        subscription = self._reader.open(request_id)
+        subscription = self._reader.open(request_id, wake=False)  # the submit wakes it
         progress = _Progress()
         queued: TaskMessage | Error | None = None
         last: InferenceEvent | None = None
         try:
-            queued = await self._submit(Job(request, deadlines, origin=self._process_id))
+            job = Job(request, deadlines, origin=self._process_id)
+            queued = await self._submit(job, self._reader.take_wake())
             if isinstance(queued, Error):
                 last = queued
                 yield last
@@ -242,12 +243,12 @@ class DistributedBackend:
         except (RedisError, OSError) as exc:
             raise api_error("unavailable", f"Redis is unreachable ({exc}); retry later.") from exc
 
-    async def _submit(self, job: Job) -> TaskMessage | Error:
+    async def _submit(self, job: Job, wake: str | None) -> TaskMessage | Error:
         """Join the in-flight set and queue the job: its message, or the ``Error`` that ends it."""
         request_id, limits = job.request.request_id, self._limits
         try:
             score = job.deadlines.total or time.time() + limits.total_timeout_s
-            queued = await self._queue.put(job, score, limits.max_inflight)
+            queued = await self._queue.put(job, score, limits.max_inflight, wake)
         except (RedisError, OSError, TimeoutError) as exc:
             log.warning("submitting %s failed: %s", request_id, exc)
             message = "Could not queue the request: Redis is unreachable; retry later."

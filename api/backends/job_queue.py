@@ -24,7 +24,9 @@ and the fleet watcher prunes it. Async jobs pass no bound: they are refused,
 if at all, before they are accepted.
 
 The message is Celery's own, built by ``shared.task_message``; the same
-script pushes the wake token workers block on (``keys.queue_wake``).
+script pushes the wake token workers block on (``keys.queue_wake``) and,
+when the caller passes it, the entry that returns its event reader's blocked
+read so that the next read includes the new request's stream.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ import time
 from redis.asyncio import Redis
 from redis.asyncio.client import Pipeline
 
+from api.backends.event_reader import WAKE_TTL_S
 from shared import keys
 from shared.task_message import TaskMessage, task_message
 from shared.wire import Job, PreparedRequest
@@ -44,10 +47,17 @@ from shared.wire import Job, PreparedRequest
 SEND_TIMEOUT_S = 10.0
 
 SUBMIT_SCRIPT = """
--- KEYS: the model's in-flight set, the queue's list, its wake list, and the job's origin key when
--- it has one. ARGV: now, the bound (0: none), the job's in-flight score, its request id, its
--- message, the origin key's TTL.
+-- KEYS: the model's in-flight set, the queue's list, its wake list, then the event reader's wake
+-- stream if ARGV[7] is '1', then the job's origin key when it has one. ARGV: now, the bound
+-- (0: none), the job's in-flight score, its request id, its message, the origin key's TTL,
+-- whether to wake the reader, the wake stream's TTL.
 -- Returns 1 if queued, 0 if refused: the set already counted the bound.
+local origin = 4
+if ARGV[7] == '1' then  -- whether queued or refused: the reader reads this job's stream next
+  redis.call('XADD', KEYS[4], 'MAXLEN', 1, '*', 'w', '1')
+  redis.call('EXPIRE', KEYS[4], ARGV[8])
+  origin = 5
+end
 local bound = tonumber(ARGV[2])
 if bound > 0 and redis.call('ZCOUNT', KEYS[1], ARGV[1], '+inf') >= bound then
   return 0
@@ -55,8 +65,8 @@ end
 redis.call('ZADD', KEYS[1], ARGV[3], ARGV[4])
 redis.call('LPUSH', KEYS[2], ARGV[5])
 redis.call('LPUSH', KEYS[3], '1')
-if KEYS[4] then
-  redis.call('SET', KEYS[4], '1', 'EX', ARGV[6])
+if KEYS[origin] then
+  redis.call('SET', KEYS[origin], '1', 'EX', ARGV[6])
 end
 return 1
 """
@@ -80,7 +90,7 @@ class JobQueue:
         self._script = client.register_script(SUBMIT_SCRIPT)
 
     async def put(
-        self, job: Job, inflight_score: float, bound: int | None = None
+        self, job: Job, inflight_score: float, bound: int | None = None, wake: str | None = None
     ) -> TaskMessage | None:
         """Join the model's in-flight set and queue ``job``, unless the set counts ``bound``.
 
@@ -94,14 +104,19 @@ class JobQueue:
         The job's origin key is set with it: a worker drops a job whose origin
         key is missing, and after Redis lost its data (a restart) the key is
         missing until the next renewal, up to a second away.
+
+        ``wake``: the event reader's wake stream (``EventReader.take_wake``),
+        appended to in the same call, whether the job is queued or refused.
         """
         request = job.request
         message = task_message(job)
         script_keys = [keys.inflight(request.model), message.key, message.wake]
+        if wake is not None:
+            script_keys.append(wake)
         if job.origin is not None:
             script_keys.append(keys.api_process(job.origin))
         args = [time.time(), bound or 0, inflight_score, request.request_id, message.body]
-        args.append(keys.API_PROCESS_TTL_S)
+        args += [keys.API_PROCESS_TTL_S, int(wake is not None), WAKE_TTL_S]
         async with asyncio.timeout(SEND_TIMEOUT_S):
             queued = await self._script(keys=script_keys, args=args)
         return message if queued else None

@@ -14,11 +14,15 @@ from collections.abc import Coroutine
 from typing import Any, TypeVar
 
 import pytest
+from redis.asyncio import Redis
 
 from api.backends.event_reader import EventReader, Subscription
+from api.backends.job_queue import JobQueue
 from shared import keys
 from shared.event_codec import encode_event
 from shared.events import Error, Finish, FinishReason, InferenceEvent, Ready, Text
+from shared.sampling import SamplingParams
+from shared.wire import Deadlines, Job, PreparedRequest
 from tests.distributed.conftest import RedisServer
 from tests.streams import append_events
 
@@ -86,6 +90,37 @@ def test_a_new_stream_does_not_wait_for_the_blocked_read(own_redis: RedisServer)
             return time.monotonic() - started
         finally:
             await reader.stop()
+
+    assert run(scenario()) < 1.0
+
+
+@pytest.mark.parametrize("bound", [0, 1], ids=["queued", "refused"])
+def test_a_job_queued_with_the_wake_returns_the_blocked_read(own_redis: RedisServer, bound: int):
+    """The submit carries the wake (``take_wake``), once per blocked read, queued or refused."""
+    now = time.time()
+    request = PreparedRequest("late", "wake-test", [1, 2], SamplingParams(max_tokens=2))
+    own_redis.client.zadd(keys.inflight("wake-test"), {"other": now + 600})  # fills a bound of 1
+
+    async def scenario() -> float:
+        client = Redis.from_url(own_redis.url, decode_responses=True)
+        reader = EventReader(own_redis.url, block_ms=20_000)
+        await reader.start()
+        try:
+            reader.open("idle")
+            await asyncio.sleep(0.3)  # the reader is now blocked on "idle" alone
+            subscription = reader.open("late", wake=False)
+            wake = reader.take_wake()
+            assert wake is not None and reader.take_wake() is None  # one wake per blocked read
+            job = Job(request, Deadlines(total=now + 600), origin="wake-test-api")
+            queued = await JobQueue(client).put(job, now + 600, bound, wake)
+            assert (queued is None) == (bound == 1)
+            started = time.monotonic()
+            write(own_redis, "late", 1, Ready("late", 2, 0))
+            await receive(subscription, 1)
+            return time.monotonic() - started
+        finally:
+            await reader.stop()
+            await client.aclose()
 
     assert run(scenario()) < 1.0
 
