@@ -27,6 +27,13 @@ worker) the last CPU to itself and puts the client, the distributed API and
 Redis on the others. Unpinned, on two cores, four processes take turns and
 the 32-stream TTFT difference moved by ±10 ms from run to run; pinned, by
 ±4 ms: compare several runs.
+
+Last, it measures the machine's floor (``bench.wakeup``): how long a push
+through Redis takes to wake a process blocked on it, with no Sluice code on
+the path, the listener placed as the worker is. A first token of the
+distributed path waits for at least two such wake-ups that the embedded
+path has not: the job reaching the idle worker, and the worker's first
+event reaching Redis while the API and the client wait.
 """
 
 from __future__ import annotations
@@ -49,6 +56,7 @@ from pathlib import Path
 import aiohttp
 import httpx
 
+from bench import wakeup
 from shared.heap import freeze_startup_heap
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -392,6 +400,26 @@ def report(
     row("difference", difference, f"{cpu_difference:+.3f}", "", "")
 
 
+def measure_floor(workdir: Path, placement: Placement) -> wakeup.WakeFloor:
+    """``bench.wakeup`` against a Redis placed as the distributed run's, listener as its worker."""
+    processes = Processes()
+    try:
+        env = {**os.environ}
+        redis_url = start_redis(processes, workdir, env, placement.rest)
+        return wakeup.measure(redis_url, placement.engine)
+    finally:
+        processes.stop()
+
+
+def report_floor(floor: wakeup.WakeFloor) -> None:
+    p50, p99 = (percentile(floor.wake_s, q) * 1e3 for q in (50, 99))
+    ping = percentile(floor.ping_s, 50) * 1e3
+    print(
+        f"\nfloor (bench.wakeup, no Sluice code): waking a process blocked on Redis "
+        f"p50 {p50:.3f} ms, p99 {p99:.3f} ms; a busy caller's PING p50 {ping:.3f} ms"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--streams", type=int, default=32)
@@ -426,6 +454,7 @@ def main(argv: list[str] | None = None) -> int:
                 for mode in ("embedded", "distributed")
             }
             report(model, args, results["embedded"], results["distributed"])
+        report_floor(measure_floor(workdir, placement))
     if args.pin:
         print(f"\nPinned: the engine's process on CPU {sorted(placement.engine or ())}, "
               f"client, distributed API and Redis on {sorted(placement.rest or ())}.")  # fmt: skip
