@@ -28,6 +28,15 @@ from shared.wire import Job, encode_job
 CELERY_PRIORITIES = range(10)  # kombu's Redis transport: 0 is served first
 
 
+JOB_HEADER = "sluice_job"
+"""A header naming the job, for the script that takes it to start it (``workers.taken``)."""
+
+
+def job_header(job: Job) -> list[str]:
+    """``JOB_HEADER``'s value: the request id, and the origin (empty when none)."""
+    return [job.request.request_id, job.origin or ""]
+
+
 class TaskMessage(NamedTuple):
     """A job's message, the list it goes on, and the list of its wake token.
 
@@ -57,7 +66,7 @@ def task_message(job: Job) -> TaskMessage:
         "body": base64.b64encode(json.dumps(body).encode()).decode(),
         "content-encoding": "utf-8",
         "content-type": "application/json",
-        "headers": headers,
+        "headers": {**headers, JOB_HEADER: job_header(job)},
         "properties": {
             **properties,
             "delivery_mode": 2,

@@ -38,6 +38,8 @@ from celery import Celery
 from kombu import Exchange, Queue
 
 from workers.intake import TRANSPORT_OPTION, Intake
+from workers.taken import TRANSPORT_OPTION as TAKEN_OPTION
+from workers.taken import TakenStarts
 from workers.transport import Transport
 from workers.visibility import UNACKED_INDEX_KEY, UNACKED_MUTEX_KEY
 
@@ -58,12 +60,13 @@ BROKER_SOCKET_TIMEOUT_S = 10  # a vanished broker fails a command instead of han
 
 
 def broker_transport_options(
-    visibility_timeout_s: float, intake: Intake | None = None
+    visibility_timeout_s: float, intake: Intake | None = None, taken: TakenStarts | None = None
 ) -> dict[str, Any]:
-    """Redis transport options: the redelivery timing above, bounded socket waits, the intake."""
+    """Transport options: the redelivery timing above, bounded socket waits, intake, starts."""
     sweep_interval_s = max(1, min(10, round(visibility_timeout_s / 5)))
     return {
         TRANSPORT_OPTION: intake,
+        TAKEN_OPTION: taken,
         "visibility_timeout": visibility_timeout_s,
         "unacked_index_key": UNACKED_INDEX_KEY,
         "unacked_restore_interval": sweep_interval_s,
@@ -88,11 +91,13 @@ def create_app(
     concurrency: int,
     visibility_timeout_s: float = DEFAULT_VISIBILITY_TIMEOUT_S,
     intake: Intake | None = None,
+    taken: TakenStarts | None = None,
 ) -> Celery:
     """A Celery app that consumes exactly ``queues`` (the first is the model's own).
 
     ``intake``: the engine's, so that a worker whose KV cache is full takes
-    no more jobs (``workers.intake``).
+    no more jobs (``workers.intake``). ``taken``: the tasks', where the take
+    script leaves the jobs it started (``workers.taken``).
     """
     app = Celery("sluice-worker", broker=redis_url, set_as_current=False)
     app.conf.update(
@@ -108,7 +113,7 @@ def create_app(
         task_serializer="json",
         accept_content=["json"],
         broker_transport=Transport,  # kombu's Redis transport, taking bursts at once
-        broker_transport_options=broker_transport_options(visibility_timeout_s, intake),
+        broker_transport_options=broker_transport_options(visibility_timeout_s, intake, taken),
         broker_connection_retry=True,
         broker_connection_retry_on_startup=True,
         broker_connection_max_retries=None,  # a worker outlives any Redis outage

@@ -158,7 +158,12 @@ def serve(
         redis_url, identity, engine, heartbeat_interval_s=REFRESH_INTERVAL_S
     )
     app = create_app(
-        redis_url, queues, engine.args.max_num_seqs, visibility_timeout_s, runtime.host.intake
+        redis_url,
+        queues,
+        engine.args.max_num_seqs,
+        visibility_timeout_s,
+        runtime.host.intake,
+        runtime.context.taken,
     )
     register_task(app, runtime.context)
 

@@ -1,10 +1,12 @@
 """The ``sluice.generate`` task: one job, from its message to its ack.
 
-The task thread takes the job's attempt, reads what earlier attempts already
-streamed and either answers without the engine (cancelled, past its queue
-deadline, already finished) or hands a ``Run`` to the engine host and waits
-for its outcome. Returning acks the message; ``Reject(requeue=True)`` puts
-it back in its queue for another worker to resume.
+The task thread finds the job started (its attempt taken, what earlier
+attempts already streamed read) by the script that took its message
+(``workers.taken``), or starts it itself, and either answers without the
+engine (cancelled, past its queue deadline, already finished) or hands a
+``Run`` to the engine host and waits for its outcome. Returning acks the
+message; ``Reject(requeue=True)`` puts it back in its queue for another
+worker to resume.
 
 A job handed back mid-generation (a drain, or Redis refusing its events)
 goes back first in line: the task pushes it to the head of its queue and
@@ -42,6 +44,7 @@ from shared.wire import Job, decode_job, job_request_id
 from workers.coalescer import Coalescer
 from workers.host import Outcome, Resume, Run, WorkerHost
 from workers.publisher import Batch, EventPublisher
+from workers.taken import TakenStarts
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +60,7 @@ class TaskContext:
     publisher: EventPublisher
     host: WorkerHost
     model: str  # the registry name this worker serves
+    taken: TakenStarts = field(default_factory=TakenStarts)  # started by the take script
     begin: Coalescer[Job, Start | BeginFailed] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -166,7 +170,7 @@ def requeue_first(client: redis.Redis, job: Job, reason: str) -> None:
 
 def _run(context: TaskContext, job: Job) -> Outcome:
     request = job.request
-    start = context.begin(job)
+    start = _begin(context, job)
     if isinstance(start, BeginFailed):
         raise start
     history = start.history
@@ -201,6 +205,14 @@ def _answer_without_engine(
     return None
 
 
+def _begin(context: TaskContext, job: Job) -> Start | BeginFailed:
+    """The start the take script made as it took the job, or one made now (``begin_all``)."""
+    taken = context.taken.pop(job.request.request_id)
+    if taken is None:  # its message did not name the job (``shared.task_message.JOB_HEADER``)
+        return context.begin(job)
+    return _start_or_failure(job, *taken)
+
+
 def begin_all(client: redis.Redis, jobs: Sequence[Job]) -> list[Start | BeginFailed]:
     """Take each job's next attempt, then read its cancel flag and stream, atomically.
 
@@ -225,11 +237,17 @@ def begin_all(client: redis.Redis, jobs: Sequence[Job]) -> list[Start | BeginFai
     for job in jobs:
         attempt, _, cancelled, entries = islice(replies, 4)
         origin_alive = next(replies) if job.origin is not None else 1
-        try:
-            starts.append(_start(job, attempt, cancelled, entries, origin_alive))
-        except (redis.ResponseError, KeyError, ValueError, TypeError, IndexError) as exc:
-            starts.append(BeginFailed(f"cannot read what earlier attempts wrote: {exc}"))
+        starts.append(_start_or_failure(job, attempt, cancelled, entries, origin_alive))
     return starts
+
+
+def _start_or_failure(
+    job: Job, attempt: Any, cancelled: Any, entries: Any, origin_alive: Any
+) -> Start | BeginFailed:
+    try:
+        return _start(job, attempt, cancelled, entries, origin_alive)
+    except (redis.ResponseError, KeyError, ValueError, TypeError, IndexError) as exc:
+        return BeginFailed(f"cannot read what earlier attempts wrote: {exc}")
 
 
 def _start(job: Job, attempt: Any, cancelled: Any, entries: Any, origin_alive: Any) -> Start:

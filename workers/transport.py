@@ -27,6 +27,13 @@ its worker) is taken when the blocking read times out (``brpop_timeout``,
 ``BRPOP`` would have delivered them; their unacked records are already
 written, so ``append`` skips that round trip.
 
+The same script starts each job whose message names it
+(``shared.task_message.JOB_HEADER``): it takes the job's next attempt and
+reads its cancel flag, its stream so far and whether its API process lives,
+what the task thread would otherwise do in a transaction of its own once
+Celery handed it the job. The replies wait in ``workers.taken`` for the
+task; what is wrong with one job's keys fails that job's start alone.
+
 The credit is Celery's prefetch (the engine's sequence slots) as the read is
 sent, and no read is sent while the engine's intake is closed
 (``workers.intake``: its KV cache is full). A read already waiting when it
@@ -60,6 +67,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from functools import cached_property
 from time import monotonic
 from typing import Any
 
@@ -72,17 +80,29 @@ from kombu.utils.json import loads
 
 from shared import keys
 from workers.intake import TRANSPORT_OPTION, Intake
+from workers.taken import TRANSPORT_OPTION as TAKEN_OPTION
+from workers.taken import TakenStart, TakenStarts
 
 log = logging.getLogger(__name__)
 
 UNBOUNDED_BURST = 64  # the most one read takes for a consumer without a prefetch limit
+START_ARGS = (  # the take script's arguments to start the jobs it takes (workers.taken)
+    keys.lease(""),
+    keys.cancel_flag(""),
+    keys.event_stream(""),
+    keys.api_process(""),
+    keys.FINISHED_STREAM_TTL_S,
+)
 
 TAKE_SCRIPT = """
 -- KEYS: unacked index, unacked hash, the queues' wake lists (one per queue), then
 -- the queue lists in kombu's BRPOP order: priority-major, so list i (from 0)
 -- belongs to queue i % #queues.
--- ARGV: how many messages to pop, the number of queues.
--- Returns the delivery tags recorded, then the messages popped (key, message, ...).
+-- ARGV: how many messages to pop, the number of queues, then (to start the jobs taken,
+-- workers.taken) the key prefixes of leases, cancel flags, event streams and API processes,
+-- and a lease's TTL.
+-- Returns the delivery tags recorded, the messages popped (key, message, ...), and the jobs
+-- started (request id, {attempt, cancel flag, stream entries, origin alive}, ...).
 -- Runs right after the wake-up read on the same connection, which may or may not have popped
 -- a token: it leaves each wake list as long as the jobs still queued, neither more nor fewer.
 local clock = redis.call('TIME')
@@ -90,6 +110,23 @@ local now = tonumber(clock[1]) + tonumber(clock[2]) / 1000000
 local queues = tonumber(ARGV[2])
 local first_list = 3 + queues
 local recorded = {}
+local started = {}
+local function start(headers)  -- workers.task.begin_all's reads, for a message naming its job
+  local job = type(headers) == 'table' and headers['sluice_job']
+  if #ARGV < 7 or type(job) ~= 'table' or type(job[1]) ~= 'string' then return end
+  local request, origin = job[1], job[2]
+  local lease = ARGV[3] .. request
+  local attempt = redis.pcall('INCR', lease)  -- an error fails this job alone
+  redis.pcall('EXPIRE', lease, ARGV[7])
+  local alive = 1
+  if type(origin) == 'string' and origin ~= '' then
+    alive = redis.pcall('EXISTS', ARGV[6] .. origin)
+  end
+  local cancelled = redis.pcall('EXISTS', ARGV[4] .. request)
+  local entries = redis.pcall('XRANGE', ARGV[5] .. request, '-', '+')
+  started[#started + 1] = request
+  started[#started + 1] = {attempt, cancelled, entries, alive}
+end
 local function record(item)
   local ok, message = pcall(cjson.decode, item)
   if not ok or type(message) ~= 'table' then return end
@@ -103,6 +140,7 @@ local function record(item)
   redis.call('HSET', KEYS[2], properties['delivery_tag'],
              '[' .. item .. ',' .. exchange .. ',' .. routing_key .. ']')
   recorded[#recorded + 1] = properties['delivery_tag']
+  start(message['headers'])
 end
 local taken = {}
 local wanted = tonumber(ARGV[1])
@@ -131,7 +169,7 @@ for q = 1, queues do
     for _ = tokens + 1, queued[q] do redis.call('LPUSH', wake, '1') end
   end
 end
-return {recorded, taken}
+return {recorded, taken, started}
 """
 
 
@@ -283,6 +321,8 @@ class Channel(kombu_redis.Channel):
         script_keys = [self.unacked_index_key, self.unacked_key, *wake, *lists]
         wait = ("BRPOP", *wake, timeout or 0)
         take = ("EVAL", TAKE_SCRIPT, len(script_keys), *script_keys, credit, len(queues))
+        if self._taken is not None:
+            take += START_ARGS
         connection.send_packed_command(connection.pack_commands([wait, take]))
 
     def _brpop_read(self, **options: Any) -> bool:
@@ -333,10 +373,19 @@ class Channel(kombu_redis.Channel):
                 log.exception("dropping a malformed message from %s: %.200r", key, message)
                 self.qos.ack(tag)  # removes its record
 
+    @cached_property
+    def _taken(self) -> TakenStarts | None:
+        return self.connection.client.transport_options.get(TAKEN_OPTION)
+
     def _received(self, reply: list[Any]) -> list[tuple[str, Any]]:
-        """The take script's messages, decoded; their records are written already."""
-        recorded, taken = reply
+        """The take script's messages, decoded; their records and starts are written already."""
+        recorded, taken, started = reply
         self.qos.recorded.update(bytes_to_str(tag) for tag in recorded)
+        for request_id, replies in zip(started[::2], started[1::2], strict=True):
+            try:
+                self._taken.put(bytes_to_str(request_id), _taken_start(*replies))
+            except (AttributeError, TypeError, ValueError) as exc:  # its task starts it again
+                log.error("ignoring the start of %s: %s", request_id, exc)
         messages = []
         for key, item in zip(taken[::2], taken[1::2], strict=True):
             try:
@@ -361,6 +410,15 @@ class Transport(kombu_redis.Transport):
         intake: Intake | None = self.client.transport_options.get(TRANSPORT_OPTION)
         if intake is not None:  # an opened intake wakes the loop to poll for jobs again
             intake.attach(lambda: loop.call_soon(_nothing))
+
+
+def _taken_start(attempt: Any, cancelled: Any, entries: Any, origin_alive: Any) -> TakenStart:
+    """The replies as ``begin_all`` reads them: a script's ``XRANGE`` gives flat field lists."""
+    if isinstance(entries, list):
+        entries = [
+            (entry_id, dict(zip(flat[::2], flat[1::2], strict=True))) for entry_id, flat in entries
+        ]
+    return TakenStart(attempt, cancelled, entries, origin_alive)
 
 
 def _delivery_tag(message: dict[str, Any]) -> str | None:

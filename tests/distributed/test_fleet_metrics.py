@@ -75,7 +75,7 @@ def take(server: RedisServer, count: int) -> list[str]:
     assert server.client.rpop(wake) is not None, "no job on the queue"
     script = server.client.register_script(TAKE_SCRIPT)
     script_keys = [UNACKED_INDEX_KEY, UNACKED_KEY, wake, *queue_lists(DEFAULT_MODEL)]
-    recorded, taken = script(keys=script_keys, args=[count, 1])
+    recorded, taken, _ = script(keys=script_keys, args=[count, 1])
     assert len(recorded) == count and len(taken) == 2 * count
     return recorded
 

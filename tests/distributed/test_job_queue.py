@@ -22,6 +22,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from api.backends.job_queue import SEND_TIMEOUT_S, JobQueue
 from shared import keys
 from shared.sampling import SamplingParams
+from shared.task_message import JOB_HEADER, job_header
 from shared.wire import Deadlines, Job, PreparedRequest, decode_job, encode_job
 from tests.distributed.conftest import RedisServer
 from tests.servers import free_port
@@ -70,6 +71,7 @@ def test_message_matches_celery_send_task(redis_server: RedisServer, priority: i
         queue=keys.queue_name(MODEL),
         priority=priority,
         expires=datetime.fromtimestamp(theirs_job.deadlines.queue, UTC),
+        headers={JOB_HEADER: job_header(theirs_job)},
     )
     app.close()
     their_list, theirs = only_message(redis_server)
@@ -78,6 +80,7 @@ def test_message_matches_celery_send_task(redis_server: RedisServer, priority: i
     assert ours.keys() == theirs.keys()
     assert ours["headers"].keys() == theirs["headers"].keys()
     assert ours["headers"]["task"] == keys.TASK_NAME
+    assert ours["headers"][JOB_HEADER] == [ours_job.request.request_id, ours_job.origin or ""]
     assert set(theirs["properties"]) - set(ours["properties"]) <= {"expiration"}
     for name in ("delivery_info", "priority", "body_encoding", "delivery_mode"):
         assert ours["properties"][name] == theirs["properties"][name], name

@@ -30,6 +30,7 @@ from shared.event_codec import Entry, decode_entry
 from shared.events import Error, Finish, InferenceEvent, Text
 from shared.registry import DEFAULT_MODEL
 from shared.sampling import SamplingParams
+from shared.task_message import JOB_HEADER, job_header
 from shared.wire import Deadlines, Job, PreparedRequest, encode_job
 from tests.servers import free_port
 
@@ -165,7 +166,8 @@ def worker(redis_url: str, engine: LLMEngine) -> Iterator[WorkerRuntime]:
 
     identity = WorkerIdentity(WORKER_ID, DEFAULT_MODEL)
     runtime = WorkerRuntime.start(redis_url, identity, engine, heartbeat_interval_s=0.25)
-    app = create_app(redis_url, [QUEUE], CAPACITY, VISIBILITY_TIMEOUT_S, runtime.host.intake)
+    host, taken = runtime.host, runtime.context.taken
+    app = create_app(redis_url, [QUEUE], CAPACITY, VISIBILITY_TIMEOUT_S, host.intake, taken)
     register_task(app, runtime.context)
     try:
         with start_worker(
@@ -198,14 +200,17 @@ class Producer:
         deadlines: Deadlines | None = None,
         model: str = DEFAULT_MODEL,
         origin: str | None = None,
+        named: bool = True,
     ) -> str:
+        """``named``: with the job's header, as the API sends it (``workers.taken``)."""
         request_id = request_id or uuid.uuid4().hex
         request = PreparedRequest(request_id, model, prompt, params, created=time.time())
-        self.send_payload(encode_job(Job(request, deadlines or Deadlines(), origin)))
+        job = Job(request, deadlines or Deadlines(), origin)
+        self.send_payload(encode_job(job), {JOB_HEADER: job_header(job)} if named else None)
         return request_id
 
-    def send_payload(self, payload: str) -> None:
-        self.app.send_task(keys.TASK_NAME, args=[payload], queue=QUEUE, priority=0)
+    def send_payload(self, payload: str, headers: dict | None = None) -> None:
+        self.app.send_task(keys.TASK_NAME, args=[payload], queue=QUEUE, priority=0, headers=headers)
 
     def entries(self, request_id: str) -> list[Entry]:
         stream = self.client.xrange(keys.event_stream(request_id))

@@ -12,7 +12,8 @@ from shared import keys
 from shared.events import Error, Finish, FinishReason, Ready, Text
 from shared.registry import DEFAULT_MODEL
 from shared.sampling import SamplingParams
-from shared.wire import Deadlines, Job, PreparedRequest
+from shared.task_message import JOB_HEADER
+from shared.wire import Deadlines, Job, PreparedRequest, encode_job
 from tests.workers.conftest import (
     PROMPT,
     QUEUE,
@@ -48,6 +49,38 @@ def test_greedy_job_streams_what_offline_generation_produces(
     assert 0 < producer.client.ttl(keys.event_stream(request_id)) <= keys.FINISHED_STREAM_TTL_S
     # resolved by the outbox thread, counted again by the engine thread's snapshot
     wait_until(lambda: worker.host.snapshot.runs == 0, 5, "the run to leave the snapshot")
+
+
+def test_a_named_job_runs_on_the_start_its_take_made(
+    worker: WorkerRuntime, producer: Producer, client: redis.Redis
+) -> None:
+    request_id = uuid.uuid4().hex
+    request = PreparedRequest(request_id, DEFAULT_MODEL, PROMPT, GREEDY, created=time.time())
+    steps = worker.host.snapshot.steps
+    # Only the take script reads the header, here naming an API process that is gone:
+    # a task that started the job itself would find no origin to check and run it.
+    header = {JOB_HEADER: [request_id, "an-api-process-that-is-gone"]}
+    producer.send_payload(encode_job(Job(request, Deadlines(), origin=None)), header)
+
+    events = producer.wait_end(request_id)
+
+    assert len(events) == 1 and isinstance(events[0], Finish)
+    assert events[0].reason == FinishReason.ABORT and events[0].completion_tokens == 0
+    assert worker.host.snapshot.steps == steps  # dropped unrun
+    assert client.get(keys.lease(request_id)) == b"1"  # the task took no attempt of its own
+    assert len(worker.context.taken) == 0
+
+
+def test_a_job_its_message_does_not_name_takes_its_attempt_itself(
+    worker: WorkerRuntime, producer: Producer, client: redis.Redis, reference: Reference
+) -> None:
+    request_id = producer.send(GREEDY, named=False)  # as from a producer of its own
+
+    events = producer.wait_end(request_id)
+
+    assert tokens_of(events) == tokens_of(reference(PROMPT, GREEDY))
+    assert {entry.attempt for entry in producer.entries(request_id)} == {1}
+    assert client.get(keys.lease(request_id)) == b"1"
 
 
 def test_job_of_an_unknown_version_is_refused_without_requeue(

@@ -26,8 +26,13 @@ from kombu.asynchronous.timer import Timer
 from kombu.transport.redis import Channel as KombuChannel
 
 from shared import keys
+from shared.event_codec import decode_entry, encode_event
+from shared.events import Ready, Text
+from shared.task_message import JOB_HEADER
 from tests.workers.conftest import wait_until
 from workers.intake import TRANSPORT_OPTION, Intake
+from workers.taken import TRANSPORT_OPTION as TAKEN_OPTION
+from workers.taken import TakenStart, TakenStarts
 from workers.transport import Transport
 from workers.visibility import DeliveryTracker
 
@@ -536,3 +541,90 @@ def test_an_ack_redis_refuses_is_logged_not_raised_into_the_loop(
 
     assert "will be redelivered" in caplog.text
     client.delete(index, unacked)
+
+
+# --- starting the jobs it takes (workers.taken) ------------------------------------
+
+
+def _publish_named(connection: Connection, queue: Queue, request_id: str, origin: str) -> None:
+    with connection.channel() as channel:
+        Producer(channel).publish(
+            request_id, exchange=queue.exchange, routing_key=queue.routing_key,
+            declare=[queue], headers={JOB_HEADER: [request_id, origin]},
+        )  # fmt: skip
+
+
+@pytest.fixture
+def starting(redis_url: str) -> Iterator[tuple[Connection, TakenStarts]]:
+    """A connection whose take script starts the jobs it takes, and where it leaves them."""
+    taken = TakenStarts()
+    options = {TAKEN_OPTION: taken}
+    with Connection(redis_url, transport=Transport, transport_options=options) as conn:
+        yield conn, taken
+
+
+def test_a_job_is_started_in_the_step_that_takes_its_message(
+    starting: tuple[Connection, TakenStarts], queue: Queue, client: redis.Redis
+) -> None:
+    connection, taken = starting
+    request_id, origin = uuid.uuid4().hex, uuid.uuid4().hex
+    client.set(keys.lease(request_id), 2)  # two attempts before this one
+    client.set(keys.cancel_flag(request_id), "1")
+    written = [Ready(request_id, 7, 0), Text(request_id, "hi", [5, 6])]
+    for seq, event in enumerate(written, 1):
+        client.xadd(keys.event_stream(request_id), encode_event(event, 2, seq))
+    _publish_named(connection, queue, request_id, origin)
+
+    (message,) = _consume_once(connection, queue, prefetch=10)
+
+    assert message.payload == request_id
+    assert client.get(keys.lease(request_id)) == b"3"  # fences attempt 2 out from here on
+    assert 0 < client.ttl(keys.lease(request_id)) <= keys.FINISHED_STREAM_TTL_S
+    start = taken.pop(request_id)
+    assert start is not None and len(taken) == 0
+    assert (start.attempt, start.cancelled, start.origin_alive) == (3, 1, 0)  # origin key unset
+    assert [decode_entry(request_id, fields).event for _, fields in start.entries] == written
+    client.set(keys.api_process(origin), "1")
+    _publish_named(connection, queue, request_id, origin)
+    _consume_once(connection, queue, prefetch=10)
+    assert taken.pop(request_id).origin_alive == 1  # type: ignore[union-attr]
+
+
+def test_what_is_wrong_with_one_job_of_a_burst_fails_its_start_alone(
+    starting: tuple[Connection, TakenStarts], queue: Queue, client: redis.Redis
+) -> None:
+    connection, taken = starting
+    clobbered, fine = uuid.uuid4().hex, uuid.uuid4().hex
+    client.set(keys.event_stream(clobbered), "not a stream")
+    _publish_named(connection, queue, clobbered, "")
+    _publish_named(connection, queue, fine, "")
+
+    received = _consume_once(connection, queue, prefetch=10)
+
+    assert [message.payload for message in received] == [clobbered, fine]  # both delivered
+    assert isinstance(taken.pop(clobbered).entries, redis.ResponseError)  # type: ignore[union-attr]
+    assert taken.pop(fine) == TakenStart(1, 0, [], 1)  # no origin: nobody to be gone
+
+
+def test_a_message_that_does_not_name_its_job_is_taken_unstarted(
+    starting: tuple[Connection, TakenStarts], queue: Queue, client: redis.Redis
+) -> None:
+    connection, taken = starting
+    (body,) = _publish(connection, queue, 1)
+
+    (message,) = _consume_once(connection, queue, prefetch=10)
+
+    assert message.payload == body and len(taken) == 0
+    assert client.get(keys.lease(body)) is None
+
+
+def test_a_consumer_with_nowhere_to_leave_starts_starts_nothing(
+    connection: Connection, queue: Queue, client: redis.Redis
+) -> None:
+    request_id = uuid.uuid4().hex
+    _publish_named(connection, queue, request_id, "")
+
+    (message,) = _consume_once(connection, queue, prefetch=10)
+
+    assert message.payload == request_id
+    assert client.get(keys.lease(request_id)) is None  # its task takes the attempt itself
