@@ -404,8 +404,7 @@ def measure_floor(workdir: Path, placement: Placement) -> wakeup.WakeFloor:
     """``bench.wakeup`` against a Redis placed as the distributed run's, listener as its worker."""
     processes = Processes()
     try:
-        env = {**os.environ}
-        redis_url = start_redis(processes, workdir, env, placement.rest)
+        redis_url = start_redis(processes, workdir, dict(os.environ), placement.rest)
         return wakeup.measure(redis_url, placement.engine)
     finally:
         processes.stop()

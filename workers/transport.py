@@ -79,6 +79,7 @@ from kombu.utils.encoding import bytes_to_str
 from kombu.utils.json import loads
 
 from shared import keys
+from shared.task_message import JOB_HEADER
 from workers.intake import TRANSPORT_OPTION, Intake
 from workers.taken import TRANSPORT_OPTION as TAKEN_OPTION
 from workers.taken import TakenStart, TakenStarts
@@ -92,6 +93,7 @@ START_ARGS = (  # the take script's arguments to start the jobs it takes (worker
     keys.event_stream(""),
     keys.api_process(""),
     keys.FINISHED_STREAM_TTL_S,
+    JOB_HEADER,
 )
 
 TAKE_SCRIPT = """
@@ -100,7 +102,7 @@ TAKE_SCRIPT = """
 -- belongs to queue i % #queues.
 -- ARGV: how many messages to pop, the number of queues, then (to start the jobs taken,
 -- workers.taken) the key prefixes of leases, cancel flags, event streams and API processes,
--- and a lease's TTL.
+-- a lease's TTL and the header naming a message's job.
 -- Returns the delivery tags recorded, the messages popped (key, message, ...), and the jobs
 -- started (request id, {attempt, cancel flag, stream entries, origin alive}, ...).
 -- Runs right after the wake-up read on the same connection, which may or may not have popped
@@ -112,8 +114,9 @@ local first_list = 3 + queues
 local recorded = {}
 local started = {}
 local function start(headers)  -- workers.task.begin_all's reads, for a message naming its job
-  local job = type(headers) == 'table' and headers['sluice_job']
-  if #ARGV < 7 or type(job) ~= 'table' or type(job[1]) ~= 'string' then return end
+  if #ARGV < 8 or type(headers) ~= 'table' then return end
+  local job = headers[ARGV[8]]
+  if type(job) ~= 'table' or type(job[1]) ~= 'string' then return end
   local request, origin = job[1], job[2]
   local lease = ARGV[3] .. request
   local attempt = redis.pcall('INCR', lease)  -- an error fails this job alone
@@ -384,7 +387,7 @@ class Channel(kombu_redis.Channel):
         for request_id, replies in zip(started[::2], started[1::2], strict=True):
             try:
                 self._taken.put(bytes_to_str(request_id), _taken_start(*replies))
-            except (AttributeError, TypeError, ValueError) as exc:  # its task starts it again
+            except (TypeError, ValueError) as exc:  # its task starts it again
                 log.error("ignoring the start of %s: %s", request_id, exc)
         messages = []
         for key, item in zip(taken[::2], taken[1::2], strict=True):
