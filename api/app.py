@@ -1,7 +1,7 @@
-"""The HTTP app: the protocol table, the routes, and how errors are answered.
+"""The HTTP app: the routes, and how errors are answered.
 
 Every generation route is the same handler driven by one row of
-``PROTOCOLS``: read the JSON body, prepare it in a bounded threadpool, hand
+``api.protocols.table.PROTOCOLS``: read the JSON body, prepare it in a bounded threadpool, hand
 the prepared request to the backend, and answer with SSE or JSON. Adding a
 protocol is adding a row. Every error, whatever raised it, is rendered in the
 shape of the protocol whose path was called, with the status it deserves.
@@ -9,14 +9,10 @@ shape of the protocol whose path was called, with the status it deserves.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, TypeVar
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 import anyio
 from fastapi import FastAPI, Request, Response
@@ -25,132 +21,23 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
-from api.backends.base import Backend, ServedModel
+from api.backends.base import Backend
 from api.errors import ApiError, bad_request
 from api.jobs.routes import jobs_router
 from api.jobs.store import JobStore, MemoryJobStore
-from api.metrics import ServingMetrics
-from api.output_parser import OutputParser
-from api.preparation import (
-    PreparationContext,
-    Prepared,
-    encode_request,
-    new_request_id,
-    prepare,
-)
-from api.protocols import chat_completions, messages, responses
+from api.preparation import encode_request, new_request_id
+from api.protocols import chat_completions, messages
 from api.protocols.base import Protocol
-from api.streaming import StreamProcessor, collect, event_source
-from shared.events import InferenceEvent
-from shared.registry import ModelRegistry, ModelSpec, default_registry
+from api.protocols.table import BY_PATH, PROTOCOLS, error_shape
+from api.request_body import read_json
+from api.serving import Serving
+from api.settings import Settings, load_models
+from api.streaming import collect, event_source
+from shared.registry import ModelSpec
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-PROTOCOLS: tuple[Protocol, ...] = (
-    chat_completions.PROTOCOL,
-    responses.PROTOCOL,
-    messages.PROTOCOL,
-)
-# Routes outside the table answer errors like the protocol whose path they extend;
-# anything else (models, tokenize, unknown paths) answers like OpenAI.
-DEFAULT_ERROR_SHAPE = chat_completions.PROTOCOL
-
-
-@dataclass(slots=True)
-class Settings:
-    """How ``sluice serve`` runs; ``config`` is a TOML model registry."""
-
-    model: str = "default"
-    config: Path | None = None
-    host: str = "127.0.0.1"
-    port: int = 8000
-    dtype: str = "auto"
-    quantization: str | None = None
-    max_model_len: int | None = None
-    max_num_seqs: int = 64
-    preparation_threads: int = 8  # concurrent preparations; more wait their turn
-    # Distributed mode (workers behind Redis) when set; see api/admission.py for the policy.
-    redis_url: str | None = None
-    queue_timeout_s: float = 30.0  # a worker must start the request by then: 503
-    first_token_timeout_s: float = 60.0  # the first token must come by then: 504
-    total_timeout_s: float = 600.0  # the whole generation must end by then: 504
-    max_inflight: int = 256  # queued + in-flight requests per model before a 429
-    # Async jobs (api/jobs): kept this long after submission; a batch holds at most this many.
-    job_retention_s: float = 86_400.0
-    max_batch_jobs: int = 100
-
-
-def load_models(settings: Settings) -> tuple[ModelRegistry, ModelSpec]:
-    """The registry this server answers with (the served model only) and its entry."""
-    registry = ModelRegistry.from_toml(settings.config) if settings.config else default_registry()
-    spec = registry.resolve(settings.model)
-    return ModelRegistry([spec]), spec
-
-
-class Serving:
-    """What the routes share: backend, accepted names, preparation limiter, metrics."""
-
-    def __init__(self, registry: ModelRegistry, backend: Backend, preparation_threads: int) -> None:
-        self.registry = registry
-        self.backend = backend
-        self.limiter = anyio.CapacityLimiter(preparation_threads)
-        self.metrics = ServingMetrics(backend.health)
-        self._context: PreparationContext | None = None
-        self._served: list[ServedModel] = []
-
-    @asynccontextmanager
-    async def lifespan(self, app: FastAPI) -> AsyncIterator[None]:
-        await self.backend.start()
-        try:
-            yield
-        finally:
-            await self.backend.stop()
-
-    def context(self) -> PreparationContext:
-        """The preparation context; 503 until the backend has loaded its model."""
-        health = self.backend.health()
-        if not health.ready:
-            raise ApiError(
-                503,
-                f"The model is not ready ({health.detail}); retry when GET /ready answers 200.",
-                "overloaded_error",
-                headers={"Retry-After": "5"},
-            )
-        served = self.backend.models()
-        if self._context is None or served != self._served:  # a queue's context length can move
-            models = {model.spec.name: model for model in served}
-            self._context, self._served = PreparationContext(self.registry, models), served
-        return self._context
-
-    async def admit(self) -> None:
-        """Before a request is prepared: a backend that refuses work (429/503) does it here."""
-        admit = getattr(self.backend, "admit", None)
-        if admit is not None:
-            await admit()
-
-    async def off_loop(self, function: Callable[..., T], *args: Any) -> T:
-        """Run CPU work (rendering, tokenizing) in the bounded threadpool."""
-        return await anyio.to_thread.run_sync(function, *args, limiter=self.limiter)
-
-    async def prepare(self, protocol: Protocol, body: dict[str, Any], request_id: str) -> Prepared:
-        return await self.off_loop(prepare, protocol, body, self.context(), request_id)
-
-    def run(
-        self, prepared: Prepared, arrived: float
-    ) -> tuple[StreamProcessor, AsyncIterator[InferenceEvent]]:
-        """Start generating: the processor that reads the events, and the events."""
-        request, wire = prepared.request, prepared.wire
-        processor = StreamProcessor(
-            prepared.protocol.builder(request, prepared.context),
-            OutputParser(prepared.parser_config),
-            prepared.model.tokenizer,
-            prompt_tokens=len(wire.prompt_token_ids),
-            logprobs=request.logprobs is not None,
-        )
-        events = self.metrics.track(prepared.protocol.name, self.backend.infer(wire), arrived)
-        return processor, events
 
 
 def create_app(settings: Settings | None = None, backend: Backend | None = None) -> FastAPI:
@@ -160,9 +47,6 @@ def create_app(settings: Settings | None = None, backend: Backend | None = None)
     serving = Serving(
         registry, backend or _default_backend(spec, settings), settings.preparation_threads
     )
-    collector = getattr(serving.backend, "metrics_collector", None)
-    if collector is not None:  # per-model queue and worker gauges in distributed mode
-        serving.metrics.registry.register(collector)
     app = FastAPI(title="Sluice", lifespan=serving.lifespan)
     app.state.serving = serving
     for protocol in PROTOCOLS:
@@ -307,22 +191,6 @@ def _metrics_route(serving: Serving) -> Callable[..., Awaitable[Response]]:
 # --- request bodies and client disconnects ----------------------------------------
 
 
-async def read_json(request: Request) -> dict[str, Any]:
-    """The body as a JSON object; a 400 for another content type or malformed JSON."""
-    content_type = request.headers.get("content-type", "")
-    media_type = content_type.split(";", 1)[0].strip().lower()
-    if media_type and media_type != "application/json" and not media_type.endswith("+json"):
-        raise bad_request(f"Content-Type must be application/json, got {content_type!r}")
-    raw = await request.body()
-    try:
-        body = json.loads(raw)
-    except ValueError as exc:
-        raise bad_request(f"The request body is not valid JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise bad_request(f"The request body must be a JSON object, got {type(body).__name__}")
-    return body
-
-
 async def _unless_client_leaves(request: Request, work: Awaitable[T]) -> T | None:
     """Await ``work``, cancelling it (and returning None) if the client disconnects first.
 
@@ -359,14 +227,8 @@ async def _unless_client_leaves(request: Request, work: Awaitable[T]) -> T | Non
 # --- errors ---------------------------------------------------------------------
 
 
-def error_shape(path: str) -> Protocol:
-    """The protocol whose path ``path`` is or extends (the longest such path)."""
-    owners = [p for p in PROTOCOLS if path == p.path or path.startswith(p.path + "/")]
-    return max(owners, key=lambda p: len(p.path), default=DEFAULT_ERROR_SHAPE)
-
-
 def _install_error_handlers(app: FastAPI, serving: Serving) -> None:
-    protocol_paths = {protocol.path for protocol in PROTOCOLS}
+    protocol_paths = set(BY_PATH)
 
     def respond(request: Request, error: ApiError) -> Response:
         protocol = error_shape(request.url.path)
@@ -402,12 +264,4 @@ def _install_error_handlers(app: FastAPI, serving: Serving) -> None:
     app.add_exception_handler(Exception, unexpected)
 
 
-__all__ = [
-    "PROTOCOLS",
-    "Serving",
-    "Settings",
-    "create_app",
-    "error_shape",
-    "load_models",
-    "read_json",
-]
+__all__ = ["create_app"]

@@ -80,8 +80,8 @@ def _generate(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from api.app import Settings, load_models
     from api.server import run
+    from api.settings import Settings, load_models
 
     settings = Settings(
         model=args.model,

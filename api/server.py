@@ -11,7 +11,8 @@ import sys
 
 import uvicorn
 
-from api.app import Settings, create_app
+from api.app import create_app
+from api.settings import Settings
 
 
 def run(settings: Settings) -> None:

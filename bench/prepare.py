@@ -30,10 +30,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from api.app import Settings, load_models
 from api.backends.base import ServedModel
 from api.preparation import PreparationContext, prepare, render_conversation
 from api.protocols.chat_completions import PROTOCOL
+from api.settings import Settings, load_models
 from bench.corpus import Chat, chats
 from shared.conversation import Conversation
 from shared.tokenization import encode_prompt

@@ -10,12 +10,15 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from shared.events import InferenceEvent
 from shared.registry import ModelSpec
 from shared.tokenizer_loader import LoadedTokenizer
 from shared.wire import PreparedRequest
+
+if TYPE_CHECKING:
+    from prometheus_client.registry import Collector
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,12 +48,13 @@ class BackendHealth:
 
 
 class Backend(Protocol):
-    """Runs prepared requests.
+    """Runs prepared requests: every capability the API calls, with no-op defaults.
 
     ``infer`` is an async generator. It ends after a ``Finish`` or ``Error``
     event; closing it before that (``aclose()``, or cancellation while it
     waits) cancels the request, so the model stops working for a client that
     is gone. ``models`` is meaningful once ``health().ready`` is true.
+    Backends subclass this class to inherit the defaults.
     """
 
     def infer(self, request: PreparedRequest) -> AsyncIterator[InferenceEvent]: ...
@@ -62,3 +66,10 @@ class Backend(Protocol):
     def health(self) -> BackendHealth: ...
 
     def models(self) -> list[ServedModel]: ...
+
+    async def admit(self) -> None:
+        """Refuse a request before its preparation (a 429/503 ``ApiError``); default: admit."""
+
+    def metrics_collector(self) -> Collector | None:
+        """Gauges of this backend's own for ``/metrics``; default: none."""
+        return None

@@ -54,7 +54,7 @@ from api.admission import (
     api_error,
     rate_limited_message,
 )
-from api.backends.base import BackendHealth, ServedModel
+from api.backends.base import Backend, BackendHealth, ServedModel
 from api.backends.event_reader import EventReader, Subscription
 from api.backends.job_queue import JobQueue, with_seed, withdraw
 from shared import keys
@@ -68,7 +68,7 @@ from shared.wire import Deadlines, Job, PreparedRequest
 if TYPE_CHECKING:
     from redis.asyncio.client import Pipeline
 
-    from api.app import Settings
+    from api.settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +78,7 @@ CLEANUP_TIMEOUT_S = 5.0
 MAX_UNSENT_ENDS = 10_000  # kept for when Redis answers again; older ones are let go
 
 
-class DistributedBackend:
+class DistributedBackend(Backend):
     """Runs requests on workers through Redis; see the module docstring."""
 
     def __init__(self, redis_url: str, spec: ModelSpec, settings: Settings) -> None:
@@ -107,7 +107,7 @@ class DistributedBackend:
         self._tasks: set[asyncio.Task[Any]] = set()  # request cleanups in progress
         self._unsent_ends: dict[str, _End] = {}  # request id -> an end Redis did not receive
         self._watcher: asyncio.Task[None] | None = None
-        self.metrics_collector = FleetCollector(self)
+        self._collector = FleetCollector(self)
 
     # --- lifecycle -------------------------------------------------------------
 
@@ -146,6 +146,10 @@ class DistributedBackend:
     async def admit(self) -> None:
         """Admission for one request, before its preparation (429/503 ``ApiError``)."""
         await self._admission.admit()
+
+    def metrics_collector(self) -> FleetCollector:
+        """Per-model queue and worker gauges."""
+        return self._collector
 
     @property
     def snapshot(self) -> FleetSnapshot:

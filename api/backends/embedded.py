@@ -18,7 +18,7 @@ import logging
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING
 
-from api.backends.base import BackendHealth, ServedModel
+from api.backends.base import Backend, BackendHealth, ServedModel
 from engine.config import EngineArgs
 from shared.events import Error, Finish, InferenceEvent
 from shared.heap import freeze_startup_heap
@@ -66,7 +66,7 @@ def _default_factory(args: EngineArgs) -> EngineFactory:
     return build
 
 
-class EmbeddedBackend:
+class EmbeddedBackend(Backend):
     """One engine, one thread; see the module docstring for the threading contract."""
 
     def __init__(

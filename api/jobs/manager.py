@@ -42,8 +42,8 @@ from api.preparation import Prepared
 from api.protocols.base import Protocol
 
 if TYPE_CHECKING:
-    from api.app import Serving
     from api.jobs.worker_queue import WorkerQueue
+    from api.serving import Serving
 
 log = logging.getLogger(__name__)
 

@@ -33,9 +33,12 @@ from api.jobs.manager import JobManager, JobRequest, SubmitError
 from api.jobs.records import JobRecord, JobStatus, StoredChunk, read_metadata
 from api.jobs.store import JobStore
 from api.protocols.base import Protocol
+from api.protocols.table import BY_PATH
+from api.request_body import read_json
 
 if TYPE_CHECKING:
-    from api.app import Serving, Settings
+    from api.serving import Serving
+    from api.settings import Settings
 
 DEFAULT_LIST_LIMIT = 20
 MAX_LIST_LIMIT = 100
@@ -43,9 +46,7 @@ MAX_LIST_LIMIT = 100
 
 def jobs_router(serving: Serving, store: JobStore, settings: Settings) -> APIRouter:
     """The routes, with a ``JobManager`` whose lifespan is the router's (it closes ``store``)."""
-    from api.app import PROTOCOLS, read_json  # api.app includes this router
-
-    protocols = {protocol.path: protocol for protocol in PROTOCOLS}
+    protocols = BY_PATH
     queue = None
     if settings.redis_url:  # Celery is imported in distributed mode only
         from api.jobs.worker_queue import WorkerQueue

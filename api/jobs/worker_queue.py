@@ -38,7 +38,7 @@ from shared.events import Error, Finish, InferenceEvent
 from shared.wire import Deadlines, Job, PreparedRequest
 
 if TYPE_CHECKING:
-    from api.app import Settings
+    from api.settings import Settings
 
 log = logging.getLogger(__name__)
 

@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from api.app import Settings, create_app
-from api.backends.base import BackendHealth, ServedModel
+from api.app import create_app
+from api.backends.base import Backend, BackendHealth, ServedModel
 from api.backends.embedded import EmbeddedBackend
 from api.errors import ApiError
 from api.output_parser import (
@@ -40,6 +40,7 @@ from api.protocols.base import (
     SSEChunk,
     Usage,
 )
+from api.settings import Settings
 from api.streaming import StreamProcessor, TokenPieces, collect, event_source, sse_stream
 from shared.conversation import Conversation
 from shared.events import (
@@ -495,7 +496,7 @@ def test_a_model_that_fails_to_load_is_not_ready_and_errors_requests():
 # --- through the app: engine errors get a status and the protocol's shape --------------
 
 
-class ScriptedBackend:
+class ScriptedBackend(Backend):
     """A backend that answers every request with the same scripted events."""
 
     def __init__(self, events: list[InferenceEvent], ready: bool = True) -> None:

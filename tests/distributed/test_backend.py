@@ -20,9 +20,9 @@ from collections.abc import AsyncIterator
 import pytest
 
 from api.admission import ERROR_STATUSES, api_error
-from api.app import Settings
 from api.backends.distributed import FLEET_REFRESH_S, DistributedBackend
 from api.errors import ApiError
+from api.settings import Settings
 from shared import keys
 from shared.events import Error, Finish, FinishReason, Ready, Text
 from shared.registry import DEFAULT_MODEL, default_registry
@@ -82,7 +82,7 @@ def server(own_redis: RedisServer) -> RedisServer:
 def test_the_module_does_not_import_torch(own_redis: RedisServer):
     code = (
         "import sys\n"
-        "from api.app import Settings, create_app\n"
+        "from api.app import create_app\nfrom api.settings import Settings\n"
         f"create_app(Settings(redis_url={own_redis.url!r}))\n"
         "heavy = [name for name in ('torch', 'engine', 'workers') if name in sys.modules]\n"
         "assert not heavy, heavy\n"

@@ -20,7 +20,7 @@ import redis
 import uvicorn
 from fastapi import FastAPI
 
-from api.backends.base import BackendHealth, ServedModel
+from api.backends.base import Backend, BackendHealth, ServedModel
 from api.jobs.records import JobRecord
 from shared.events import Finish, FinishReason, InferenceEvent, Ready, Text
 from shared.registry import default_registry
@@ -83,7 +83,7 @@ def make_record(
     )
 
 
-class PacedBackend:
+class PacedBackend(Backend):
     """A backend without a model: ``max_tokens`` words, one every ``interval`` seconds.
 
     The text is ``w0 w1 …``, so every run of a request says the same. A

@@ -23,8 +23,9 @@ import httpx
 import pytest
 import redis
 
-from api.app import Settings, create_app
+from api.app import create_app
 from api.jobs.runner import seeded_tool_call_ids
+from api.settings import Settings
 from shared import keys
 from shared.events import Finish, FinishReason, InferenceEvent, Ready, Text
 from shared.registry import DEFAULT_MODEL

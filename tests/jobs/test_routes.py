@@ -19,7 +19,8 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.testclient import TestClient
 
-from api.app import Settings, create_app
+from api.app import create_app
+from api.settings import Settings
 from tests.jobs.conftest import PacedBackend, serve_in_thread, sse_events, stable
 
 CHAT = "/v1/chat/completions"

@@ -1,0 +1,22 @@
+"""The protocol table: every generation route is one row, and errors take a row's shape."""
+
+from __future__ import annotations
+
+from api.protocols import chat_completions, messages, responses
+from api.protocols.base import Protocol
+
+PROTOCOLS: tuple[Protocol, ...] = (
+    chat_completions.PROTOCOL,
+    responses.PROTOCOL,
+    messages.PROTOCOL,
+)
+# Routes outside the table answer errors like the protocol whose path they extend;
+# anything else (models, tokenize, unknown paths) answers like OpenAI.
+DEFAULT_ERROR_SHAPE = chat_completions.PROTOCOL
+BY_PATH: dict[str, Protocol] = {protocol.path: protocol for protocol in PROTOCOLS}
+
+
+def error_shape(path: str) -> Protocol:
+    """The protocol whose path ``path`` is or extends (the longest such path)."""
+    owners = [p for p in PROTOCOLS if path == p.path or path.startswith(p.path + "/")]
+    return max(owners, key=lambda p: len(p.path), default=DEFAULT_ERROR_SHAPE)

@@ -1,0 +1,87 @@
+"""What the routes share: the backend, the accepted names, the preparation pool, metrics."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Any, TypeVar
+
+import anyio
+from fastapi import FastAPI
+
+from api.backends.base import Backend, ServedModel
+from api.errors import ApiError
+from api.metrics import ServingMetrics
+from api.output_parser import OutputParser
+from api.preparation import PreparationContext, Prepared, prepare
+from api.protocols.base import Protocol
+from api.streaming import StreamProcessor
+from shared.events import InferenceEvent
+from shared.registry import ModelRegistry
+
+T = TypeVar("T")
+
+
+class Serving:
+    """The backend behind every route, with preparation bounded to ``preparation_threads``."""
+
+    def __init__(self, registry: ModelRegistry, backend: Backend, preparation_threads: int) -> None:
+        self.registry = registry
+        self.backend = backend
+        self.limiter = anyio.CapacityLimiter(preparation_threads)
+        self.metrics = ServingMetrics(backend.health)
+        collector = backend.metrics_collector()
+        if collector is not None:
+            self.metrics.registry.register(collector)
+        self._context: PreparationContext | None = None
+        self._served: list[ServedModel] = []
+
+    @asynccontextmanager
+    async def lifespan(self, app: FastAPI) -> AsyncIterator[None]:
+        await self.backend.start()
+        try:
+            yield
+        finally:
+            await self.backend.stop()
+
+    def context(self) -> PreparationContext:
+        """The preparation context; 503 until the backend has loaded its model."""
+        health = self.backend.health()
+        if not health.ready:
+            raise ApiError(
+                503,
+                f"The model is not ready ({health.detail}); retry when GET /ready answers 200.",
+                "overloaded_error",
+                headers={"Retry-After": "5"},
+            )
+        served = self.backend.models()
+        if self._context is None or served != self._served:  # a queue's context length can move
+            models = {model.spec.name: model for model in served}
+            self._context, self._served = PreparationContext(self.registry, models), served
+        return self._context
+
+    async def admit(self) -> None:
+        """Before a request is prepared: the backend refuses work it has no room for (429/503)."""
+        await self.backend.admit()
+
+    async def off_loop(self, function: Callable[..., T], *args: Any) -> T:
+        """Run CPU work (rendering, tokenizing) in the bounded threadpool."""
+        return await anyio.to_thread.run_sync(function, *args, limiter=self.limiter)
+
+    async def prepare(self, protocol: Protocol, body: dict[str, Any], request_id: str) -> Prepared:
+        return await self.off_loop(prepare, protocol, body, self.context(), request_id)
+
+    def run(
+        self, prepared: Prepared, arrived: float
+    ) -> tuple[StreamProcessor, AsyncIterator[InferenceEvent]]:
+        """Start generating: the processor that reads the events, and the events."""
+        request, wire = prepared.request, prepared.wire
+        processor = StreamProcessor(
+            prepared.protocol.builder(request, prepared.context),
+            OutputParser(prepared.parser_config),
+            prepared.model.tokenizer,
+            prompt_tokens=len(wire.prompt_token_ids),
+            logprobs=request.logprobs is not None,
+        )
+        events = self.metrics.track(prepared.protocol.name, self.backend.infer(wire), arrived)
+        return processor, events

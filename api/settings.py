@@ -1,0 +1,39 @@
+"""How ``sluice serve`` runs: the settings every part of the API reads, and the served model."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from shared.registry import ModelRegistry, ModelSpec, default_registry
+
+
+@dataclass(slots=True)
+class Settings:
+    """How ``sluice serve`` runs; ``config`` is a TOML model registry."""
+
+    model: str = "default"
+    config: Path | None = None
+    host: str = "127.0.0.1"
+    port: int = 8000
+    dtype: str = "auto"
+    quantization: str | None = None
+    max_model_len: int | None = None
+    max_num_seqs: int = 64
+    preparation_threads: int = 8  # concurrent preparations; more wait their turn
+    # Distributed mode (workers behind Redis) when set; see api/admission.py for the policy.
+    redis_url: str | None = None
+    queue_timeout_s: float = 30.0  # a worker must start the request by then: 503
+    first_token_timeout_s: float = 60.0  # the first token must come by then: 504
+    total_timeout_s: float = 600.0  # the whole generation must end by then: 504
+    max_inflight: int = 256  # queued + in-flight requests per model before a 429
+    # Async jobs (api/jobs): kept this long after submission; a batch holds at most this many.
+    job_retention_s: float = 86_400.0
+    max_batch_jobs: int = 100
+
+
+def load_models(settings: Settings) -> tuple[ModelRegistry, ModelSpec]:
+    """The registry this server answers with (the served model only) and its entry."""
+    registry = ModelRegistry.from_toml(settings.config) if settings.config else default_registry()
+    spec = registry.resolve(settings.model)
+    return ModelRegistry([spec]), spec
