@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve test soak lint bench
+.PHONY: install serve test soak lint bench lock
 
 install: $(STAMP)
 
@@ -34,3 +34,10 @@ lint: install
 
 bench: install
 	$(PY) -m bench.engine
+
+# The container images install exactly these versions; torch comes from the image's own index.
+lock: install
+	$(PIP) install --quiet uv
+	$(VENV)/bin/uv pip compile pyproject.toml --quiet --no-header --no-annotate \
+	  --python-version 3.11 --python-platform x86_64-manylinux_2_28 \
+	  | grep -vE '^(torch|triton|nvidia-|cuda-)' > infra/requirements.lock

@@ -13,6 +13,7 @@ import uvicorn
 
 from api.app import create_app
 from api.settings import Settings
+from shared import logs
 
 
 def run(settings: Settings) -> None:
@@ -21,6 +22,8 @@ def run(settings: Settings) -> None:
     # the tokenizer spreads over the cores (about 0.7x the single-core latency
     # on 2 cores); this process never forks after that, so its threads are safe.
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
+    # The project's own lines (the engine's start line among them) beside uvicorn's.
+    logs.configure("INFO")
     app = create_app(settings)
     uvicorn.run(app, host=settings.host, port=settings.port, log_level="info")
 

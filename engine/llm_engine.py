@@ -46,6 +46,13 @@ class LLMEngine:
         self._pending: list[InferenceEvent] = []
         self._seeds = random.Random(args.seed)
         self.stats = EngineStats()
+        self.description = (
+            f"{args.model}: attention {loaded.attention.name}, "
+            f"{str(loaded.dtype).removeprefix('torch.')} on {loaded.device}, "
+            f"quantization {args.quantization or 'none'}, max_model_len {self.max_model_len}, "
+            f"{loaded.num_blocks} KV blocks of {args.block_size}"
+        )
+        log.info("engine ready: %s", self.description)
 
     @classmethod
     def from_args(cls, **kwargs: object) -> LLMEngine:

@@ -26,6 +26,7 @@ class LoadedModel:
     model: LlamaForCausalLM
     attention: AttentionBackend
     device: torch.device
+    dtype: torch.dtype
     max_model_len: int
     num_blocks: int
 
@@ -80,6 +81,7 @@ def load_engine_model(args: EngineArgs) -> LoadedModel:
         model=model,
         attention=make_backend(kv_cache, device),
         device=device,
+        dtype=dtype,
         max_model_len=min(max_model_len, num_blocks * args.block_size),
         num_blocks=num_blocks,
     )

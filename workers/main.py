@@ -24,7 +24,7 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from shared import keys
+from shared import keys, logs
 from shared.heap import freeze_startup_heap
 from shared.registry import ModelRegistry, ModelSpec, default_registry
 from workers.app import DEFAULT_VISIBILITY_TIMEOUT_S, create_app
@@ -105,9 +105,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:  # refused before the model loads
         parser.error(f"argument --visibility-timeout: {exc}")
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
-    logging.basicConfig(
-        level=args.loglevel.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    logs.configure(args.loglevel)
     try:
         registry = ModelRegistry.from_toml(args.config) if args.config else default_registry()
         spec = registry.resolve(args.model)

@@ -80,9 +80,12 @@ from kombu.utils.json import loads
 
 from shared import keys
 from shared.task_message import JOB_HEADER
+from shared.versions import require
 from workers.intake import TRANSPORT_OPTION, Intake
 from workers.taken import TRANSPORT_OPTION as TAKEN_OPTION
 from workers.taken import TakenStart, TakenStarts
+
+require("celery", "kombu")
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,8 @@
-"""Attention backends: the paged part of the model, one small file each."""
+"""Attention backends: the paged part of the model, one small file each.
+
+PyTorch is the one backend built so far, on every device; the engine names
+the backend it runs in its start line (``LLMEngine.description``).
+"""
 
 from __future__ import annotations
 
@@ -8,17 +12,7 @@ from engine.attention.base import AttentionBackend, BatchLayout, KVCache
 
 
 def make_backend(kv_cache: KVCache, device: torch.device) -> AttentionBackend:
-    """flashinfer on CUDA when installed; PyTorch everywhere else.
-
-    The CPU path never imports flashinfer.
-    """
-    if device.type == "cuda":
-        try:
-            from engine.attention.flashinfer_backend import FlashInferBackend
-        except ImportError:
-            pass
-        else:
-            return FlashInferBackend(kv_cache, device)
+    """The attention backend for ``device``: PyTorch (the CPU path never imports flashinfer)."""
     from engine.attention.torch_backend import TorchBackend
 
     return TorchBackend(kv_cache)

@@ -74,6 +74,8 @@ class BatchLayout:
 
 
 class AttentionBackend(ABC):
+    name: str  # what the engine's start line calls it
+
     def __init__(self, kv_cache: KVCache):
         self.kv_cache = kv_cache
 

@@ -36,6 +36,8 @@ class _Plan:
 
 
 class TorchBackend(AttentionBackend):
+    name = "torch"
+
     def plan(self, layout: BatchLayout) -> None:
         device = layout.slot_mapping.device
         num_decodes = layout.num_decodes

@@ -20,6 +20,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.model.layers import Linear
+from shared.versions import require
+
+require("torch")  # aten._weight_int8pack_mm is private
 
 DENSE_FROM_ROWS = 64
 """Input rows from which dequantize-then-GEMM beats the int8 kernel (measured on AVX-512)."""

@@ -47,6 +47,9 @@ from shared.prompting.base import PromptFormatError, RenderedPrompt, RenderOptio
 from shared.prompting.builder import special_pattern
 from shared.prompting.template_text import TemplateText, join_text, mark_literal, spans_of
 from shared.prompting.tool_json import parsed_arguments, tool_signature
+from shared.versions import require
+
+require("jinja2")  # the code generator below is jinja2 3.1's, private hooks included
 
 
 class TemplateRaised(jinja2.TemplateError):

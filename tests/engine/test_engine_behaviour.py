@@ -8,6 +8,7 @@ preemption may change how the work is done, never what comes out.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable, Iterable
 
 import pytest
@@ -501,3 +502,15 @@ def test_out_of_vocab_stop_token_id_is_rejected_up_front(make_engine: EngineFact
             engine.add_request("bad-stop", [100, 101], params)
     finally:
         engine.abort("bad-stop")
+
+
+def test_the_engine_names_what_it_runs_on_at_start(
+    make_engine: Callable[..., LLMEngine], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Its start line says which attention backend, dtype and device it runs."""
+    with caplog.at_level(logging.INFO, logger="engine.llm_engine"):
+        engine = make_engine(num_blocks=8)
+    line = f"engine ready: {engine.description}"
+    assert line in caplog.messages
+    assert "attention torch, float32 on cpu, quantization none" in engine.description
+    assert "8 KV blocks of 16" in engine.description

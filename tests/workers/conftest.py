@@ -130,6 +130,7 @@ def engine_on_the_same_weights(engine: LLMEngine, num_blocks: int = KV_BLOCKS) -
         model=weights,
         attention=make_backend(cache, engine.runner.device),
         device=engine.runner.device,
+        dtype=weights.embed_tokens.weight.dtype,
         max_model_len=engine.max_model_len,
         num_blocks=num_blocks,
     )
