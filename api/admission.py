@@ -15,11 +15,9 @@ a count read from Redis decides instead, so a place freed since the
 snapshot is not refused. The snapshot can lag a burst, so the bound is kept
 exactly where the request joins the model's shared in-flight set: its
 submission checks the count and joins in one atomic step, and a request it
-refuses ends with the same 429.
-An earlier design reserved the place in a round trip of its own before
-preparation; with 32 streams in flight, on two shared cores, that await cost
-each request about one pass of a busy event loop (25-50 ms to its first
-token).
+refuses ends with the same 429. Reserving the place in a round trip of its
+own before preparation would cost each request one pass of a busy event
+loop before its first token.
 
 Every way a request can end early is an ``Error`` event with a ``kind``;
 ``ERROR_STATUSES`` is the one table that says which HTTP status and error type
@@ -141,8 +139,8 @@ class FleetSnapshot:
         Not the workers' heartbeats (``running + waiting``): those count only
         what an engine holds, so they miss the jobs a worker has reserved
         and not yet started and, above all, those of a worker that died,
-        which wait in no list and no heartbeat until their visibility timeout
-        sends them back, and are the work a replacement worker is needed for.
+        which wait in no list and no heartbeat until a live worker's heartbeat
+        hands them back, and are the work a replacement worker is needed for.
         Not below 0: a list can still hold the message of a request cancelled
         before any worker took it (the first worker to pop it drops it).
         """

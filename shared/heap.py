@@ -4,9 +4,9 @@ What a server builds before its first request (torch, the model, the
 tokenizer, Celery or FastAPI and everything they import) lives until the
 process exits: some 200,000 objects for the imports alone, which CPython's
 oldest generation walks on every full collection. Under load those
-collections stop every thread of the process: 65-108 ms each, measured in
-the embedded API, the distributed API and the worker at 32 streams on the
-tiny model, long enough to stall every stream of a burst at once.
+collections stop every thread of the process for tens of milliseconds, long
+enough to stall every stream of a burst at once (figures: the README's
+benchmark section).
 ``gc.freeze`` moves what exists now into a generation the collector never
 scans, so a full collection only walks what serving itself allocated.
 """

@@ -12,7 +12,8 @@ TASK_NAME = "sluice.generate"  # the Celery task; argument: the encoded Prepared
 CANCEL_CHANNEL = f"{PREFIX}:cancel"  # pub/sub: request ids to stop now
 EVENT_STREAM_MAXLEN = 10_000  # approximate cap per request stream (XADD MAXLEN ~)
 FINISHED_STREAM_TTL_S = 3600  # a finished request's events stay readable this long
-HEARTBEAT_TTL_S = 5  # a worker that missed this many seconds of heartbeats is gone
+HEARTBEAT_INTERVAL_S = 0.5  # how often a worker renews its registry entry and load report
+HEARTBEAT_TTL_S = 2.0  # a worker whose entry is this old is dead: its jobs go to the others
 API_PROCESS_TTL_S = 10  # an API process that renewed its key this long ago is gone
 
 
@@ -36,7 +37,7 @@ def queue_wake(queue: str) -> str:
     """A list holding one token per job put on ``queue``'s lists: what workers block on.
 
     A worker pops a token, never a job: the jobs leave their lists only in
-    the script that records them as taken (``workers.transport``), so a
+    the script that records them as taken (``workers.broker.transport``), so a
     worker killed between waking and taking loses a token, not a request.
     """
     return f"{PREFIX}:wake:{queue}"
@@ -57,13 +58,31 @@ def cancel_flag(request_id: str) -> str:
     return f"{PREFIX}:cancelled:{request_id}"
 
 
-def heartbeat(model: str, worker_id: str) -> str:
-    """A worker's load report for one model (JSON), refreshed well within its TTL."""
-    return f"{PREFIX}:worker:{model}:{worker_id}"
+def workers(model: str) -> str:
+    """The registry of a model's workers: a sorted set of worker ids, scored by expiry.
+
+    Each heartbeat pushes its worker's expiry ``HEARTBEAT_TTL_S`` past Redis's
+    clock; an entry whose expiry has passed belongs to a dead worker, whose
+    jobs the next live worker's heartbeat hands back (``workers.heartbeat``).
+    """
+    return f"{PREFIX}:workers:{model}"
 
 
-def heartbeat_pattern(model: str) -> str:
-    return f"{PREFIX}:worker:{model}:*"
+def worker_loads(model: str) -> str:
+    """A hash of the model's workers' load reports (JSON), by worker id, beside ``workers``."""
+    return f"{PREFIX}:loads:{model}"
+
+
+TAKEN_PREFIX = f"{PREFIX}:taken:"
+
+
+def taken(worker_id: str) -> str:
+    """A hash of the messages a worker took and has not acked: delivery tag -> record.
+
+    The record is ``<wake list>\n<queue list>\n<message>``: what it takes
+    to put the message back where it was (``workers/broker/scripts``).
+    """
+    return f"{TAKEN_PREFIX}{worker_id}"
 
 
 def api_process(process_id: str) -> str:

@@ -29,7 +29,7 @@ CELERY_PRIORITIES = range(10)  # kombu's Redis transport: 0 is served first
 
 
 JOB_HEADER = "sluice_job"
-"""A header naming the job, for the script that takes it to start it (``workers.taken``)."""
+"""A header naming the job, for the script that takes it to start it (``workers.broker.taken``)."""
 
 
 def job_header(job: Job) -> list[str]:
@@ -82,7 +82,8 @@ def task_message(job: Job) -> TaskMessage:
 def priority_list(queue: str, priority: int) -> str:
     """The list kombu's Redis transport keeps ``queue``'s messages of ``priority`` on.
 
-    Workers pop from the right (``workers.transport``): ``LPUSH`` queues last, ``RPUSH`` first.
+    Workers pop from the right (``workers.broker.transport``): ``LPUSH`` queues last,
+    ``RPUSH`` first.
     """
     steps = Channel.priority_steps
     step = steps[bisect(steps, priority) - 1]

@@ -52,8 +52,8 @@ class PreparedRequest:
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready and shallow: the dict shares this request's lists.
 
-        ``dataclasses.asdict`` deep-copies every list element: a prompt of 8,000
-        token ids cost 8 ms to copy (and 15 ms to queue), on the API's event loop.
+        ``dataclasses.asdict`` deep-copies every list element, which for a long
+        prompt costs milliseconds on the API's event loop.
         """
         return {
             "request_id": self.request_id,

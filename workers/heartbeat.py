@@ -1,11 +1,22 @@
-"""Heartbeats: each worker's load, in a key that vanishes when the worker does.
+"""Heartbeats: each worker's entry in its model's registry, and failover for the dead ones.
 
-The API reads ``heartbeat(model, *)`` for backpressure, ``/metrics`` and
-routing, and autoscalers for capacity. The key is rewritten every
-``interval_s`` with a TTL of ``HEARTBEAT_TTL_S``, so a worker that died (or
-lost Redis) drops out of the picture within seconds; a clean exit deletes it
-at once. Each beat also refreshes the visibility of the messages being run
-(see ``workers.visibility``), in the same round trip.
+Every ``interval_s`` a worker renews its entry in the model's registry
+(``keys.workers``: expiry ``HEARTBEAT_TTL_S`` past Redis's clock) and its
+load report (``keys.worker_loads``), which the API reads for backpressure,
+``/metrics`` and readiness, and autoscalers for capacity. A clean exit
+removes both and hands back what the worker still holds.
+
+The same script (``workers/broker/scripts/beat.lua``) finds the model's
+workers whose entries have expired, puts every job they had taken back at
+the head of its queue, with a wake token, and removes them from the
+registry: a job whose worker was killed is taken by a live worker within
+one TTL and one interval of the kill, and resumes from its stream under a
+new attempt. A worker reclaims only once its own beats have succeeded for a
+whole TTL: after an outage of Redis, every live worker's entry has expired
+too, and each must have had the time to renew it before any is taken for
+dead. A live worker taken for dead all the same (its beats stalled for a
+whole TTL) loses nothing but work: its attempts are fenced out
+(``workers.publisher``) as soon as the new ones start.
 """
 
 from __future__ import annotations
@@ -21,8 +32,8 @@ from typing import Any
 import redis
 
 from shared import keys
+from workers.broker.scripts import BEAT, LEAVE
 from workers.host import HostSnapshot
-from workers.visibility import DeliveryTracker
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +45,7 @@ class WorkerIdentity:
 
 
 class Heartbeat:
-    """A thread that writes this worker's report every ``interval_s`` seconds."""
+    """A thread that beats every ``interval_s`` seconds; see the module docstring."""
 
     def __init__(
         self,
@@ -42,33 +53,43 @@ class Heartbeat:
         identity: WorkerIdentity,
         snapshot: Callable[[], HostSnapshot],
         draining: Callable[[], bool],
-        deliveries: DeliveryTracker | None = None,
-        interval_s: float = 1.0,
-        ttl_s: int = keys.HEARTBEAT_TTL_S,
+        interval_s: float = keys.HEARTBEAT_INTERVAL_S,
+        ttl_s: float = keys.HEARTBEAT_TTL_S,
     ) -> None:
         self._client = client
         self._identity = identity
         self._snapshot = snapshot
         self._draining = draining
-        self._deliveries = deliveries
         self._interval_s = interval_s
         self._ttl_s = ttl_s
-        self._key = keys.heartbeat(identity.model, identity.worker_id)
+        self._keys = [keys.workers(identity.model), keys.worker_loads(identity.model)]
         self._last: tuple[float, int] | None = None  # (time, generated tokens) of the last beat
+        self._beating_since: float | None = None  # monotonic start of the current run of beats
+        self._last_beat: float = 0.0
+        self.reclaimed = 0  # jobs of dead workers this worker put back on their queues
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="sluice-heartbeat", daemon=True)
 
     def start(self) -> None:
+        """Hand back what an earlier process of this worker id held, then beat."""
+        self._leave("an earlier process of this worker id")
         self._thread.start()
 
     def stop(self, timeout: float | None = None) -> None:
-        """Stop beating and delete the key, so the worker is gone from the API's view now."""
+        """Stop beating and leave the registry, handing back whatever this worker still holds."""
         self._stopping.set()
         self._thread.join(timeout)
+        self._leave("this worker at exit")
+
+    def _leave(self, holder: str) -> None:
+        worker_id = self._identity.worker_id
         try:
-            self._client.delete(self._key)
-        except redis.RedisError as exc:  # the key expires on its own
-            log.warning("could not delete heartbeat %s: %s", self._key, exc)
+            restored = LEAVE(self._client, [*self._keys, keys.taken(worker_id)], [worker_id])
+        except redis.RedisError as exc:  # the entry expires; another worker hands them back
+            log.warning("could not leave the registry: %s", exc)
+            return
+        if restored:
+            log.warning("handed back %d job(s) that %s held", restored, holder)
 
     def report(self) -> dict[str, Any]:
         """The JSON body of one beat."""
@@ -92,17 +113,26 @@ class Heartbeat:
         }
 
     def beat(self) -> None:
-        pipe = self._client.pipeline(transaction=False)
-        pipe.set(self._key, json.dumps(self.report(), separators=(",", ":")), ex=self._ttl_s)
-        if self._deliveries is not None:
-            self._deliveries.renew(pipe)
-        pipe.execute()
+        """Renew this worker's entry and report; reclaim dead workers' jobs once it may."""
+        now = time.monotonic()
+        if self._beating_since is None or now - self._last_beat > self._ttl_s:
+            self._beating_since = now  # a gap as long as the TTL: the entry may have expired
+        reclaim = now - self._beating_since >= self._ttl_s
+        report = json.dumps(self.report(), separators=(",", ":"))
+        args = [self._identity.worker_id, report, self._ttl_s, int(reclaim), keys.TAKEN_PREFIX]
+        dead, restored = BEAT(self._client, self._keys, args)
+        self._last_beat = now
+        if dead:
+            self.reclaimed += restored
+            names = ", ".join(_text(worker) for worker in dead)
+            log.warning("worker(s) %s died: %d job(s) back on their queues", names, restored)
 
     def _run(self) -> None:
         while not self._stopping.is_set():
             try:
                 self.beat()
             except redis.RedisError as exc:
+                self._beating_since = None
                 log.warning("heartbeat failed: %s", exc)
             self._stopping.wait(self._interval_s)
 
@@ -112,3 +142,7 @@ class Heartbeat:
         if last is None or now <= last[0]:
             return 0.0
         return round((tokens - last[1]) / (now - last[0]), 2)
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value

@@ -12,9 +12,8 @@ go back to the engine thread, which stops them.
 
 Resolving a finished run frees its job's Celery slot (the task returns and
 acks), so it is not left for the engine thread, which runs commands only
-between steps: each finished job kept its slot until the step in progress
-ended, and the next job waited in Redis that long (a whole step of the
-default model, 300 ms on two cores, at 32 steady streams).
+between steps: the next job would wait in Redis for the step in progress
+to end.
 
 A run resolves with an ``Outcome`` that tells its task what to do with the
 message: ``FINISHED`` and ``FENCED`` are acked (the stream has its end, or a
@@ -48,7 +47,7 @@ import redis
 from engine.host import EngineThread
 from shared.events import Error, Finish, InferenceEvent, Ready
 from shared.wire import PreparedRequest
-from workers.intake import Intake
+from workers.broker.intake import Intake
 from workers.outbox import Attempt, Outbox
 from workers.publisher import Batch, EventPublisher
 

@@ -27,13 +27,8 @@ from typing import TYPE_CHECKING, Any
 from shared import keys, logs
 from shared.heap import freeze_startup_heap
 from shared.registry import ModelRegistry, ModelSpec, default_registry
-from workers.app import DEFAULT_VISIBILITY_TIMEOUT_S, create_app
+from workers.broker.app import create_app
 from workers.heartbeat import WorkerIdentity
-from workers.visibility import (
-    MIN_REFRESHES_PER_TIMEOUT,
-    REFRESH_INTERVAL_S,
-    check_visibility_timeout,
-)
 
 if TYPE_CHECKING:
     from engine.config import EngineArgs
@@ -48,12 +43,9 @@ GIL_SWITCH_INTERVAL_S = 0.0001
 
 The engine thread is mostly Python between small kernels, so it holds the
 GIL nearly all the time; each Redis reply the broker consumer, a task thread
-or the outbox receives then waited up to the full interval to be handled.
-At 0.5 ms a burst of 32 jobs reached its first tokens 12-17 ms sooner
-(``python -m bench.queue --models tiny``, two cores). Every job also passes
-from the consumer thread, which goes on with its loop, to a task thread of
-Celery's pool: that hand-off took 0.61 ms (p50, one stream, pinned) at
-0.5 ms and takes 0.27 ms at 0.1 ms."""
+or the outbox receives waits up to the full interval to be handled, and so
+does every job passing from the consumer thread to a task thread of Celery's
+pool (figures: the README's benchmark section)."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -80,14 +72,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--worker-id", default=None, help="default: <hostname>-<pid>")
     parser.add_argument(
-        "--visibility-timeout",
-        type=float,
-        default=DEFAULT_VISIBILITY_TIMEOUT_S,
-        help="seconds after its worker's last sign of life that a job is redelivered "
-        f"(default {DEFAULT_VISIBILITY_TIMEOUT_S:g}; at least {MIN_REFRESHES_PER_TIMEOUT} "
-        f"heartbeats of {REFRESH_INTERVAL_S:g}s)",
-    )
-    parser.add_argument(
         "--drain-grace",
         type=float,
         default=DEFAULT_DRAIN_GRACE_S,
@@ -100,10 +84,6 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    try:
-        check_visibility_timeout(args.visibility_timeout)
-    except ValueError as exc:  # refused before the model loads
-        parser.error(f"argument --visibility-timeout: {exc}")
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     logs.configure(args.loglevel)
     try:
@@ -124,7 +104,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         identity,
         engine,
         queues,
-        visibility_timeout_s=args.visibility_timeout,
         drain_grace_s=args.drain_grace,
         loglevel=args.loglevel.upper(),
     )
@@ -136,7 +115,6 @@ def serve(
     engine: LLMEngine,
     queues: list[str],
     *,
-    visibility_timeout_s: float = DEFAULT_VISIBILITY_TIMEOUT_S,
     drain_grace_s: float = DEFAULT_DRAIN_GRACE_S,
     loglevel: str = "INFO",
 ) -> int:
@@ -151,18 +129,8 @@ def serve(
     from workers.runtime import WorkerRuntime
     from workers.task import register_task
 
-    check_visibility_timeout(visibility_timeout_s, REFRESH_INTERVAL_S)
-    runtime = WorkerRuntime.start(
-        redis_url, identity, engine, heartbeat_interval_s=REFRESH_INTERVAL_S
-    )
-    app = create_app(
-        redis_url,
-        queues,
-        engine.args.max_num_seqs,
-        visibility_timeout_s,
-        runtime.host.intake,
-        runtime.context.taken,
-    )
+    runtime = WorkerRuntime.start(redis_url, identity, engine)
+    app = create_app(redis_url, queues, engine.args.max_num_seqs, runtime.link)
     register_task(app, runtime.context)
 
     def on_shutdown(how: str = "Warm", **_: Any) -> None:
@@ -179,11 +147,12 @@ def serve(
         without_heartbeat=True,
     )
     log.info(
-        "worker %s serves %s on %s (capacity %d)",
+        "worker %s serves %s on %s (capacity %d; %s)",
         identity.worker_id,
         identity.model,
         ", ".join(queues),
         engine.args.max_num_seqs,
+        engine.description,
     )
     freeze_startup_heap()
     try:

@@ -1,17 +1,14 @@
 """The worker's event writes: engine steps never wait for Redis.
 
-Writing a step's events is a round trip (about 1.5 ms for 32 streams on a
-busy two-core machine, measured) that the engine thread used to wait for
-before its next step, so it added to every inter-token gap. Now one write
-is in flight at a time, and the engine thread never waits for a reply:
+Writing a step's events is a round trip that the engine thread must not
+wait for before its next step, or it would add to every inter-token gap.
+One write is in flight at a time, and the engine thread never waits for a
+reply:
 
 - When no write is in flight, ``put`` sends the step's write itself, on the
-  engine thread, and this module's thread reads the reply. Handing every
-  write to the thread left it waiting for the core and the GIL that the
-  engine thread holds between steps: at one stream on a busy core, a
-  step's events reached Redis 1-5 ms after the step (p90 5.5 ms); sent by
-  ``put``, 0.1-0.2 ms, and the p99 time to first token fell from 11-12 ms
-  to 8-9 ms (``python -m bench.queue --models tiny --streams 1 --pin``).
+  engine thread, and this module's thread reads the reply. A write handed
+  to the thread would wait for the core and the GIL that the engine thread
+  holds between steps (the README's benchmark section has the figures).
 - While one is in flight, ``put`` queues the step's batches, and the thread
   writes everything queued in one write once the reply is in, so it catches
   up in one round trip however many steps it missed.

@@ -27,12 +27,12 @@ from redis.backoff import ExponentialWithJitterBackoff
 from redis.retry import Retry
 
 from shared import keys
+from workers.broker import BrokerLink
 from workers.cancellation import CancellationWatcher
 from workers.heartbeat import Heartbeat, WorkerIdentity
 from workers.host import ENGINE_CHECK_S, WorkerHost
 from workers.publisher import EventPublisher
 from workers.task import TaskContext
-from workers.visibility import DeliveryTracker
 
 if TYPE_CHECKING:
     from engine.llm_engine import LLMEngine
@@ -119,7 +119,7 @@ class WorkerRuntime:
     host: WorkerHost
     cancellation: CancellationWatcher
     heartbeat: Heartbeat
-    deliveries: DeliveryTracker
+    link: BrokerLink
     context: TaskContext
     watchdog: EngineWatchdog
 
@@ -129,7 +129,7 @@ class WorkerRuntime:
         redis_url: str,
         identity: WorkerIdentity,
         engine: LLMEngine,
-        heartbeat_interval_s: float = 1.0,
+        heartbeat_interval_s: float = keys.HEARTBEAT_INTERVAL_S,
         on_engine_death: Callable[[], None] = terminate_self,
         engine_check_s: float = ENGINE_CHECK_S,
     ) -> WorkerRuntime:
@@ -138,7 +138,7 @@ class WorkerRuntime:
         maxlen = keys.event_stream_maxlen(engine.max_model_len)
         publisher = EventPublisher(client, identity.model, maxlen)
         host = WorkerHost(engine, publisher)
-        deliveries = DeliveryTracker()
+        link = BrokerLink(identity.worker_id, intake=host.intake)
         runtime = cls(
             identity=identity,
             client=client,
@@ -149,14 +149,12 @@ class WorkerRuntime:
                 identity,
                 lambda: host.snapshot,
                 lambda: host.draining,
-                deliveries,
                 heartbeat_interval_s,
             ),
-            deliveries=deliveries,
-            context=TaskContext(client, publisher, host, identity.model),
+            link=link,
+            context=TaskContext(client, publisher, host, identity.model, link.starts),
             watchdog=EngineWatchdog(host, on_engine_death, engine_check_s),
         )
-        deliveries.connect()
         host.start()
         runtime.cancellation.start()
         runtime.heartbeat.start()
@@ -183,7 +181,6 @@ class WorkerRuntime:
     def stop(self) -> None:
         """Stop every thread; the heartbeat key is deleted last, once nothing runs."""
         self.watchdog.stop(timeout=5)  # first: the engine thread is about to end on purpose
-        self.deliveries.disconnect()
         self.cancellation.stop(timeout=5)
         self.host.stop(timeout=10)
         self.heartbeat.stop(timeout=5)

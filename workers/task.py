@@ -2,9 +2,9 @@
 
 The task thread finds the job started (its attempt taken, what earlier
 attempts already streamed read) by the script that took its message
-(``workers.taken``), or starts it itself, and either answers without the
-engine (cancelled, past its queue deadline, already finished) or hands a
-``Run`` to the engine host and waits for its outcome. Returning acks the
+(``workers.broker.taken``), and either answers without the engine
+(cancelled, past its queue deadline, already finished) or hands a ``Run``
+to the engine host and waits for its outcome. Returning acks the
 message; ``Reject(requeue=True)`` puts it back in its queue for another
 worker to resume.
 
@@ -16,35 +16,30 @@ behind every job queued since; it remains the fallback when the push fails.
 An ack lost after the push only leads to a second delivery, which the
 request's lease turns into one more resumption.
 
-Deadlines are the job's own, not Celery's: a message's ``expires`` would
-make Celery drop an expired job unanswered, and drop a redelivered job that
-had already started streaming, so ``ResumableRequest`` ignores it and the
-task applies the queue deadline itself, to jobs that have not started.
+Deadlines are the job's own, not Celery's (``workers.broker.app.ResumableRequest``):
+the task applies the queue deadline itself, to jobs that have not started.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass, field
-from itertools import islice
 from typing import Any
 
 import redis
 from celery import Celery, Task
 from celery.exceptions import Reject
-from celery.worker.request import Request
 
 from shared import keys
 from shared.event_codec import decode_entry
 from shared.events import Error, Finish, FinishReason, InferenceEvent, Ready, Text
 from shared.task_message import task_message
 from shared.wire import Job, decode_job, job_request_id
-from workers.coalescer import Coalescer
+from workers.broker.app import ResumableRequest
+from workers.broker.taken import TakenStart, TakenStarts
 from workers.host import Outcome, Resume, Run, WorkerHost
 from workers.publisher import Batch, EventPublisher
-from workers.taken import TakenStarts
 
 log = logging.getLogger(__name__)
 
@@ -60,11 +55,7 @@ class TaskContext:
     publisher: EventPublisher
     host: WorkerHost
     model: str  # the registry name this worker serves
-    taken: TakenStarts = field(default_factory=TakenStarts)  # started by the take script
-    begin: Coalescer[Job, Start | BeginFailed] = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.begin = Coalescer(lambda jobs: begin_all(self.client, jobs))
+    starts: TakenStarts = field(default_factory=TakenStarts)  # made by the take script
 
 
 @dataclass(slots=True)
@@ -98,8 +89,8 @@ class History:
         return bool(self.token_ids) and not self.started
 
 
-class BeginFailed(Exception):
-    """One job of a burst could not begin (``begin_all``); the others are unaffected."""
+class StartFailed(Exception):
+    """A job cannot start: its start is missing, or what earlier attempts wrote is unreadable."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,18 +100,6 @@ class Start:
     attempt: int
     cancelled: bool  # its cancel flag is set, or the API process waiting for it is gone
     history: History
-
-
-class ResumableRequest(Request):
-    """A request Celery never expires; see the module docstring for why."""
-
-    @property
-    def expires(self) -> None:
-        return None
-
-    @expires.setter
-    def expires(self, value: Any) -> None:
-        pass
 
 
 def register_task(app: Celery, context: TaskContext) -> Task:
@@ -170,8 +149,8 @@ def requeue_first(client: redis.Redis, job: Job, reason: str) -> None:
 
 def _run(context: TaskContext, job: Job) -> Outcome:
     request = job.request
-    start = _begin(context, job)
-    if isinstance(start, BeginFailed):
+    start = _taken_start(context, job)
+    if isinstance(start, StartFailed):
         raise start
     history = start.history
     if history.finished:
@@ -205,49 +184,26 @@ def _answer_without_engine(
     return None
 
 
-def _begin(context: TaskContext, job: Job) -> Start | BeginFailed:
-    """The start the take script made as it took the job, or one made now (``begin_all``)."""
-    taken = context.taken.pop(job.request.request_id)
-    if taken is None:  # its message did not name the job (``shared.task_message.JOB_HEADER``)
-        return context.begin(job)
-    return _start_or_failure(job, *taken)
+def _taken_start(context: TaskContext, job: Job) -> Start | StartFailed:
+    """The start the take script made as it took the job (``workers.broker.taken``).
 
-
-def begin_all(client: redis.Redis, jobs: Sequence[Job]) -> list[Start | BeginFailed]:
-    """Take each job's next attempt, then read its cancel flag and stream, atomically.
-
-    Taking the attempt first fences the previous attempt out, so the stream
-    read here is all that attempt will ever have written. A job whose origin
-    (the API process its client waits on) is gone counts as cancelled. The
-    jobs of a burst share one transaction (see ``TaskContext.begin``); what
-    is wrong with one job's keys or stream fails that job alone.
+    Every message Sluice queues names its job (``shared.task_message``), so a
+    start is missing only for a message from another producer, or one whose
+    start was let go: either is an error, not a job to start another way.
     """
-    pipe = client.pipeline(transaction=True)
-    for job in jobs:
-        request_id = job.request.request_id
-        lease = keys.lease(request_id)
-        pipe.incr(lease)
-        pipe.expire(lease, keys.FINISHED_STREAM_TTL_S)
-        pipe.exists(keys.cancel_flag(request_id))
-        pipe.xrange(keys.event_stream(request_id))
-        if job.origin is not None:
-            pipe.exists(keys.api_process(job.origin))
-    replies = iter(pipe.execute(raise_on_error=False))
-    starts: list[Start | BeginFailed] = []
-    for job in jobs:
-        attempt, _, cancelled, entries = islice(replies, 4)
-        origin_alive = next(replies) if job.origin is not None else 1
-        starts.append(_start_or_failure(job, attempt, cancelled, entries, origin_alive))
-    return starts
+    taken = context.starts.pop(job.request.request_id)
+    if taken is None:
+        return StartFailed("the job was not started as it was taken (its message names no job)")
+    if isinstance(taken, Exception):
+        return StartFailed(f"cannot read the job's start: {taken}")
+    return _start_or_failure(job, taken)
 
 
-def _start_or_failure(
-    job: Job, attempt: Any, cancelled: Any, entries: Any, origin_alive: Any
-) -> Start | BeginFailed:
+def _start_or_failure(job: Job, taken: TakenStart) -> Start | StartFailed:
     try:
-        return _start(job, attempt, cancelled, entries, origin_alive)
+        return _start(job, *taken)
     except (redis.ResponseError, KeyError, ValueError, TypeError, IndexError) as exc:
-        return BeginFailed(f"cannot read what earlier attempts wrote: {exc}")
+        return StartFailed(f"cannot read what earlier attempts wrote: {exc}")
 
 
 def _start(job: Job, attempt: Any, cancelled: Any, entries: Any, origin_alive: Any) -> Start:

@@ -348,33 +348,30 @@ class DistributedBackend(Backend):
         await self._redis.set(key, "1", ex=keys.API_PROCESS_TTL_S)
 
     async def _read_fleet(self) -> FleetSnapshot:
-        """The model's live heartbeats, in-flight count (expired entries pruned) and queue length.
+        """The model's live workers' loads, its in-flight count (expired entries pruned) and
+        queue length, in one transaction (``MULTI``/``EXEC``, one round trip).
 
-        After the ``SCAN`` for heartbeat keys, one transaction (``MULTI``/``EXEC``,
-        one round trip) reads the rest, so the in-flight count and the queue
+        A worker is live while its registry entry's expiry is ahead of Redis's
+        own clock (``TIME``, read in the same transaction), the clock the
+        workers score their entries with. The in-flight count and the queue
         length are of the same instant: a job joins the set and its list in
         one script, and a worker's take script moves it from the list
         atomically, so ``queued <= outstanding`` holds in what is read (but
         for the exception ``FleetSnapshot.in_flight`` names).
         """
-        inflight, now = keys.inflight(self._model), time.time()
-        names = [
-            name
-            async for name in self._redis.scan_iter(
-                match=keys.heartbeat_pattern(self._model), count=1000
-            )
-        ]
+        inflight = keys.inflight(self._model)
         async with self._redis.pipeline(transaction=True) as pipe:
-            if names:
-                pipe.mget(names)
-            pipe.zremrangebyscore(inflight, "-inf", now)
+            pipe.time()
+            pipe.zrange(keys.workers(self._model), 0, -1, withscores=True)
+            pipe.hgetall(keys.worker_loads(self._model))
+            pipe.zremrangebyscore(inflight, "-inf", time.time())
             pipe.zcard(inflight)
             for name in self._queue_lists:
                 pipe.llen(name)
-            replies = await pipe.execute()
-        values = replies.pop(0) if names else []
-        _, outstanding, *lengths = replies
-        workers = tuple(_worker_loads(values))
+            clock, registry, loads, _, outstanding, *lengths = await pipe.execute()
+        now = clock[0] + clock[1] / 1e6
+        live = [loads.get(worker) for worker, expiry in registry if expiry > now]
+        workers = tuple(_worker_loads(live))
         return FleetSnapshot(workers, outstanding, sum(lengths), time.monotonic())
 
     def _spawn(self, coroutine: Any) -> None:
@@ -421,7 +418,7 @@ def queue_lists(model: str) -> list[str]:
 
 def _worker_loads(values: list[str | None]) -> Iterator[WorkerLoad]:
     for value in values:
-        if value is None:  # expired between SCAN and MGET
+        if value is None:  # registered, its first report not written yet
             continue
         try:
             yield WorkerLoad.from_json(json.loads(value))

@@ -6,13 +6,11 @@ differs is who owns the generation afterwards.
 
 Why not ``Celery.send_task``: it is a blocking call, so every request paid a
 hop to a thread and its own round trips (a routing lookup, then the push),
-and a burst of 32 requests queued one after another behind the API's event
-loop. ``JobQueue`` writes from the event loop through the async Redis
+and a burst of requests would queue one after another behind the API's
+event loop. ``JobQueue`` writes from the event loop through the async Redis
 client instead, in the step of the request's own task: the command leaves
-before the loop turns. The requests of one turn used to be batched into one
-write, sent on the next turn; with 32 streams in flight the rest of a busy
-turn kept each job 9.6 ms (p50) from Redis, while a write of its own costs
-Redis and the loop a few microseconds more.
+before the loop turns (batching the requests of one turn into one write
+would keep each job waiting for the rest of a busy turn).
 
 The write is one script call, which also keeps the model's bound on outstanding
 work (``--max-inflight``): each job joins the model's in-flight set and its

@@ -34,11 +34,11 @@ from openai import OpenAI
 from shared import keys
 from shared.registry import DEFAULT_MODEL
 from tests.servers import free_port
+from workers.broker.scripts import BEAT, LEAVE
 
 ROOT = Path(__file__).resolve().parents[2]
 MAX_MODEL_LEN = 1024
 WORKER_SEQS = 4
-VISIBILITY_TIMEOUT_S = 3  # a killed worker's job is redelivered this soon (plus one sweep)
 STARTUP_TIMEOUT_S = 180
 CHILD_ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 Greedy = Callable[[list[int], int], str]  # (prompt ids, max tokens) -> text
@@ -146,8 +146,7 @@ class Fleet:
             sys.executable, "-m", "workers.main", "--redis", self.redis.url,
             "--model", "default", "--worker-id", worker_id,
             "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", str(WORKER_SEQS),
-            "--visibility-timeout", str(VISIBILITY_TIMEOUT_S), "--loglevel", "WARNING",
-            *options,
+            "--loglevel", "WARNING", *options,
         ]  # fmt: skip
         worker = Worker(worker_id, Child.spawn(command, self.log_dir / f"{worker_id}.log"))
         self.workers[worker_id] = worker
@@ -162,14 +161,11 @@ class Fleet:
             self.start_worker()
 
     def heartbeats(self) -> dict[str, dict]:
-        """Live heartbeats of the default model, by worker id."""
+        """The load reports of the default model's live workers, by worker id."""
         try:
-            names = list(self.redis.client.scan_iter(keys.heartbeat_pattern(DEFAULT_MODEL)))
-            values = self.redis.client.mget(names) if names else []
+            return live_reports(self.redis.client, DEFAULT_MODEL)
         except redis.ConnectionError:
             return {}
-        beats = [json.loads(value) for value in values if value]
-        return {beat["worker_id"]: beat for beat in beats}
 
     def wait_live(self, count: int | None = None, timeout: float = STARTUP_TIMEOUT_S) -> None:
         """Wait until ``count`` (default: all) of our running workers report heartbeats."""
@@ -187,6 +183,55 @@ class Fleet:
     def stop_all(self) -> None:
         for worker in self.workers.values():
             worker.child.stop(signal.SIGKILL, timeout=10)
+
+
+def live_reports(client: redis.Redis, model: str) -> dict[str, dict]:
+    """The load reports of ``model``'s live workers, by worker id, read in one transaction.
+
+    A worker is live while its registry entry's expiry (``keys.workers``) is
+    ahead of Redis's clock, as the API reads it (``_read_fleet``).
+    """
+    with client.pipeline(transaction=True) as pipe:
+        pipe.time()
+        pipe.zrange(keys.workers(model), 0, -1, withscores=True)
+        pipe.hgetall(keys.worker_loads(model))
+        (seconds, micros), registry, loads = pipe.execute()
+    now = seconds + micros / 1e6
+    return {
+        worker_id: json.loads(loads[worker_id])
+        for worker_id, expiry in registry
+        if expiry > now and worker_id in loads
+    }
+
+
+@dataclass(frozen=True)
+class GhostWorker:
+    """A worker in a model's registry, with a load report, and no consumer behind it.
+
+    Admission, ``/metrics`` and ``Fleet.heartbeats`` count it live until its
+    entry expires (``beat``'s ``ttl_s``), but nothing takes the model's jobs
+    for it. Its entry is written by the workers' own heartbeat script (never
+    reclaiming anyone's jobs); ``leave`` removes it as a clean exit would. An
+    expired ghost of a model that real workers serve is taken for dead by
+    their next heartbeat, which hands back whatever its taken records hold.
+    """
+
+    client: redis.Redis
+    worker_id: str = "ghost"
+    model: str = DEFAULT_MODEL
+
+    @property
+    def _keys(self) -> list[str]:
+        return [keys.workers(self.model), keys.worker_loads(self.model)]
+
+    def beat(self, ttl_s: float = 60, **report: object) -> None:
+        """Register (or renew) the ghost for ``ttl_s`` seconds, reporting ``report``."""
+        body = json.dumps({"worker_id": self.worker_id, "model": self.model, **report})
+        BEAT(self.client, self._keys, [self.worker_id, body, ttl_s, 0, keys.TAKEN_PREFIX])
+
+    def leave(self) -> None:
+        """Remove the ghost's entry, report and taken records (put back on their queues)."""
+        LEAVE(self.client, [*self._keys, keys.taken(self.worker_id)], [self.worker_id])
 
 
 class Api:

@@ -2,8 +2,9 @@
 
 The API here serves ``orphan``, a second registry name for the default
 weights whose queue no worker consumes, with a 2 s queue timeout and room for
-one request in flight. A heartbeat written by hand stands in for a worker
-where admission needs to see one. The documented answers:
+one request in flight. A ghost worker (a registry entry with no consumer
+behind it) stands in for a worker where admission needs to see one. The
+documented answers:
 
 - no live worker for the model, even after waiting the queue timeout: 503;
 - a worker is live but nobody starts the job by its queue deadline: 503;
@@ -15,7 +16,6 @@ all with ``Retry-After``.
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 from pathlib import Path
@@ -26,7 +26,7 @@ import pytest
 
 from shared import keys
 from shared.registry import smollm2_gguf_path
-from tests.distributed.conftest import Api, Fleet, RedisServer, wait_until
+from tests.distributed.conftest import Api, Fleet, GhostWorker, RedisServer, wait_until
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -47,14 +47,18 @@ def orphan_api(api_process: Api, fleet: Fleet, redis_server: RedisServer, tmp_pa
         "--config", str(config), "--model", MODEL,
         "--queue-timeout", str(QUEUE_TIMEOUT_S), "--max-inflight", "1",
     )  # fmt: skip
-    redis_server.client.delete(keys.heartbeat(MODEL, "ghost"), keys.inflight(MODEL))
+    ghost(redis_server).leave()
+    redis_server.client.delete(keys.inflight(MODEL))
     return base_url
 
 
+def ghost(server: RedisServer) -> GhostWorker:
+    return GhostWorker(server.client, "ghost", MODEL)
+
+
 def ghost_worker(server: RedisServer) -> None:
-    """A heartbeat for ``orphan`` that no consumer stands behind."""
-    beat = {"worker_id": "ghost", "model": MODEL, "capacity": 1, "max_model_len": 1024}
-    server.client.set(keys.heartbeat(MODEL, "ghost"), json.dumps(beat), ex=30)
+    """A worker for ``orphan`` that no consumer stands behind."""
+    ghost(server).beat(ttl_s=30, capacity=1, max_model_len=1024)
 
 
 def clients(base_url: str) -> tuple[openai.OpenAI, anthropic.Anthropic]:

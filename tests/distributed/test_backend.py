@@ -28,7 +28,7 @@ from shared.events import Error, Finish, FinishReason, Ready, Text
 from shared.registry import DEFAULT_MODEL, default_registry
 from shared.sampling import SamplingParams
 from shared.wire import Job, PreparedRequest, decode_job
-from tests.distributed.conftest import ROOT, RedisServer, wait_until
+from tests.distributed.conftest import ROOT, GhostWorker, RedisServer, wait_until
 from tests.streams import append_events
 
 pytestmark = pytest.mark.distributed
@@ -46,9 +46,9 @@ def request(request_id: str, **sampling: object) -> PreparedRequest:
 
 
 def fake_worker(server: RedisServer, worker_id: str = "fake", **load: object) -> None:
-    """A heartbeat, so admission sees a live worker (nothing consumes the queue)."""
-    beat = {"worker_id": worker_id, "model": DEFAULT_MODEL, "capacity": 4, "max_model_len": 512}
-    server.client.set(keys.heartbeat(DEFAULT_MODEL, worker_id), json.dumps({**beat, **load}), ex=30)
+    """A ghost worker, so admission sees a live worker (nothing consumes the queue)."""
+    report = {"capacity": 4, "max_model_len": 512, **load}
+    GhostWorker(server.client, worker_id).beat(ttl_s=30, **report)
 
 
 def take_job(server: RedisServer) -> tuple[Job, dict]:
@@ -325,7 +325,7 @@ def test_a_submission_beyond_the_in_flight_bound_is_refused(server: RedisServer)
 
 
 def test_admission_waits_for_a_worker_then_refuses(server: RedisServer):
-    server.client.delete(keys.heartbeat(DEFAULT_MODEL, "fake"))
+    GhostWorker(server.client, "fake").leave()
 
     async def scenario() -> tuple[ApiError, float]:
         backend = DistributedBackend(server.url, SPEC, settings(server, queue_timeout_s=0.5))

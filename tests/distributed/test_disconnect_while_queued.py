@@ -1,22 +1,22 @@
 """A client that leaves while its job is still queued cancels it before any worker runs it.
 
 The real API process serves the default model in distributed mode against a
-Redis of this module's own. No worker consumes the model's queue; a heartbeat
-written by hand stands in for one, so admission accepts the request and its
-job stays queued. A client that disconnects before the first event must make
-the API set the request's cancel flag and publish its id on the cancel
-channel at once: that is what lets a worker drop the job without prefill
-if it already took it; a job still queued is withdrawn from its list, with
-its wake token, so no worker pops it and no autoscaler counts it. A stream
-nobody starts must still be refused with a status (503), not a 200 stream
-holding an error, and its job is withdrawn too.
+Redis of this module's own. No worker consumes the model's queue; a ghost
+worker (a registry entry with no consumer behind it) stands in for one, so
+admission accepts the request and its job stays queued. A client that
+disconnects before the first event must make the API set the request's
+cancel flag and publish its id on the cancel channel at once: that is what
+lets a worker drop the job without prefill if it already took it; a job
+still queued is withdrawn from its list, with its wake token, so no worker
+pops it and no autoscaler counts it. A stream nobody starts must still be
+refused with a status (503), not a 200 stream holding an error, and its job
+is withdrawn too.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import time
 from collections.abc import Iterator
 
@@ -27,7 +27,7 @@ import redis
 from api.backends.distributed import queue_lists
 from shared import keys
 from shared.registry import DEFAULT_MODEL
-from tests.distributed.conftest import Api, RedisServer, wait_until
+from tests.distributed.conftest import Api, GhostWorker, RedisServer, wait_until
 
 pytestmark = pytest.mark.distributed
 
@@ -49,14 +49,8 @@ def queued_api(own_redis: RedisServer, tmp_path_factory: pytest.TempPathFactory)
 @pytest.fixture
 def server(own_redis: RedisServer) -> RedisServer:
     own_redis.client.flushall()
-    ghost_worker(own_redis)
+    GhostWorker(own_redis.client).beat(ttl_s=60, capacity=4, max_model_len=1024)  # for admission
     return own_redis
-
-
-def ghost_worker(server: RedisServer) -> None:
-    """A heartbeat, so admission sees a live worker (nothing consumes the queue)."""
-    beat = {"worker_id": "ghost", "model": DEFAULT_MODEL, "capacity": 4, "max_model_len": 1024}
-    server.client.set(keys.heartbeat(DEFAULT_MODEL, "ghost"), json.dumps(beat), ex=60)
 
 
 def nothing_queued(server: RedisServer) -> bool:

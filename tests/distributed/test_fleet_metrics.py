@@ -2,11 +2,12 @@
 
 A real API process (``python -m api.server --redis``) on a Redis of this
 module's own, with no worker consuming the queue: the test plays the
-workers. Their heartbeats are written by ``workers.heartbeat.Heartbeat``
-itself, and a worker "takes" jobs the way ``workers.transport`` does (it pops
-a wake token, then runs its take script, which pops the messages and records
-them as unacked). Jobs get on
-the queue by submitting HTTP requests, which stay pending until cancelled.
+workers. Their registry entries and load reports are written by
+``workers.heartbeat.Heartbeat`` itself, and a worker "takes" jobs the way
+``workers.broker.transport`` does (it pops a wake token, then runs the take
+script, which pops the messages, records them in the worker's taken records
+and starts them). Jobs get on the queue by submitting HTTP requests, which
+stay pending until cancelled.
 
 The point pinned here: a job a worker has reserved has left the list but
 still needs a worker, so the desired count is ``ceil((queued + in flight) /
@@ -31,15 +32,14 @@ from shared.registry import DEFAULT_MODEL
 from shared.sampling import SamplingParams
 from shared.wire import Deadlines, Job, PreparedRequest
 from tests.distributed.conftest import Api, RedisServer
+from workers.broker.scripts import TAKE
+from workers.broker.transport import START_ARGS
 from workers.heartbeat import Heartbeat, WorkerIdentity
 from workers.host import HostSnapshot
-from workers.transport import TAKE_SCRIPT
-from workers.visibility import UNACKED_INDEX_KEY
 
 pytestmark = pytest.mark.distributed
 
 CAPACITY = 2  # per worker, as its heartbeat reports it
-UNACKED_KEY = "unacked"  # kombu's default unacked hash, as the workers use it
 Gauges = dict[str, float]
 
 
@@ -60,7 +60,7 @@ def server(own_redis: RedisServer) -> RedisServer:
 
 
 def beat(server: RedisServer, worker_id: str, running: int = 0, waiting: int = 0) -> None:
-    """One heartbeat, written by the workers' own code (long TTL: no thread renews it)."""
+    """One beat, written by the workers' own code (long TTL: no thread renews the entry)."""
     snapshot = HostSnapshot(
         capacity=CAPACITY, max_model_len=1024, kv_blocks_total=64, running=running,
         waiting=waiting, kv_blocks_used=8 * (running + waiting),
@@ -69,15 +69,15 @@ def beat(server: RedisServer, worker_id: str, running: int = 0, waiting: int = 0
     Heartbeat(server.client, identity, lambda: snapshot, lambda: False, ttl_s=60).beat()
 
 
-def take(server: RedisServer, count: int) -> list[str]:
+def take(server: RedisServer, worker_id: str, count: int) -> None:
     """Reserve ``count`` jobs as a worker's consumer does: wake on a token, take by script."""
     wake = keys.queue_wake(keys.queue_name(DEFAULT_MODEL))
     assert server.client.rpop(wake) is not None, "no job on the queue"
-    script = server.client.register_script(TAKE_SCRIPT)
-    script_keys = [UNACKED_INDEX_KEY, UNACKED_KEY, wake, *queue_lists(DEFAULT_MODEL)]
-    recorded, taken, _ = script(keys=script_keys, args=[count, 1])
-    assert len(recorded) == count and len(taken) == 2 * count
-    return recorded
+    taken_key = keys.taken(worker_id)
+    script_keys = [taken_key, wake, *queue_lists(DEFAULT_MODEL)]
+    taken, started = TAKE(server.client, script_keys, [count, 1, *START_ARGS])
+    assert len(taken) == 2 * count and len(started) == 2 * count  # every job named and started
+    assert server.client.hlen(taken_key) == count  # recorded as the worker's
 
 
 def fleet_gauges(text: str) -> Gauges:
@@ -136,7 +136,8 @@ def test_taken_jobs_count_as_in_flight_and_keep_the_desired_workers(
                 )
                 seen.append(fleet(gauges))
 
-                await asyncio.to_thread(take, server, 2)  # reserved by w1; one reached its engine
+                # reserved by w1; one reached its engine
+                await asyncio.to_thread(take, server, "w1", 2)
                 beat(server, "w1", running=1)
                 gauges = await scrape_until(
                     client,

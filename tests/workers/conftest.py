@@ -30,12 +30,13 @@ from shared.event_codec import Entry, decode_entry
 from shared.events import Error, Finish, InferenceEvent, Text
 from shared.registry import DEFAULT_MODEL
 from shared.sampling import SamplingParams
-from shared.task_message import JOB_HEADER, job_header
+from shared.task_message import JOB_HEADER, job_header, task_message
 from shared.wire import Deadlines, Job, PreparedRequest, encode_job
 from tests.servers import free_port
 
 if TYPE_CHECKING:
     from engine.llm_engine import LLMEngine
+    from workers.broker.taken import TakenStarts
     from workers.runtime import WorkerRuntime
 
 Reference = Callable[[list[int], SamplingParams], list[InferenceEvent]]
@@ -43,7 +44,6 @@ Reference = Callable[[list[int], SamplingParams], list[InferenceEvent]]
 MAX_MODEL_LEN = 512
 CAPACITY = 4
 KV_BLOCKS = 128
-VISIBILITY_TIMEOUT_S = 2  # shorter than some generations here: renewal must cover them
 WORKER_ID = "test-worker"
 QUEUE = keys.queue_name(DEFAULT_MODEL)
 PROMPT = [1, 9690, 314, 253, 1345, 2380, 28]
@@ -160,15 +160,14 @@ def reference(engine: LLMEngine) -> Reference:
 @pytest.fixture(scope="session")
 def worker(redis_url: str, engine: LLMEngine) -> Iterator[WorkerRuntime]:
     """The running worker's ``WorkerRuntime``."""
-    from workers.app import create_app
+    from workers.broker.app import create_app
     from workers.heartbeat import WorkerIdentity
     from workers.runtime import WorkerRuntime
     from workers.task import register_task
 
     identity = WorkerIdentity(WORKER_ID, DEFAULT_MODEL)
     runtime = WorkerRuntime.start(redis_url, identity, engine, heartbeat_interval_s=0.25)
-    host, taken = runtime.host, runtime.context.taken
-    app = create_app(redis_url, [QUEUE], CAPACITY, VISIBILITY_TIMEOUT_S, host.intake, taken)
+    app = create_app(redis_url, [QUEUE], CAPACITY, runtime.link)
     register_task(app, runtime.context)
     try:
         with start_worker(
@@ -203,7 +202,7 @@ class Producer:
         origin: str | None = None,
         named: bool = True,
     ) -> str:
-        """``named``: with the job's header, as the API sends it (``workers.taken``)."""
+        """``named``: with the job's header, as the API sends it (``workers.broker.taken``)."""
         request_id = request_id or uuid.uuid4().hex
         request = PreparedRequest(request_id, model, prompt, params, created=time.time())
         job = Job(request, deadlines or Deadlines(), origin)
@@ -228,19 +227,35 @@ class Producer:
         return wait_until(ended, timeout, f"the end of {request_id}")  # type: ignore[return-value]
 
     def heartbeat(self) -> dict:
-        value = self.client.get(keys.heartbeat(DEFAULT_MODEL, WORKER_ID))
+        value = self.client.hget(keys.worker_loads(DEFAULT_MODEL), WORKER_ID)
         assert value is not None, "no heartbeat"
         return json.loads(value)
 
 
 @pytest.fixture(scope="session")
 def producer(redis_url: str, client: redis.Redis) -> Iterator[Producer]:
-    from workers.transport import Transport  # its sends push wake tokens, as the API's do
+    from workers.broker.transport import Transport  # its sends push wake tokens, as the API's
 
     app = Celery("test-api", broker=redis_url, set_as_current=False)
     app.conf.update(task_serializer="json", accept_content=["json"], broker_transport=Transport)
     yield Producer(app, client)
     app.close()
+
+
+def take_as_a_worker(client: redis.Redis, starts: TakenStarts, jobs: list[Job]) -> None:
+    """Take ``jobs`` with the real take script, from a list of their own, leaving the starts
+    in ``starts``: what a worker's transport does before its task threads run them."""
+    from workers.broker.scripts import TAKE
+    from workers.broker.transport import START_ARGS, _taken_start
+
+    queue = f"test-take-{uuid.uuid4().hex}"
+    for job in jobs:
+        client.lpush(queue, task_message(job).body)
+    taken = keys.taken(f"test-taker-{uuid.uuid4().hex}")
+    _, started = TAKE(client, [taken, f"{queue}:wake", queue], [len(jobs), 1, *START_ARGS])
+    client.delete(taken)
+    for request_id, replies in zip(started[::2], started[1::2], strict=True):
+        starts.put(request_id.decode(), _taken_start(replies))
 
 
 def text_of(events: list[InferenceEvent]) -> str:

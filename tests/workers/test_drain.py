@@ -27,6 +27,7 @@ from tests.workers.conftest import (
     Producer,
     Reference,
     engine_on_the_same_weights,
+    take_as_a_worker,
     text_of,
     tokens_of,
     wait_until,
@@ -54,13 +55,10 @@ def test_a_run_outlasting_the_grace_is_handed_back_and_resumed_elsewhere(
     host.start()
     request_id = uuid.uuid4().hex
     request = PreparedRequest(request_id, DEFAULT_MODEL, PROMPT, LONG, created=time.time())
-    task = threading.Thread(
-        target=run_job,
-        args=(
-            TaskContext(own, publisher, host, DEFAULT_MODEL),
-            encode_job(Job(request, Deadlines())),
-        ),
-    )
+    context = TaskContext(own, publisher, host, DEFAULT_MODEL)
+    job = Job(request, Deadlines())
+    take_as_a_worker(own, context.starts, [job])
+    task = threading.Thread(target=run_job, args=(context, encode_job(job)))
     try:
         task.start()
         wait_until(lambda: len(producer.events(request_id)) >= 4, 30, "tokens to flow")

@@ -24,12 +24,17 @@ from shared import keys
 from shared.registry import DEFAULT_MODEL
 from shared.sampling import SamplingParams
 from shared.wire import Deadlines, Job, PreparedRequest, encode_job
-from tests.workers.conftest import PROMPT, engine_on_the_same_weights, wait_until
+from tests.workers.conftest import (
+    PROMPT,
+    engine_on_the_same_weights,
+    take_as_a_worker,
+    wait_until,
+)
 from workers.heartbeat import WorkerIdentity
 from workers.host import Outcome, Run, WorkerHost
 from workers.publisher import EventPublisher
 from workers.runtime import WorkerRuntime, connect
-from workers.task import TaskContext, begin_all, run_job
+from workers.task import TaskContext, run_job
 
 LONG = SamplingParams(max_tokens=200, temperature=0.0)  # still running when the engine dies
 GRACE_S = 30.0  # a drain that waited it out would fail the test by far
@@ -68,15 +73,11 @@ def test_a_drain_hands_back_a_dead_engine_s_runs_at_once(
     host = WorkerHost(engine_on_the_same_weights(engine), publisher)
     host.start()
     direct_id, task_id = uuid.uuid4().hex, uuid.uuid4().hex
-    (start,) = begin_all(own, [Job(prepared(direct_id))])
-    run = Run(prepared(direct_id), start.attempt)
-    task = threading.Thread(
-        target=run_job,
-        args=(
-            TaskContext(own, publisher, host, DEFAULT_MODEL),
-            encode_job(Job(prepared(task_id), Deadlines())),
-        ),
-    )
+    run = Run(prepared(direct_id), own.incr(keys.lease(direct_id)))
+    context = TaskContext(own, publisher, host, DEFAULT_MODEL)
+    job = Job(prepared(task_id), Deadlines())
+    take_as_a_worker(own, context.starts, [job])
+    task = threading.Thread(target=run_job, args=(context, encode_job(job)))
     try:
         host.submit(run)
         task.start()
@@ -132,10 +133,10 @@ def test_the_watchdog_drains_a_worker_whose_engine_died_and_shuts_it_down(
         on_engine_death=lambda: deaths.append(time.monotonic()),
         engine_check_s=FAST_S,
     )
-    key = keys.heartbeat(DEFAULT_MODEL, identity.worker_id)
+    loads = keys.worker_loads(DEFAULT_MODEL)
 
     def draining() -> bool | None:
-        beat = runtime.client.get(key)
+        beat = runtime.client.hget(loads, identity.worker_id)
         return None if beat is None else json.loads(beat)["draining"]
 
     try:
@@ -150,7 +151,8 @@ def test_the_watchdog_drains_a_worker_whose_engine_died_and_shuts_it_down(
         runtime.stop()
 
     with redis.Redis.from_url(quiet_redis_url) as client:
-        assert not client.exists(key)
+        assert not client.hexists(loads, identity.worker_id)
+        assert client.zscore(keys.workers(DEFAULT_MODEL), identity.worker_id) is None
 
 
 def test_a_runtime_stopped_cleanly_is_not_shut_down_by_its_watchdog(

@@ -1,8 +1,10 @@
-"""Heartbeats: the worker's load in a key with a short TTL, gone on a clean stop."""
+"""Heartbeats: the registry entry and load report, and the hand-back of dead workers' jobs."""
 
 from __future__ import annotations
 
+import json
 import time
+import uuid
 
 import redis
 
@@ -17,6 +19,7 @@ from tests.workers.conftest import (
     Producer,
     wait_until,
 )
+from workers.broker.scripts import TAKE
 from workers.heartbeat import Heartbeat, WorkerIdentity
 from workers.host import HostSnapshot
 from workers.runtime import WorkerRuntime
@@ -26,12 +29,36 @@ FIELDS = {
     "tokens_per_s", "capacity", "max_model_len", "steps", "generated_tokens", "aborted",
     "draining", "ts",
 }  # fmt: skip
+SNAPSHOT = HostSnapshot(capacity=2, max_model_len=64, kv_blocks_total=8, running=1)
+TTL_S = 0.4  # the registry TTL of the heartbeats built here
+
+
+def redis_now(client: redis.Redis) -> float:
+    seconds, micros = client.time()
+    return seconds + micros / 1e6
+
+
+def heartbeat(client: redis.Redis, worker_id: str, model: str, interval_s: float) -> Heartbeat:
+    identity = WorkerIdentity(worker_id, model)
+    return Heartbeat(client, identity, lambda: SNAPSHOT, lambda: False, interval_s, TTL_S)
+
+
+def hold(client: redis.Redis, worker_id: str, queue: str, bodies: list[str]) -> None:
+    """``worker_id`` takes ``bodies`` from ``queue`` with the real take script."""
+    messages = [json.dumps({"properties": {"delivery_tag": body}, "body": body}) for body in bodies]
+    client.lpush(queue, *messages)
+    taken, _ = TAKE(client, [keys.taken(worker_id), f"{queue}:wake", queue], [len(bodies), 1])
+    assert len(taken) == 2 * len(bodies) and client.llen(queue) == 0
+
+
+def bodies_on(client: redis.Redis, queue: str) -> list[str]:
+    """The queue's messages, head first (workers pop from the right)."""
+    return [json.loads(item)["body"] for item in reversed(client.lrange(queue, 0, -1))]
 
 
 def test_heartbeat_reports_the_load_with_a_short_ttl(
     worker: WorkerRuntime, producer: Producer, client: redis.Redis
 ) -> None:
-    key = keys.heartbeat(DEFAULT_MODEL, WORKER_ID)
     before = producer.heartbeat()
     producer.wait_end(producer.send(SamplingParams(max_tokens=4, temperature=0.0)))
     wait_until(
@@ -46,18 +73,93 @@ def test_heartbeat_reports_the_load_with_a_short_ttl(
     assert beat["capacity"] == CAPACITY and beat["max_model_len"] == MAX_MODEL_LEN
     assert beat["kv_blocks_total"] == KV_BLOCKS and beat["draining"] is False
     assert beat["steps"] > before["steps"] and abs(beat["ts"] - time.time()) < 5
-    assert 0 < client.ttl(key) <= keys.HEARTBEAT_TTL_S
+    expiry = client.zscore(keys.workers(DEFAULT_MODEL), WORKER_ID)
+    assert 0 < expiry - redis_now(client) <= keys.HEARTBEAT_TTL_S
 
 
-def test_a_stopped_heartbeat_deletes_its_key(client: redis.Redis) -> None:
-    identity = WorkerIdentity("short-lived", DEFAULT_MODEL)
-    snapshot = HostSnapshot(capacity=2, max_model_len=64, kv_blocks_total=8, running=1)
-    heartbeat = Heartbeat(client, identity, lambda: snapshot, lambda: True, interval_s=0.05)
-    key = keys.heartbeat(DEFAULT_MODEL, "short-lived")
+def test_a_stopped_heartbeat_leaves_and_hands_back_what_it_held(client: redis.Redis) -> None:
+    model, queue = f"model-{uuid.uuid4().hex}", f"queue-{uuid.uuid4().hex}"
+    beats = heartbeat(client, "short-lived", model, interval_s=0.05)
 
-    heartbeat.start()
-    wait_until(lambda: client.exists(key), 5, "the first beat")
-    assert heartbeat.report()["running"] == 1 and heartbeat.report()["draining"] is True
-    heartbeat.stop(timeout=5)
+    beats.start()
+    wait_until(lambda: client.zscore(keys.workers(model), "short-lived"), 5, "the first beat")
+    hold(client, "short-lived", queue, ["a", "b"])
+    beats.stop(timeout=5)
 
-    assert not client.exists(key)
+    assert client.zscore(keys.workers(model), "short-lived") is None
+    assert not client.hexists(keys.worker_loads(model), "short-lived")
+    assert sorted(bodies_on(client, queue)) == ["a", "b"] and client.llen(f"{queue}:wake") == 2
+    assert not client.exists(keys.taken("short-lived"))
+
+
+def test_a_dead_worker_s_jobs_go_back_to_the_head_of_their_queue(client: redis.Redis) -> None:
+    """Its registry entry expired: a live worker's next beats put its jobs back first in line."""
+    model, queue = f"model-{uuid.uuid4().hex}", f"queue-{uuid.uuid4().hex}"
+    hold(client, "dead", queue, ["held-1", "held-2"])
+    client.zadd(keys.workers(model), {"dead": redis_now(client) - 1})
+    client.hset(keys.worker_loads(model), "dead", "{}")
+    client.lpush(queue, json.dumps({"body": "queued-later"}))
+    live = heartbeat(client, "live", model, interval_s=0.05)
+
+    live.start()
+    try:
+        wait_until(lambda: live.reclaimed, 5, "the dead worker's jobs reclaimed")
+    finally:
+        live.stop(timeout=5)
+
+    order = bodies_on(client, queue)
+    assert sorted(order[:2]) == ["held-1", "held-2"] and order[2] == "queued-later"
+    assert live.reclaimed == 2 and client.llen(f"{queue}:wake") == 2
+    assert client.zscore(keys.workers(model), "dead") is None
+    assert not client.hexists(keys.worker_loads(model), "dead")
+    assert not client.exists(keys.taken("dead"))
+
+
+def test_a_worker_reclaims_only_after_beating_for_a_whole_ttl(client: redis.Redis) -> None:
+    """After an outage every entry has expired; each live worker gets a TTL to renew its own."""
+    model, queue = f"model-{uuid.uuid4().hex}", f"queue-{uuid.uuid4().hex}"
+    hold(client, "late", queue, ["kept"])
+    client.zadd(keys.workers(model), {"late": redis_now(client) - 1})
+    back = heartbeat(client, "back", model, interval_s=0.05)
+
+    back.beat()  # the first beat after the outage
+    assert client.hlen(keys.taken("late")) == 1 and back.reclaimed == 0
+    time.sleep(TTL_S / 2)
+    back.beat()
+    assert client.hlen(keys.taken("late")) == 1 and back.reclaimed == 0
+    time.sleep(TTL_S / 2 + 0.05)
+    back.beat()
+
+    assert back.reclaimed == 1 and bodies_on(client, queue) == ["kept"]
+    client.delete(keys.workers(model), keys.worker_loads(model))
+
+
+def test_live_workers_never_reclaim_each_other(client: redis.Redis) -> None:
+    model, queue = f"model-{uuid.uuid4().hex}", f"queue-{uuid.uuid4().hex}"
+    first = heartbeat(client, "first", model, interval_s=0.05)
+    second = heartbeat(client, "second", model, interval_s=0.05)
+    first.start()
+    second.start()
+    try:
+        hold(client, "first", queue, ["one"])
+        hold(client, "second", queue, ["two"])
+        time.sleep(4 * TTL_S)
+        assert first.reclaimed == second.reclaimed == 0
+        assert client.hlen(keys.taken("first")) == client.hlen(keys.taken("second")) == 1
+        assert client.llen(queue) == 0
+    finally:
+        first.stop(timeout=5)
+        second.stop(timeout=5)
+    assert sorted(bodies_on(client, queue)) == ["one", "two"]  # handed back as each left
+
+
+def test_a_restarted_worker_hands_back_what_its_predecessor_held(client: redis.Redis) -> None:
+    """Same worker id, new process: the old one's jobs must not wait behind the new one's beats."""
+    model, queue = f"model-{uuid.uuid4().hex}", f"queue-{uuid.uuid4().hex}"
+    hold(client, "pod-0", queue, ["from-before"])
+    restarted = heartbeat(client, "pod-0", model, interval_s=0.05)
+
+    restarted.start()
+    restarted.stop(timeout=5)
+
+    assert bodies_on(client, queue) == ["from-before"]

@@ -12,7 +12,15 @@ from shared import keys
 from shared.events import Finish, Ready, Text
 from shared.registry import DEFAULT_MODEL
 from shared.sampling import SamplingParams
-from tests.workers.conftest import PROMPT, Producer, Reference, text_of, tokens_of, wait_until
+from tests.workers.conftest import (
+    PROMPT,
+    WORKER_ID,
+    Producer,
+    Reference,
+    text_of,
+    tokens_of,
+    wait_until,
+)
 from workers.publisher import Batch, EventPublisher
 from workers.runtime import WorkerRuntime
 
@@ -61,7 +69,7 @@ def test_attempt_fenced_out_by_a_newer_one_stops_generating(
     client.incr(keys.lease(request_id))  # a redelivery elsewhere took the request over
 
     wait_until(lambda: worker.host.snapshot.aborted > aborted, 5, "the stale run aborted")
-    wait_until(lambda: client.hlen("unacked") == 0, 5, "its message acked")
+    wait_until(lambda: client.hlen(keys.taken(WORKER_ID)) == 0, 5, "its message acked")
     written = client.xlen(stream)
     assert worker.host.snapshot.runs == 0
     assert not any(isinstance(event, Finish) for event in producer.events(request_id))

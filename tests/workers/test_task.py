@@ -6,6 +6,7 @@ import json
 import time
 import uuid
 
+import pytest
 import redis
 
 from shared import keys
@@ -17,15 +18,18 @@ from shared.wire import Deadlines, Job, PreparedRequest, encode_job
 from tests.workers.conftest import (
     PROMPT,
     QUEUE,
+    WORKER_ID,
     Producer,
     Reference,
+    take_as_a_worker,
     text_of,
     tokens_of,
     wait_until,
 )
+from workers.broker.taken import TakenStarts
 from workers.publisher import Batch, EventPublisher
 from workers.runtime import WorkerRuntime
-from workers.task import BeginFailed, Start, begin_all
+from workers.task import StartFailed, TaskContext, run_job
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
 
@@ -68,19 +72,21 @@ def test_a_named_job_runs_on_the_start_its_take_made(
     assert events[0].reason == FinishReason.ABORT and events[0].completion_tokens == 0
     assert worker.host.snapshot.steps == steps  # dropped unrun
     assert client.get(keys.lease(request_id)) == b"1"  # the task took no attempt of its own
-    assert len(worker.context.taken) == 0
+    assert len(worker.context.starts) == 0
 
 
-def test_a_job_its_message_does_not_name_takes_its_attempt_itself(
-    worker: WorkerRuntime, producer: Producer, client: redis.Redis, reference: Reference
+def test_a_job_its_message_does_not_name_is_refused_unrun(
+    worker: WorkerRuntime, producer: Producer, client: redis.Redis
 ) -> None:
+    """Only the take script starts a job; a message naming none has nobody to start it."""
+    steps = worker.host.snapshot.steps
     request_id = producer.send(GREEDY, named=False)  # as from a producer of its own
 
-    events = producer.wait_end(request_id)
+    (refusal,) = producer.wait_end(request_id)
 
-    assert tokens_of(events) == tokens_of(reference(PROMPT, GREEDY))
-    assert {entry.attempt for entry in producer.entries(request_id)} == {1}
-    assert client.get(keys.lease(request_id)) == b"1"
+    assert isinstance(refusal, Error) and "names no job" in refusal.message
+    assert worker.host.snapshot.steps == steps
+    wait_until(lambda: client.hlen(keys.taken(WORKER_ID)) == 0, 5, "the message acked")
 
 
 def test_job_of_an_unknown_version_is_refused_without_requeue(
@@ -92,7 +98,7 @@ def test_job_of_an_unknown_version_is_refused_without_requeue(
     # the job after it runs, so the bad one was taken, refused, and not put back
     producer.wait_end(producer.send(SamplingParams(max_tokens=1, temperature=0.0)))
     assert client.llen(QUEUE) == 0
-    wait_until(lambda: client.hlen("unacked") == 0, 5, "every message acked")
+    wait_until(lambda: client.hlen(keys.taken(WORKER_ID)) == 0, 5, "every message acked")
     (refusal,) = producer.events(request_id)  # its client hears why at once
     assert isinstance(refusal, Error) and "version 99" in refusal.message
 
@@ -125,7 +131,7 @@ def test_job_whose_stream_already_ended_is_only_acked(
     producer.send(GREEDY, request_id=request_id)
 
     wait_until(lambda: client.get(keys.lease(request_id)) == b"2", 10, "the redelivery's attempt")
-    wait_until(lambda: client.hlen("unacked") == 0, 5, "the message acked")
+    wait_until(lambda: client.hlen(keys.taken(WORKER_ID)) == 0, 5, "the message acked")
     assert producer.events(request_id) == done
 
 
@@ -140,19 +146,26 @@ def test_job_for_another_model_is_answered_with_an_error(
     assert events[0].kind == "invalid_request" and "some-other-model" in events[0].message
 
 
-def test_what_is_wrong_with_one_job_of_a_burst_fails_that_job_alone(client: redis.Redis) -> None:
-    """The jobs of a burst begin in one transaction; a bad stream must not fail its neighbours."""
-    clobbered, malformed, fine = (uuid.uuid4().hex for _ in range(3))
+def test_a_start_whose_replies_cannot_be_read_fails_its_job_alone(
+    worker: WorkerRuntime, producer: Producer, client: redis.Redis
+) -> None:
+    """The take script reads every job of a burst; a clobbered stream fails only its own job."""
+    clobbered, fine = uuid.uuid4().hex, uuid.uuid4().hex
     client.set(keys.event_stream(clobbered), "not a stream")  # XRANGE: WRONGTYPE
-    client.xadd(keys.event_stream(malformed), {"junk": "1"})  # no event in it
+    starts = TakenStarts()
+    context = TaskContext(client, worker.context.publisher, worker.host, DEFAULT_MODEL, starts)
+    jobs = [Job(prepared(clobbered)), Job(prepared(fine))]
+    take_as_a_worker(client, starts, jobs)
+    client.delete(keys.event_stream(clobbered))  # so that the failure report can be read
 
-    starts = begin_all(
-        client, [Job(prepared(request_id)) for request_id in (clobbered, malformed, fine)]
-    )
+    with pytest.raises(StartFailed, match="WRONGTYPE"):
+        run_job(context, encode_job(jobs[0]))
+    run_job(context, encode_job(jobs[1]))
 
-    assert isinstance(starts[0], BeginFailed) and "WRONGTYPE" in str(starts[0])
-    assert isinstance(starts[1], BeginFailed)
-    assert isinstance(starts[2], Start) and starts[2].attempt == 1 and not starts[2].cancelled
+    (failure,) = producer.events(clobbered)
+    assert isinstance(failure, Error) and "WRONGTYPE" in failure.message
+    events = producer.events(fine)
+    assert isinstance(events[-1], Finish) and text_of(events)
 
 
 def prepared(request_id: str) -> PreparedRequest:

@@ -6,7 +6,7 @@ jobs up to that bound, only for them to wait in its engine while another
 worker, with blocks to spare, could have started them. So the engine thread
 closes the intake after a step that preempted a sequence or left one waiting
 for blocks, and opens it after a step that did neither; the broker transport
-(``workers.transport``) offers no credit while it is closed. Opening wakes
+(``workers.broker.transport``) offers no credit while it is closed. Opening wakes
 the consumer's event loop, which would otherwise not poll the queue again
 until its next timer.
 """
@@ -14,9 +14,6 @@ until its next timer.
 from __future__ import annotations
 
 from collections.abc import Callable
-
-TRANSPORT_OPTION = "sluice_intake"
-"""The broker transport option that hands the intake to ``workers.transport``."""
 
 
 class Intake:
