@@ -31,10 +31,14 @@ import math
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from api.errors import ApiError
 from shared.events import Error
 from shared.wire import Deadlines
+
+if TYPE_CHECKING:
+    from api.settings import Settings
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +93,15 @@ class Limits:
     first_token_timeout_s: float = 60.0
     total_timeout_s: float = 600.0
     max_inflight: int = 256
+
+    @classmethod
+    def of(cls, settings: Settings) -> Limits:
+        return cls(
+            queue_timeout_s=settings.queue_timeout_s,
+            first_token_timeout_s=settings.first_token_timeout_s,
+            total_timeout_s=settings.total_timeout_s,
+            max_inflight=settings.max_inflight,
+        )
 
     def deadlines(self, start: float) -> Deadlines:
         return Deadlines(

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import anyio
 from fastapi import FastAPI, Request, Response
@@ -35,6 +35,9 @@ from api.settings import Settings, load_models
 from api.streaming import collect, event_source
 from shared.registry import ModelSpec
 
+if TYPE_CHECKING:
+    from api.backends.channel import RequestChannel
+
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
@@ -44,8 +47,11 @@ def create_app(settings: Settings | None = None, backend: Backend | None = None)
     """The app for ``settings``; ``backend`` defaults to the embedded engine."""
     settings = settings or Settings()
     registry, spec = load_models(settings)
+    channel = _request_channel(settings)
     serving = Serving(
-        registry, backend or _default_backend(spec, settings), settings.preparation_threads
+        registry,
+        backend or _default_backend(spec, settings, channel),
+        settings.preparation_threads,
     )
     app = FastAPI(title="Sluice", lifespan=serving.lifespan)
     app.state.serving = serving
@@ -57,17 +63,29 @@ def create_app(settings: Settings | None = None, backend: Backend | None = None)
     app.add_api_route("/health", _health, methods=["GET"])
     app.add_api_route("/ready", _ready_route(serving), methods=["GET"])
     app.add_api_route("/metrics", _metrics_route(serving), methods=["GET"])
-    app.include_router(jobs_router(serving, _job_store(settings), settings))
+    app.include_router(jobs_router(serving, _job_store(settings), settings, channel))
     _install_error_handlers(app, serving)
     return app
 
 
-def _default_backend(spec: ModelSpec, settings: Settings) -> Backend:
+def _request_channel(settings: Settings) -> RequestChannel | None:
+    """With ``redis_url``: the one channel to the workers that requests and jobs share."""
+    if not settings.redis_url:
+        return None
+    from api.admission import Limits
+    from api.backends.channel import RequestChannel
+
+    return RequestChannel(settings.redis_url, Limits.of(settings))
+
+
+def _default_backend(
+    spec: ModelSpec, settings: Settings, channel: RequestChannel | None
+) -> Backend:
     """Workers behind Redis with ``redis_url`` (no torch here), else the embedded engine."""
     if settings.redis_url:
         from api.backends.distributed import DistributedBackend
 
-        return DistributedBackend(settings.redis_url, spec, settings)
+        return DistributedBackend(settings.redis_url, spec, settings, channel)
     return _embedded_backend(spec, settings)
 
 

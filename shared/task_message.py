@@ -90,6 +90,12 @@ def priority_list(queue: str, priority: int) -> str:
     return f"{queue}{Channel.sep}{step}" if step else queue
 
 
+def queue_lists(model: str) -> list[str]:
+    """The Redis lists of ``model``'s queue: kombu keeps one per priority step."""
+    queue = keys.queue_name(model)
+    return [priority_list(queue, step) for step in Channel.priority_steps]
+
+
 @cache
 def _builder() -> Celery:
     """A Celery app that only builds messages; it never connects."""

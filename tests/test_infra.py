@@ -17,7 +17,7 @@ import pytest
 yaml = pytest.importorskip("yaml")
 
 from api.backends.base import BackendHealth  # noqa: E402
-from api.backends.distributed import _FLEET_GAUGES  # noqa: E402
+from api.backends.fleet import FLEET_GAUGES  # noqa: E402
 from api.cli import build_parser as build_cli_parser  # noqa: E402
 from api.metrics import ServingMetrics  # noqa: E402
 from shared.registry import default_registry  # noqa: E402
@@ -99,7 +99,7 @@ def _parse(argv: list[str]):
 
 def _exported_metrics() -> set[str]:
     """Sample names the API's /metrics can carry (per-request, engine and fleet metrics)."""
-    names = set(_FLEET_GAUGES)
+    names = set(FLEET_GAUGES)
     suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count")}
     metrics = ServingMetrics(lambda: BackendHealth(ready=True))
     for family in metrics.registry.collect():

@@ -1,8 +1,7 @@
 """Putting prepared requests on a model's Celery queue, shared by every sender.
 
-The synchronous path (``DistributedBackend``) and async jobs
-(``api.jobs.worker_queue``) both queue the same task the same way; what
-differs is who owns the generation afterwards.
+The process's request channel (``api.backends.channel``) queues every
+generation here, the synchronous path's and async jobs' alike.
 
 Why not ``Celery.send_task``: it is a blocking call, so every request paid a
 hop to a thread and its own round trips (a routing lookup, then the push),

@@ -2,7 +2,9 @@
 
 Submitting prepares the body exactly as the synchronous route would (same
 admission, same 400s), starts the generation (embedded: the backend's
-``infer``; distributed: the workers' queue, see ``worker_queue``), saves the
+``infer``; distributed: the process's request channel,
+``api.backends.channel``, which keeps a job's generation going when its
+reader ends with this process), saves the
 record with this process's runner lease and starts a ``JobRunner`` on the
 events. The job's id and its response's id share one random part
 (``job_<hex>``, ``chatcmpl-<hex>``), and the response id is the engine's
@@ -34,15 +36,18 @@ from typing import TYPE_CHECKING
 from fastapi import FastAPI
 from redis.exceptions import RedisError
 
+from api.admission import error_for
 from api.errors import ApiError
 from api.jobs.records import JobOutcome, JobRecord, JobStatus, StoredChunk, new_job_hex
 from api.jobs.runner import JobRunner, job_processor
 from api.jobs.store import JobStore
 from api.preparation import Prepared
 from api.protocols.base import Protocol
+from shared.events import Error
+from shared.wire import Job
 
 if TYPE_CHECKING:
-    from api.jobs.worker_queue import WorkerQueue
+    from api.backends.channel import RequestChannel
     from api.serving import Serving
 
 log = logging.getLogger(__name__)
@@ -79,13 +84,13 @@ class JobManager:
         serving: Serving,
         store: JobStore,
         protocols: dict[str, Protocol],
-        queue: WorkerQueue | None = None,
+        channel: RequestChannel | None = None,
     ) -> None:
         self.serving = serving
         self.store = store
         self.protocols = protocols
         self.holder = uuid.uuid4().hex
-        self._queue = queue
+        self._channel = channel
         self._runners: dict[str, tuple[JobRunner, asyncio.Task[None]]] = {}
         self._maintainer: asyncio.Task[None] | None = None
         lease = getattr(store, "lease_ttl_s", None)
@@ -93,8 +98,8 @@ class JobManager:
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app: FastAPI) -> AsyncIterator[None]:
-        if self._queue is not None:
-            await self._queue.start()
+        if self._channel is not None:
+            await self._channel.start()
         if self._adopting:
             self._maintainer = asyncio.create_task(self._maintain(), name="sluice-jobs")
         try:
@@ -104,7 +109,7 @@ class JobManager:
 
     @property
     def _adopting(self) -> bool:
-        return self._queue is not None and self.store.shared
+        return self._channel is not None and self.store.shared
 
     # --- what the routes call ------------------------------------------------------
 
@@ -165,20 +170,20 @@ class JobManager:
                 await asyncio.wait_for(asyncio.shield(task), CANCEL_WAIT_S)
         else:  # another process runs it (or nobody does): end it here, stop its generation
             await self.store.finish(job_id, JobOutcome(JobStatus.CANCELLED, record.usage))
-            if self._queue is not None:
-                await self._queue.cancel(record.response_id)
+            if self._channel is not None:
+                await self._channel.cancel(record.response_id)
         return await self.get(job_id, owner)
 
     async def stop(self) -> None:
         """Shutdown: detach from shared jobs (others adopt them), cancel in-memory ones.
 
-        Closing the worker queue then ends the detached runners' event
-        streams without cancelling the generations.
+        Stopping the channel then ends the detached runners' event streams
+        without cancelling the generations.
         """
         if self._maintainer is not None:
             self._maintainer.cancel()
-        if self._queue is not None:
-            self._queue.stopping = True
+        if self._channel is not None:
+            self._channel.stopping = True
         runners = list(self._runners.values())
         for runner, _ in runners:
             if self.store.shared:
@@ -189,8 +194,8 @@ class JobManager:
                 runner.cancel()
         if not self.store.shared and runners:
             await asyncio.wait([task for _, task in runners], timeout=STOP_WAIT_S)
-        if self._queue is not None:
-            await self._queue.close()
+        if self._channel is not None:
+            await self._channel.stop()
         await self.store.close()
 
     # --- running and adopting --------------------------------------------------------
@@ -205,17 +210,17 @@ class JobManager:
         return await self.serving.prepare(protocol, body, response_id)
 
     async def _generate(self, record: JobRecord, prepared: Prepared) -> AsyncIterator:
-        """Start the generation: on the workers' queue, or on this process's backend."""
+        """Start the generation: on the workers (a 503 if it cannot be queued), or here."""
         arrived, name = time.monotonic(), prepared.protocol.name
-        if self._queue is None:
+        if self._channel is None:
             return self.serving.metrics.track(
                 name, self.serving.backend.infer(prepared.wire), arrived
             )
-        deadlines = self._queue.deadlines(record.created_at)
-        await self._queue.submit(prepared.wire, deadlines)
-        return self.serving.metrics.track(
-            name, self._queue.events(prepared.wire, deadlines), arrived
-        )
+        job = Job(prepared.wire, self._channel.job_deadlines(record.created_at))
+        job, queued = await self._channel.submit(job)
+        if isinstance(queued, Error):
+            raise error_for(queued)
+        return self.serving.metrics.track(name, self._channel.follow(job, queued), arrived)
 
     def _new_record(
         self, job: JobRequest, job_hex: str, prepared: Prepared, owner: str | None
@@ -287,7 +292,7 @@ class JobManager:
         await self.store.release(job_id, self.holder)
 
     async def _replay(self, record: JobRecord) -> None:
-        assert self._queue is not None
+        assert self._channel is not None
         protocol = self.protocols[record.endpoint]
         job_hex = record.id.removeprefix("job_")
         try:
@@ -297,8 +302,8 @@ class JobManager:
             await self.store.finish(record.id, JobOutcome(JobStatus.FAILED, error=failure))
             return
         kept = await self._stored_chunks(record.id)
-        deadlines = self._queue.adoption_deadlines(record.created_at)
-        events = self._queue.events(prepared.wire, deadlines)
+        deadlines = self._channel.adoption_deadlines(record.created_at)
+        events = self._channel.follow(Job(prepared.wire, deadlines))
         log.info("adopting job %s (%d chunks already stored)", record.id, len(kept))
         self._launch(self._runner(record, prepared, events, kept))
 

@@ -37,6 +37,7 @@ from api.protocols.table import BY_PATH
 from api.request_body import read_json
 
 if TYPE_CHECKING:
+    from api.backends.channel import RequestChannel
     from api.serving import Serving
     from api.settings import Settings
 
@@ -44,15 +45,16 @@ DEFAULT_LIST_LIMIT = 20
 MAX_LIST_LIMIT = 100
 
 
-def jobs_router(serving: Serving, store: JobStore, settings: Settings) -> APIRouter:
-    """The routes, with a ``JobManager`` whose lifespan is the router's (it closes ``store``)."""
-    protocols = BY_PATH
-    queue = None
-    if settings.redis_url:  # Celery is imported in distributed mode only
-        from api.jobs.worker_queue import WorkerQueue
+def jobs_router(
+    serving: Serving, store: JobStore, settings: Settings, channel: RequestChannel | None = None
+) -> APIRouter:
+    """The routes, with a ``JobManager`` whose lifespan is the router's (it closes ``store``).
 
-        queue = WorkerQueue(settings.redis_url, settings)
-    manager = JobManager(serving, store, protocols, queue)
+    ``channel``: the process's request channel in distributed mode, where the
+    workers run the jobs; without it the serving backend runs them.
+    """
+    protocols = BY_PATH
+    manager = JobManager(serving, store, protocols, channel)
     router = APIRouter(prefix="/v1/jobs", lifespan=manager.lifespan)
 
     @router.post("")

@@ -20,7 +20,8 @@ from collections.abc import AsyncIterator
 import pytest
 
 from api.admission import ERROR_STATUSES, api_error
-from api.backends.distributed import FLEET_REFRESH_S, DistributedBackend
+from api.backends.channel import RENEW_S
+from api.backends.distributed import DistributedBackend
 from api.errors import ApiError
 from api.settings import Settings
 from shared import keys
@@ -205,7 +206,7 @@ def test_a_cancel_that_found_redis_down_is_sent_once_it_answers(server: RedisSer
             for key in server.client.scan_iter(keys.api_process("*")):
                 server.client.delete(key)
             renewed = await asyncio.to_thread(
-                wait_until, lambda: server.client.keys(keys.api_process("*")), 5 * FLEET_REFRESH_S,
+                wait_until, lambda: server.client.keys(keys.api_process("*")), 5 * RENEW_S,
                 "the fleet watcher to renew the key: it goes on after sending the end",
             )  # fmt: skip
             assert renewed
@@ -218,7 +219,7 @@ def test_a_cancel_that_found_redis_down_is_sent_once_it_answers(server: RedisSer
 def test_ends_kept_through_an_outage_are_bounded_oldest_first(
     server: RedisServer, monkeypatch: pytest.MonkeyPatch
 ):
-    monkeypatch.setattr("api.backends.distributed.MAX_UNSENT_ENDS", 2)
+    monkeypatch.setattr("api.backends.channel.MAX_UNSENT_ENDS", 2)
 
     async def scenario() -> None:
         backend = await started(DistributedBackend(server.url, SPEC, settings(server)))

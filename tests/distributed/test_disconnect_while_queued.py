@@ -24,9 +24,9 @@ import httpx
 import pytest
 import redis
 
-from api.backends.distributed import queue_lists
 from shared import keys
 from shared.registry import DEFAULT_MODEL
+from shared.task_message import queue_lists
 from tests.distributed.conftest import Api, GhostWorker, RedisServer, wait_until
 
 pytestmark = pytest.mark.distributed

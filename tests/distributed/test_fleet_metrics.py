@@ -25,11 +25,11 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from redis.asyncio import Redis as AsyncRedis
 
-from api.backends.distributed import queue_lists
 from api.backends.job_queue import JobQueue
 from shared import keys
 from shared.registry import DEFAULT_MODEL
 from shared.sampling import SamplingParams
+from shared.task_message import queue_lists
 from shared.wire import Deadlines, Job, PreparedRequest
 from tests.distributed.conftest import Api, RedisServer
 from workers.broker.scripts import TAKE

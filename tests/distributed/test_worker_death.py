@@ -30,13 +30,12 @@ import pytest
 import redis
 from openai import OpenAI
 
-from api.backends.distributed import queue_lists
 from shared import keys
 from shared.event_codec import Entry, decode_entry
 from shared.events import Finish, FinishReason, Text
 from shared.registry import DEFAULT_MODEL
 from shared.sampling import SamplingParams
-from shared.task_message import task_message
+from shared.task_message import queue_lists, task_message
 from shared.wire import Deadlines, Job, PreparedRequest
 from tests.distributed.conftest import (
     MAX_MODEL_LEN,

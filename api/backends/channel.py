@@ -1,0 +1,310 @@
+"""One request channel per API process: submit, events, deadlines and ends, over Redis.
+
+Every generation this process hands to workers goes through here: the
+distributed backend's requests, which belong to their HTTP response, and
+async jobs, which belong to the job and outlive this process. Both queue the
+same task the same way (``api.backends.job_queue``), read their events
+through the process's one ``EventReader``, meet the same deadlines with the
+same messages, and end the same way. The one difference is who owns the
+generation: a request's stream is ``attached`` (leaving it early cancels the
+generation, whatever the reason), a job's is not once the channel is
+stopping (the process is going away and the job's next runner follows it).
+
+Ending a generation leaves the model's in-flight set and, unless it ended
+with a ``Finish``, cancels it (cancel flag and channel) and withdraws its
+message if no worker has taken it. The end runs as a task of its own, so it
+completes even when the stream's reader is being cancelled; one that finds
+Redis unreachable is kept and sent again once Redis answers, for a worker
+that kept its job through the outage would otherwise generate for nobody.
+
+Every job names this process as its origin (``keys.api_process``), a key the
+channel renews every second: once it has expired (the process died, and its
+clients' connections with it), workers stop its requests' jobs instead of
+generating for nobody. Async jobs name no origin.
+
+Unseeded sampling requests get a seed at submission: a job redelivered after
+its worker died continues the same random draws, so a resumed stream is
+indistinguishable from an uninterrupted one. The channel depends only on
+Redis and the event codec; a local engine process could stand behind the
+same interface.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import math
+import os
+import secrets
+import socket
+import time
+from collections.abc import AsyncIterator
+from typing import Any, NamedTuple
+
+from redis.asyncio import Redis
+from redis.asyncio.client import Pipeline
+from redis.exceptions import RedisError
+
+from api.admission import Limits, rate_limited_message
+from api.backends.event_reader import EventReader, Subscription
+from api.backends.job_queue import JobQueue, with_seed, withdraw
+from shared import keys
+from shared.events import Error, Finish, InferenceEvent, Text
+from shared.task_message import TaskMessage
+from shared.wire import Deadlines, Job
+
+log = logging.getLogger(__name__)
+
+RENEW_S = 1.0  # the origin key's renewal and the resending of unsent ends
+CLEANUP_TIMEOUT_S = 5.0
+MAX_UNSENT_ENDS = 10_000  # kept for when Redis answers again; older ones are let go
+
+
+class RequestChannel:
+    """Submits, follows and ends generations on the workers; see the module docstring."""
+
+    def __init__(self, redis_url: str, limits: Limits) -> None:
+        self.limits = limits
+        self.redis = Redis.from_url(
+            redis_url, decode_responses=True, socket_timeout=5, socket_connect_timeout=2
+        )
+        self.reader = EventReader(redis_url)
+        self.process_id = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
+        self.stopping = False  # the process is going away: detached generations go on
+        self._queue = JobQueue(self.redis)
+        self._users = 0
+        self._tasks: set[asyncio.Task[Any]] = set()  # ends in progress
+        self._unsent_ends: dict[str, _End] = {}  # request id -> an end Redis did not receive
+        self._renewer: asyncio.Task[None] | None = None
+
+    # --- lifecycle: shared by the backend and the jobs manager ---------------------------
+
+    async def start(self) -> None:
+        """Start reading and renewing; a second user only counts itself in."""
+        self._users += 1
+        if self._users > 1:
+            return
+        await self.reader.start()
+        try:  # before any job names this process
+            await self._renew_origin()
+        except (RedisError, OSError) as exc:
+            log.warning("could not announce this API process in Redis: %s", exc)
+        self._renewer = asyncio.create_task(self._renew(), name="sluice-channel-renewer")
+
+    async def stop(self) -> None:
+        """Once its last user stops: stop reading (open streams end with an ``Error``).
+
+        Ends in progress get a moment to finish; nothing here waits on Redis
+        without a limit (a cancelled call can hang in redis-py).
+        """
+        self._users -= 1
+        if self._users > 0:
+            return
+        self.stopping = True
+        await self.reader.stop()
+        pending = [*self._tasks, *([self._renewer] if self._renewer else [])]
+        if self._renewer is not None:
+            self._renewer.cancel()
+        if pending:
+            await asyncio.wait(pending, timeout=CLEANUP_TIMEOUT_S)
+        await self.redis.aclose()
+
+    # --- deadlines ---------------------------------------------------------------------
+
+    def job_deadlines(self, submitted: float) -> Deadlines:
+        """An async job's: a worker must start it, and end it, this long after submission."""
+        limits = self.limits
+        return Deadlines(
+            queue=submitted + limits.queue_timeout_s, total=submitted + limits.total_timeout_s
+        )
+
+    def adoption_deadlines(self, submitted: float) -> Deadlines:
+        """An adopted job's: no queue deadline (its events may be there already), and the
+        total one, but at least a queue timeout from now to show the events there are."""
+        limits = self.limits
+        total = max(submitted + limits.total_timeout_s, time.time() + limits.queue_timeout_s)
+        return Deadlines(total=total)
+
+    # --- one generation ------------------------------------------------------------------
+
+    def request(self, job: Job, bound: int | None) -> AsyncIterator[InferenceEvent]:
+        """Submit ``job`` (refused beyond ``bound`` outstanding) and yield its events to its end.
+
+        The generation is attached: leaving early cancels it, whatever the reason.
+        """
+        job = dataclasses.replace(job, request=with_seed(job.request))
+        return self._run(job, None, bound, attached=True)
+
+    async def submit(self, job: Job) -> tuple[Job, TaskMessage | Error]:
+        """Queue a detached ``job`` with no bound (a job accepted is queued), seeded as sent."""
+        job = dataclasses.replace(job, request=with_seed(job.request))
+        return job, await self._submit(job, None, None)
+
+    def follow(self, job: Job, queued: TaskMessage | None = None) -> AsyncIterator[InferenceEvent]:
+        """Yield the events of a detached job, queued already, from the first to its end.
+
+        ``queued``: its message, withdrawn if the job ends before a worker took it.
+        """
+        return self._run(job, queued, None, attached=False)
+
+    async def cancel(self, request_id: str) -> None:
+        """Ask the workers to stop ``request_id``; one that has not started it drops it."""
+        await self._send_end(request_id, self._end(cancel=True, untaken=None, model=""))
+
+    async def _run(
+        self, job: Job, queued: TaskMessage | None, bound: int | None, *, attached: bool
+    ) -> AsyncIterator[InferenceEvent]:
+        """One generation's events to its end; an attached one is submitted here first."""
+        request_id = job.request.request_id
+        subscription = self.reader.open(request_id, wake=not attached)  # the submit wakes it
+        progress = _Progress()
+        last: InferenceEvent | Error | None = None
+        try:
+            if attached:
+                submitted = await self._submit(job, bound, self.reader.take_wake())
+                if isinstance(submitted, Error):
+                    last = submitted
+                    yield last
+                    return
+                queued = submitted
+            while not isinstance(last, Finish | Error):
+                last = await self._next_event(subscription, job.deadlines, progress)
+                yield last
+        finally:
+            self.reader.close(request_id)
+            if attached or not self.stopping:
+                untaken = queued if not progress.started else None
+                end = self._end(not isinstance(last, Finish), untaken, job.request.model)
+                self._spawn(self._send_end(request_id, end))
+
+    async def _submit(self, job: Job, bound: int | None, wake: str | None) -> TaskMessage | Error:
+        """Join the in-flight set and queue the job: its message, or the ``Error`` that ends it."""
+        request_id, limits = job.request.request_id, self.limits
+        try:
+            score = job.deadlines.total or time.time() + limits.total_timeout_s
+            queued = await self._queue.put(job, score, bound, wake)
+        except (RedisError, OSError, TimeoutError) as exc:
+            log.warning("submitting %s failed: %s", request_id, exc)
+            message = "Could not queue the request: Redis is unreachable; retry later."
+            return Error(request_id, message, "unavailable")
+        if queued is None:
+            return Error(request_id, rate_limited_message(bound or 0), "rate_limited")
+        return queued
+
+    async def _next_event(
+        self, subscription: Subscription, deadlines: Deadlines, progress: _Progress
+    ) -> InferenceEvent:
+        """The next event, or a timeout ``Error`` once the pending deadline has passed."""
+        deadline, kind = progress.pending_deadline(deadlines)
+        try:
+            async with asyncio.timeout(None if deadline is None else deadline - time.time()):
+                event = await subscription.events.get()
+        except TimeoutError:
+            return Error(subscription.request_id, self._timeout_message(kind), kind)
+        progress.saw(event)
+        return event
+
+    def _timeout_message(self, kind: str) -> str:
+        limits = self.limits
+        return {
+            "queue_timeout": f"No worker started the request within {limits.queue_timeout_s:g}s; "
+            "the model's workers are busy, retry later.",
+            "first_token_timeout": "The model produced no token within "
+            f"{limits.first_token_timeout_s:g}s.",
+            "total_timeout": f"The generation did not finish within {limits.total_timeout_s:g}s.",
+        }[kind]
+
+    # --- ends -------------------------------------------------------------------------------
+
+    def _end(self, cancel: bool, untaken: TaskMessage | None, model: str) -> _End:
+        """An end, kept for a retry until every deadline of its request has passed."""
+        return _End(cancel, untaken, model, time.monotonic() + self.limits.total_timeout_s + 60)
+
+    def _spawn(self, coroutine: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coroutine)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _send_end(self, request_id: str, end: _End) -> None:
+        try:
+            async with asyncio.timeout(CLEANUP_TIMEOUT_S):
+                async with self.redis.pipeline(transaction=False) as pipe:
+                    self._queue_end(pipe, request_id, end)
+                    await pipe.execute()
+        except (RedisError, OSError, TimeoutError) as exc:
+            log.warning("ending %s in Redis failed, to retry: %s", request_id, exc)
+            self._unsent_ends[request_id] = end
+            if len(self._unsent_ends) > MAX_UNSENT_ENDS:  # a long outage under load
+                del self._unsent_ends[next(iter(self._unsent_ends))]  # the oldest
+
+    def _queue_end(self, pipe: Pipeline, request_id: str, end: _End) -> None:
+        if end.cancel:
+            ttl = math.ceil(self.limits.total_timeout_s) + 60
+            pipe.set(keys.cancel_flag(request_id), "1", ex=ttl)
+            pipe.publish(keys.CANCEL_CHANNEL, request_id)
+            if end.untaken is not None:
+                withdraw(pipe, end.untaken)
+        if end.model:
+            pipe.zrem(keys.inflight(end.model), request_id)
+
+    async def _renew(self) -> None:
+        """Every second: renew this process's origin key, send the ends Redis did not take."""
+        while True:
+            await asyncio.sleep(RENEW_S)
+            try:
+                await self._renew_origin()
+                await self._send_unsent_ends()
+            except (RedisError, OSError) as exc:
+                log.debug("renewing the origin key failed: %s", exc)
+            except Exception:  # a dead renewer would let workers drop this process's jobs
+                log.exception("the channel's renewal failed")
+
+    async def _renew_origin(self) -> None:
+        await self.redis.set(keys.api_process(self.process_id), "1", ex=keys.API_PROCESS_TTL_S)
+
+    async def _send_unsent_ends(self) -> None:
+        """Send the ends that found Redis unreachable; those past any deadline are dropped."""
+        now = time.monotonic()
+        pending = [(rid, end) for rid, end in self._unsent_ends.items() if end.until > now]
+        self._unsent_ends = dict(pending)  # ends failing while these are sent join them
+        if not pending:
+            return
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for request_id, end in pending:
+                self._queue_end(pipe, request_id, end)
+            await pipe.execute()
+        for request_id, _ in pending:  # the bound may have let some go meanwhile
+            self._unsent_ends.pop(request_id, None)
+        log.info("sent the ends of %d requests once Redis answered again", len(pending))
+
+
+class _End(NamedTuple):
+    """What ending a request in Redis does, kept for a retry."""
+
+    cancel: bool
+    untaken: TaskMessage | None  # its message, withdrawn if no worker took it
+    model: str  # whose in-flight set it leaves ("": none, a bare cancel)
+    until: float  # monotonic: past it every deadline has passed and a worker stopped anyway
+
+
+@dataclasses.dataclass(slots=True)
+class _Progress:
+    """How far a request got, which decides the deadline that applies next."""
+
+    started: bool = False  # any event: a worker took the job
+    first_token: bool = False
+
+    def saw(self, event: InferenceEvent) -> None:
+        self.started = True
+        self.first_token = self.first_token or (isinstance(event, Text) and bool(event.token_ids))
+
+    def pending_deadline(self, deadlines: Deadlines) -> tuple[float | None, str]:
+        """The earliest deadline still to meet, and the error kind when it passes."""
+        candidates = [(deadlines.total, "total_timeout")]
+        if not self.first_token:
+            candidates.append((deadlines.first_token, "first_token_timeout"))
+        if not self.started:
+            candidates.append((deadlines.queue, "queue_timeout"))
+        dated = [(deadline, kind) for deadline, kind in candidates if deadline is not None]
+        return min(dated) if dated else (None, "total_timeout")
