@@ -3,28 +3,26 @@
 Task threads (one per Celery job) hand a ``Run`` to the host and block until
 it resolves. Everything that touches the engine happens on the engine
 thread (``engine.host.EngineThread``): adds, cancels, hand-backs and
-stopping runs whose writes failed. After each step the engine thread hands every
-run's events to the ``Outbox``, which sends them (fenced) at once or with
-the write after the one in flight, and reads the reply on a thread of its
-own while the engine steps on. The outbox thread resolves the runs whose
-end that write put in their stream; runs whose write was refused or fenced
-go back to the engine thread, which stops them.
+stopping runs whose writes failed. After each step the engine thread hands
+every run's events to the ``Outbox``, which sends them (fenced) at once or
+with the write after the one in flight, and reads the reply on a thread of
+its own while the engine steps on.
 
-Resolving a finished run frees its job's Celery slot (the task returns and
-acks), so it is not left for the engine thread, which runs commands only
-between steps: the next job would wait in Redis for the step in progress
-to end.
-
-A run resolves with an ``Outcome`` that tells its task what to do with the
-message: ``FINISHED`` and ``FENCED`` are acked (the stream has its end, or a
-newer attempt owns the request); ``HANDED_BACK`` and ``UNPUBLISHED`` are
-requeued, so another worker resumes the request from its stream.
+Runs resolve on one thread, the outbox's, after every write put before
+their end: a run that finished when the write of its end came back (it
+frees its job's Celery slot at once, not after the step in progress), and
+a run another thread took out (fenced, handed back, unpublished) when its
+last writes have ended. A run resolves with an ``Outcome`` that tells its
+task what to do with the message: ``FINISHED`` and ``FENCED`` are acked (the
+stream has its end, or a newer attempt owns the request); ``HANDED_BACK``
+and ``UNPUBLISHED`` are requeued, so another worker resumes the request
+from its stream.
 
 The engine thread may die (an exception no step or command catches): its
 runs can then never finish, and nothing is left to run the commands that
-would hand them back. ``engine_died`` tells when it has: a drain then hands
-every run back from its own thread at once, and the worker's watchdog
-(``workers.runtime.EngineWatchdog``) shuts the worker down.
+would hand them back. The host's watchdog is the one place that watches
+for it: it hands every run back at once, from its own thread, marks the host
+draining and calls ``on_engine_death`` (the worker shuts itself down).
 
 Each run is known to the engine as ``<request id>/<attempt>``, so that a
 request redelivered to the worker that still runs its stale attempt gets a
@@ -38,6 +36,7 @@ import dataclasses
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING
@@ -65,7 +64,7 @@ milliseconds; every cancel of every worker passes through here, so the
 memory is kept short."""
 
 ENGINE_CHECK_S = 1.0
-"""How often a drain waiting for its runs, and the worker's watchdog, look at the engine thread."""
+"""How often the host's watchdog looks at the engine thread."""
 
 
 class Outcome(Enum):
@@ -108,8 +107,12 @@ class Run:
         self.outcome = outcome
         self._done.set()
 
-    def wait(self, timeout: float) -> Outcome | None:
-        """The outcome, or None if it is not known within ``timeout`` seconds."""
+    def wait(self, timeout: float | None = None) -> Outcome | None:
+        """The outcome, or None if it is not known within ``timeout`` seconds.
+
+        With no timeout, the outcome: every run resolves, the engine thread's
+        death included (the host's watchdog hands its runs back).
+        """
         self._done.wait(timeout)
         return self.outcome
 
@@ -137,18 +140,29 @@ class HostSnapshot:
 class WorkerHost:
     """Engine thread + run table + fenced publishing; see the module docstring."""
 
-    def __init__(self, engine: LLMEngine, publisher: EventPublisher) -> None:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        publisher: EventPublisher,
+        on_engine_death: Callable[[], None] = lambda: None,
+        engine_check_s: float = ENGINE_CHECK_S,
+    ) -> None:
         self._outbox = Outbox(publisher, self._on_written)
         self._thread = EngineThread(engine, self._on_events, self._on_step_failure)
-        # By engine id. The engine thread adds and drops runs; the outbox thread only
-        # takes out the runs it saw finish (dict operations are atomic).
+        # By engine id, from submission until taken out (dict operations are atomic): task
+        # threads add runs (under _idle), whichever thread ends a run takes it out.
         self._runs: dict[str, Run] = {}
-        self._current: dict[str, Run] = {}  # by request id; written under _idle
+        self._current: dict[str, Run] = {}  # by request id, once in the engine; under _idle
         self._early_cancels: dict[str, float] = {}  # request id -> when; engine thread only
-        self._idle = threading.Condition()  # notified whenever a run resolves
+        self._idle = threading.Condition()  # notified whenever a run is taken out
+        self._lost = False  # the watchdog found the engine thread dead; under _idle
         self.draining = False
         self.intake = Intake()  # closed while the engine waits for KV blocks
         self.snapshot = self._take_snapshot(engine)
+        self._on_engine_death = on_engine_death
+        self._engine_check_s = engine_check_s
+        self._unwatched = threading.Event()  # set to stop the watchdog
+        self._watchdog = threading.Thread(target=self._watch, name="sluice-watchdog", daemon=True)
         self._started = False
         self._stopped = False
         self._died = False  # the engine thread was dead when ``stop`` came
@@ -159,9 +173,13 @@ class WorkerHost:
         self._outbox.start()
         self._thread.start()
         self._started = True  # only now: a thread not yet started is not a dead one
+        self._watchdog.start()
 
     def stop(self, timeout: float | None = None) -> None:
-        """Stop stepping, then write what the last steps produced."""
+        """Stop watching and stepping, then write what the last steps produced."""
+        self._unwatched.set()  # first: the engine thread is about to end on purpose
+        if self._watchdog.is_alive():
+            self._watchdog.join(timeout)
         self._died = self.engine_died()  # a stop must not hide an earlier death
         self._stopped = True  # before the thread ends, so that its end is no death
         self._thread.stop(timeout)
@@ -183,6 +201,14 @@ class WorkerHost:
         return (started and not alive and not self._stopped) or self._died
 
     def submit(self, run: Run) -> None:
+        """Hand ``run`` to the engine thread; it resolves however that thread ends."""
+        with self._idle:
+            lost = self._lost
+            if not lost:
+                self._runs[run.engine_id] = run
+        if lost:  # nothing would ever run it
+            self._outbox.call_soon(lambda: run.resolve(Outcome.HANDED_BACK))
+            return
         self._thread.call(lambda engine: self._add(engine, run))
 
     def cancel(self, request_id: str) -> None:
@@ -200,57 +226,60 @@ class WorkerHost:
         Returns how many runs were handed back. Their tasks requeue their
         messages; nothing is published for them, so the client sees the
         next worker's tokens continue the stream. Once the engine thread is
-        dead no run can finish, so the grace is not waited out. (A run
-        submitted after the death never reached the run table; its task
-        sees the dead thread itself, within ``workers.task.HOST_CHECK_S``.)
+        dead the watchdog hands every run back, which ends the wait.
         """
         self.draining = True
-        deadline = time.monotonic() + grace_s
         with self._idle:
-            while (
-                self._current
-                and not self.engine_died()
-                and (left := deadline - time.monotonic()) > 0
-            ):
-                self._idle.wait(min(left, ENGINE_CHECK_S))
+            self._idle.wait_for(lambda: not self._current, timeout=grace_s)
             remaining = len(self._current)
-        if not remaining:
-            return 0
-        if self.engine_died():
-            log.error("the engine thread is gone: handing back %d runs now", remaining)
-            return self._hand_back_orphans()
-        log.warning("drain grace of %.0f s is over: handing back %d runs", grace_s, remaining)
-        self._thread.call(self._hand_back_all)
+        if remaining:
+            log.warning("drain grace of %.0f s is over: handing back %d runs", grace_s, remaining)
+            self._thread.call(self._hand_back_all)
         return remaining
 
-    def _hand_back_orphans(self) -> int:
-        """Resolve every run as handed back from this thread, the engine's being dead.
+    # --- the watchdog thread ------------------------------------------------------
+
+    def _watch(self) -> None:
+        """Look at the engine thread every ``engine_check_s``; a thread's death notifies no one."""
+        while not self._unwatched.wait(self._engine_check_s):
+            if self.engine_died():
+                self._engine_lost()
+                return
+
+    def _engine_lost(self) -> None:
+        """Hand every run back from this thread, take no more, and tell the worker.
 
         ``_hand_back_all`` would be queued for a thread that no longer runs
         commands. The engine is not touched: it may have died mid-step, and
-        the process is about to exit. Only the outbox thread may still take
-        runs out (those it saw finish); ``_untrack`` resolves each run once.
+        the process is about to exit. ``_untrack`` takes each run out once,
+        whichever thread comes first.
         """
-        handed_back = sum(
-            self._untrack(run, Outcome.HANDED_BACK) for run in list(self._runs.values())
-        )
+        log.error("the engine thread died: handing back every run and taking no more jobs")
+        self.draining = True
+        with self._idle:
+            self._lost = True
+        for run in list(self._runs.values()):
+            self._untrack(run, Outcome.HANDED_BACK)
         self.snapshot = dataclasses.replace(
             self.snapshot, running=0, waiting=0, runs=len(self._runs)
         )
-        return handed_back
+        self._on_engine_death()
 
     # --- the engine thread ---------------------------------------------------
 
     def _add(self, engine: LLMEngine, run: Run) -> None:
+        if run.engine_id not in self._runs:  # handed back before it got here
+            return
         if self.draining:  # a job that arrived as the drain began: the next worker runs it
-            run.resolve(Outcome.HANDED_BACK)
+            self._untrack(run, Outcome.HANDED_BACK)
             return
         stale = self._current.get(run.request_id)
         if stale is not None:  # redelivered here while the old attempt still ran
             self._drop(engine, stale, Outcome.FENCED)
         resume = run.resume or Resume([], 0)
         request = run.request
-        self._track(run)
+        with self._idle:
+            self._current[run.request_id] = run
         try:
             engine.add_request(
                 run.engine_id,
@@ -375,20 +404,15 @@ class WorkerHost:
         engine.abort(run.engine_id)
         self._untrack(run, outcome)
 
-    def _track(self, run: Run) -> None:
-        self._runs[run.engine_id] = run
-        with self._idle:
-            self._current[run.request_id] = run
-
     def _untrack(self, run: Run, outcome: Outcome) -> bool:
-        """Take the run out and resolve it; False if another thread already did."""
+        """Take the run out; it resolves on the outbox thread. False if already taken out."""
         if self._runs.pop(run.engine_id, None) is None:
             return False
         with self._idle:
             if self._current.get(run.request_id) is run:
                 del self._current[run.request_id]
             self._idle.notify_all()
-        run.resolve(outcome)
+        self._outbox.call_soon(lambda: run.resolve(outcome))
         return True
 
     def _refresh(self, engine: LLMEngine) -> None:

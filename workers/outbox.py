@@ -12,6 +12,9 @@ reply:
 - While one is in flight, ``put`` queues the step's batches, and the thread
   writes everything queued in one write once the reply is in, so it catches
   up in one round trip however many steps it missed.
+- The thread also runs what must follow the writes put before it
+  (``call_soon``): the host resolves every run there, so a run's task never
+  hears of its end before the events put before it are written.
 - The thread also writes whatever the engine thread should not wait for:
   the first write, and the first after a failure or a pause of a few
   seconds, which may have to reconnect (seconds, when Redis is away), and a
@@ -62,6 +65,7 @@ class Outbox:
         self._queued: list[Batch] = []
         self._handed: tuple[list[Batch], bool] | None = None  # from ``put``: (write, sent)
         self._broken: set[Attempt] = set()
+        self._calls: list[Callable[[], None]] = []  # to run once the writes before them end
         self._writing = False  # a write is in flight: the connection is its writer's
         self._wake = threading.Condition()
         self._stopping = False
@@ -79,6 +83,18 @@ class Outbox:
             self._wake.notify_all()
         if sending:
             self._send_here(sending)
+
+    def call_soon(self, call: Callable[[], None]) -> None:
+        """Run ``call`` on this module's thread, after every write put before it has ended.
+
+        On that thread itself, ``call`` runs at once (its writes have ended).
+        """
+        if threading.current_thread() is self._thread:
+            call()
+            return
+        with self._wake:
+            self._calls.append(call)
+            self._wake.notify_all()
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until everything put so far is written (or failed); False on timeout."""
@@ -112,16 +128,25 @@ class Outbox:
 
     def _run(self) -> None:
         while (write := self._next()) is not None:
-            batches, sent = write
-            try:
-                fenced = self._write(batches, sent)
-            except redis.RedisError as exc:
-                self._finished(batches, set(), exc)
-            except Exception:  # the thread must outlive any one write
-                log.exception("writing events failed")
-                self._finished(batches, set(), redis.RedisError("the write failed"))
-            else:
-                self._finished(batches, fenced, None)
+            batches, sent, calls = write
+            if batches:
+                self._write_and_report(batches, sent)
+            for call in calls:
+                try:
+                    call()
+                except Exception:  # the thread must outlive any one call
+                    log.exception("a call after the writes failed")
+
+    def _write_and_report(self, batches: list[Batch], sent: bool) -> None:
+        try:
+            fenced = self._write(batches, sent)
+        except redis.RedisError as exc:
+            self._finished(batches, set(), exc)
+        except Exception:  # the thread must outlive any one write
+            log.exception("writing events failed")
+            self._finished(batches, set(), redis.RedisError("the write failed"))
+        else:
+            self._finished(batches, fenced, None)
 
     def _write(self, batches: list[Batch], sent: bool) -> set[Attempt]:
         """Send (unless ``put`` did) and read the reply; the fenced attempts.
@@ -153,18 +178,28 @@ class Outbox:
             send_and_receive, lambda _error: connection.disconnect()
         )
 
-    def _next(self) -> tuple[list[Batch], bool] | None:
-        """The next write and whether it was sent already; None once stopped and done."""
+    def _next(self) -> tuple[list[Batch], bool, list[Callable[[], None]]] | None:
+        """The next write, whether it was sent already, and the calls to run after it.
+
+        The calls are those queued before the write was taken: every write
+        put before them is in it or ended already. None once stopped and done.
+        """
         with self._wake:
             while True:
                 if self._handed is not None:
-                    handed, self._handed = self._handed, None
-                    return handed
+                    (batches, sent), self._handed = self._handed, None
+                    return batches, sent, self._take_calls()
                 if not self._writing and (batches := self._take_queued()):
-                    return batches, False
+                    return batches, False, self._take_calls()
+                if self._calls and not self._writing and not self._queued:
+                    return [], False, self._take_calls()
                 if self._stopping and not self._writing and not self._queued:
                     return None
                 self._wake.wait()
+
+    def _take_calls(self) -> list[Callable[[], None]]:
+        calls, self._calls = self._calls, []
+        return calls
 
     def _take_queued(self) -> list[Batch]:
         """Everything queued and not broken, merged; the caller becomes the writer. Lock held."""

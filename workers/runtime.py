@@ -7,9 +7,9 @@ waits on a socket for long, so when Redis goes away a write fails within
 seconds (the runs it concerned are stopped and handed back) and the threads
 carry on and reconnect once it is back.
 
-A watchdog ends the worker when its engine thread dies (see
-``EngineWatchdog``): without it the worker would go on taking jobs only to
-hand each back a second later, forever.
+When the engine thread dies, the host's watchdog hands its runs back and
+calls ``terminate_self``: without it the worker would go on taking jobs only
+to hand each back, forever.
 """
 
 from __future__ import annotations
@@ -67,49 +67,6 @@ def terminate_self() -> None:
     os.kill(os.getpid(), signal.SIGTERM)
 
 
-class EngineWatchdog:
-    """A thread that shuts the worker down once its engine thread has died.
-
-    It looks every ``interval_s``: a thread's death notifies no one, and the
-    task threads that notice it only hand their own job back. ``on_death``
-    is called once, after the host is marked draining (its next
-    heartbeat says so, and the API stops counting this worker as live).
-    """
-
-    def __init__(
-        self,
-        host: WorkerHost,
-        on_death: Callable[[], None] = terminate_self,
-        interval_s: float = ENGINE_CHECK_S,
-    ) -> None:
-        self._host = host
-        self._on_death = on_death
-        self._interval_s = interval_s
-        self.fired = False  # the engine died and ``on_death`` was called
-        self._stopping = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="sluice-watchdog", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self, timeout: float | None = None) -> None:
-        self._stopping.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout)
-
-    def _run(self) -> None:
-        while not self._stopping.wait(self._interval_s):
-            if self._host.engine_died():
-                self._fire()
-                return
-
-    def _fire(self) -> None:
-        log.error("the engine thread died: taking no more jobs and shutting the worker down")
-        self.fired = True
-        self._host.draining = True
-        self._on_death()
-
-
 @dataclass(slots=True)
 class WorkerRuntime:
     """The running parts of one worker; ``start`` builds them, ``stop`` ends them."""
@@ -121,7 +78,6 @@ class WorkerRuntime:
     heartbeat: Heartbeat
     link: BrokerLink
     context: TaskContext
-    watchdog: EngineWatchdog
 
     @classmethod
     def start(
@@ -137,7 +93,7 @@ class WorkerRuntime:
         client = connect(redis_url)
         maxlen = keys.event_stream_maxlen(engine.max_model_len)
         publisher = EventPublisher(client, identity.model, maxlen)
-        host = WorkerHost(engine, publisher)
+        host = WorkerHost(engine, publisher, on_engine_death, engine_check_s)
         link = BrokerLink(identity.worker_id, intake=host.intake)
         runtime = cls(
             identity=identity,
@@ -153,22 +109,17 @@ class WorkerRuntime:
             ),
             link=link,
             context=TaskContext(client, publisher, host, identity.model, link.starts),
-            watchdog=EngineWatchdog(host, on_engine_death, engine_check_s),
         )
         host.start()
         runtime.cancellation.start()
         runtime.heartbeat.start()
-        runtime.watchdog.start()
         return runtime
 
     @property
     def engine_died(self) -> bool:
-        """Whether the engine thread died, as the watchdog or the host's ``stop`` found.
-
-        A shutdown begun otherwise (a supervisor's SIGTERM) may come between
-        the death and the watchdog's next look.
-        """
-        return self.watchdog.fired or self.host.engine_died()
+        """Whether the engine thread died (also when a shutdown began between the death and
+        the watchdog's next look)."""
+        return self.host.engine_died()
 
     def drain_in_background(self, grace_s: float) -> threading.Thread:
         """Start the drain without blocking (it is begun from a signal handler)."""
@@ -179,8 +130,7 @@ class WorkerRuntime:
         return thread
 
     def stop(self) -> None:
-        """Stop every thread; the heartbeat key is deleted last, once nothing runs."""
-        self.watchdog.stop(timeout=5)  # first: the engine thread is about to end on purpose
+        """Stop every thread; the worker leaves the registry last, once nothing runs."""
         self.cancellation.stop(timeout=5)
         self.host.stop(timeout=10)
         self.heartbeat.stop(timeout=5)

@@ -43,7 +43,6 @@ from workers.publisher import Batch, EventPublisher
 
 log = logging.getLogger(__name__)
 
-HOST_CHECK_S = 1.0  # how often a waiting task makes sure the engine thread is alive
 REQUEUED = (Outcome.HANDED_BACK, Outcome.UNPUBLISHED)
 
 
@@ -162,7 +161,9 @@ def _run(context: TaskContext, job: Job) -> Outcome:
     resume = Resume(history.token_ids, history.chars) if history.started else None
     run = Run(request, start.attempt, resume, job.origin)
     context.host.submit(run)  # a cancel heard since the flag was read still reaches it
-    return _wait(context.host, run)
+    outcome = run.wait()
+    assert outcome is not None  # waited without a timeout
+    return outcome
 
 
 def _answer_without_engine(
@@ -224,12 +225,3 @@ def _fail(context: TaskContext, request_id: str, message: str) -> None:
         context.publisher.publish([Batch(request_id, attempt, 1, [Error(request_id, message)])])
     except redis.RedisError as exc:
         log.error("could not report the failure of %s: %s", request_id, exc)
-
-
-def _wait(host: WorkerHost, run: Run) -> Outcome:
-    """Block until the run resolves; a dead engine thread hands the job back."""
-    while (outcome := run.wait(HOST_CHECK_S)) is None:
-        if not host.is_alive():
-            log.error("the engine thread is gone; handing %s back", run.request_id)
-            return Outcome.HANDED_BACK
-    return outcome

@@ -65,12 +65,16 @@ def streamed(client: redis.Redis, request_id: str) -> int:
 
 
 @engine_thread_dies
-def test_a_drain_hands_back_a_dead_engine_s_runs_at_once(
+def test_the_watchdog_hands_back_a_dead_engine_s_runs_at_once(
     engine: LLMEngine, quiet_redis_url: str
 ) -> None:
     own = connect(quiet_redis_url)
     publisher = EventPublisher(own, DEFAULT_MODEL)
-    host = WorkerHost(engine_on_the_same_weights(engine), publisher)
+    deaths: list[float] = []
+    host = WorkerHost(
+        engine_on_the_same_weights(engine), publisher, lambda: deaths.append(time.monotonic()),
+        engine_check_s=FAST_S,
+    )  # fmt: skip
     host.start()
     direct_id, task_id = uuid.uuid4().hex, uuid.uuid4().hex
     run = Run(prepared(direct_id), own.incr(keys.lease(direct_id)))
@@ -87,19 +91,26 @@ def test_a_drain_hands_back_a_dead_engine_s_runs_at_once(
             "tokens to flow for both runs",
         )
         kill_engine_thread(host)
+        died = time.monotonic()
 
+        outcome = run.wait(5)
+        task.join(5)  # its task thread wakes at once, requeues the job and returns
+        resolved_s = time.monotonic() - died
+        late = Run(prepared(uuid.uuid4().hex), 1)
+        host.submit(late)  # after the death: nothing would ever run it
+        late_outcome = late.wait(5)
         began = time.monotonic()
         handed_back = host.drain(GRACE_S)
         drain_s = time.monotonic() - began
-        task.join(2)  # its task thread wakes at once, requeues the job and returns
         requeued = own.lrange(keys.queue_name(DEFAULT_MODEL), 0, -1)
     finally:
         host.stop(10)
         own.close()
 
-    assert handed_back == 2 and drain_s < 1.0
-    assert run.wait(0) is Outcome.HANDED_BACK
+    assert outcome is Outcome.HANDED_BACK and late_outcome is Outcome.HANDED_BACK
+    assert resolved_s < 1.0 and len(deaths) == 1 and host.draining
     assert not task.is_alive()
+    assert handed_back == 0 and drain_s < 1.0  # nothing left for the drain
     assert len(requeued) == 1 and task_id.encode() in requeued[0]  # the task's job, back
     assert host.running() == {} and host.snapshot.runs == 0
     assert host.engine_died()  # still, once stopped: the worker's exit code says so
