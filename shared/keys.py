@@ -43,6 +43,11 @@ def queue_wake(queue: str) -> str:
     return f"{PREFIX}:wake:{queue}"
 
 
+def reader_interrupt(reader_id: str) -> str:
+    """A stream an API process's event reader also reads: an entry returns its blocked read."""
+    return f"{PREFIX}:interrupt:{reader_id}"
+
+
 def event_stream(request_id: str) -> str:
     """Redis Stream of one request's events, in order, across attempts."""
     return f"{PREFIX}:events:{request_id}"

@@ -2,7 +2,7 @@
 
 Task threads (one per Celery job) hand a ``Run`` to the host and block until
 it resolves. Everything that touches the engine happens on the engine
-thread (``engine.host.EngineThread``): adds, cancels, hand-backs and
+thread (``engine.engine_thread.EngineThread``): adds, cancels, hand-backs and
 stopping runs whose writes failed. After each step the engine thread hands
 every run's events to the ``Outbox``, which sends them (fenced) at once or
 with the write after the one in flight, and reads the reply on a thread of
@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING
 
 import redis
 
-from engine.host import EngineThread
+from engine.engine_thread import EngineThread
 from shared.events import Error, Finish, InferenceEvent, Ready
 from shared.wire import PreparedRequest
 from workers.broker.intake import Intake

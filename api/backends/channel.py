@@ -157,12 +157,14 @@ class RequestChannel:
     ) -> AsyncIterator[InferenceEvent]:
         """One generation's events to its end; an attached one is submitted here first."""
         request_id = job.request.request_id
-        subscription = self.reader.open(request_id, wake=not attached)  # the submit wakes it
+        subscription = self.reader.open(
+            request_id, interrupt=not attached
+        )  # the submit interrupts its read
         progress = _Progress()
         last: InferenceEvent | Error | None = None
         try:
             if attached:
-                submitted = await self._submit(job, bound, self.reader.take_wake())
+                submitted = await self._submit(job, bound, self.reader.take_interrupt())
                 if isinstance(submitted, Error):
                     last = submitted
                     yield last
@@ -178,12 +180,14 @@ class RequestChannel:
                 end = self._end(not isinstance(last, Finish), untaken, job.request.model)
                 self._spawn(self._send_end(request_id, end))
 
-    async def _submit(self, job: Job, bound: int | None, wake: str | None) -> TaskMessage | Error:
+    async def _submit(
+        self, job: Job, bound: int | None, interrupt: str | None
+    ) -> TaskMessage | Error:
         """Join the in-flight set and queue the job: its message, or the ``Error`` that ends it."""
         request_id, limits = job.request.request_id, self.limits
         try:
             score = job.deadlines.total or time.time() + limits.total_timeout_s
-            queued = await self._queue.put(job, score, bound, wake)
+            queued = await self._queue.put(job, score, bound, interrupt)
         except (RedisError, OSError, TimeoutError) as exc:
             log.warning("submitting %s failed: %s", request_id, exc)
             message = "Could not queue the request: Redis is unreachable; retry later."

@@ -1,6 +1,6 @@
 """The embedded backend: the engine runs in this process, on a thread of its own.
 
-``LLMEngine`` is not thread-safe, so one ``engine.host.EngineThread`` owns it:
+``LLMEngine`` is not thread-safe, so one ``engine.engine_thread.EngineThread`` owns it:
 it applies the adds and aborts that the event loop queues for it and steps
 while there is work, sleeping when idle. The model loads on a worker thread
 while the server already answers (``/ready`` says 503 until then). Events go
@@ -26,7 +26,7 @@ from shared.registry import ModelSpec
 from shared.wire import PreparedRequest
 
 if TYPE_CHECKING:
-    from engine.host import EngineThread
+    from engine.engine_thread import EngineThread
     from engine.llm_engine import LLMEngine
 
 log = logging.getLogger(__name__)
@@ -126,7 +126,7 @@ class EmbeddedBackend(Backend):
                 self._host.call(lambda engine: engine.abort(request_id))
 
     async def _load(self) -> None:
-        from engine.host import EngineThread
+        from engine.engine_thread import EngineThread
 
         try:
             engine = await asyncio.to_thread(self._factory)

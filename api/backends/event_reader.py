@@ -6,11 +6,11 @@ on that request's ``asyncio.Queue``. One blocking connection serves any
 number of requests, and an idle process costs one blocked command.
 
 A new stream must not wait for the current block to time out, so the
-``XREAD`` also watches a wake stream of this process: registering appends to
+``XREAD`` also watches an interrupt stream of this process: registering appends to
 it (once per block), which returns the ``XREAD`` at once and the next one
 includes the new stream. (A caller that writes to Redis right after
-registering, as the distributed backend queues the job, takes the wake entry
-with ``take_wake`` and sends it in that write: one round trip less on the
+registering, as the distributed backend queues the job, takes the interrupt entry
+with ``take_interrupt`` and sends it in that write: one round trip less on the
 API's core per request.) Every stream is read from id ``0`` and its last id
 is kept, so whatever a worker wrote before the first read, or while a read was
 being rebuilt, is still delivered, in order and once.
@@ -49,7 +49,7 @@ from shared.events import Error, Finish, InferenceEvent, Ready
 
 log = logging.getLogger(__name__)
 
-WAKE_TTL_S = 600  # a dead process's wake stream disappears on its own
+INTERRUPT_TTL_S = 600  # a dead process's interrupt stream disappears on its own
 STOP_TIMEOUT_S = 2.0
 
 
@@ -107,11 +107,11 @@ class EventReader:
         self._count = count
         self._outage_grace_s = outage_grace_s
         self._max_backoff_s = max_backoff_s
-        self._wake_key = f"{keys.PREFIX}:wake:{uuid.uuid4().hex}"
-        self._wake_last_id = "0"
+        self._interrupt_key = keys.reader_interrupt(uuid.uuid4().hex)
+        self._interrupt_last_id = "0"
         self._subscriptions: dict[str, Subscription] = {}  # by stream key
         self._blocked = False  # an XREAD is in flight
-        self._woken = False  # ... and a wake entry was already sent for it
+        self._interrupted = False  # ... and an interrupt entry was already sent for it
         self._background: set[asyncio.Task[Any]] = set()
         self._task: asyncio.Task[None] | None = None
         self._run_id: str | None = None
@@ -131,7 +131,7 @@ class EventReader:
         """
         self._stopping = True
         if self._task is not None:
-            await self._send_wake()
+            await self._send_interrupt()
             try:
                 await asyncio.wait_for(asyncio.shield(self._task), STOP_TIMEOUT_S)
             except TimeoutError:
@@ -142,33 +142,33 @@ class EventReader:
             task.cancel()
         await self._client.aclose()
 
-    def open(self, request_id: str, *, wake: bool = True) -> Subscription:
+    def open(self, request_id: str, *, interrupt: bool = True) -> Subscription:
         """Start delivering ``request_id``'s events, from the beginning of its stream.
 
-        With ``wake=False`` the caller must call ``take_wake`` at once and
+        With ``interrupt=False`` the caller must call ``take_interrupt`` at once and
         send the entry it names, if any, itself.
         """
         subscription = Subscription(request_id)
         self._subscriptions[keys.event_stream(request_id)] = subscription
-        if wake:
-            self._wake()
+        if interrupt:
+            self._interrupt()
         return subscription
 
-    def take_wake(self) -> str | None:
-        """The wake stream a caller must append to, or None if none is due.
+    def take_interrupt(self) -> str | None:
+        """The interrupt stream a caller must append to, or None if none is due.
 
-        The entry is what ``_send_wake`` writes: ``XADD <key> MAXLEN 1 * w 1``,
-        then ``EXPIRE <key> WAKE_TTL_S``.
+        The entry is what ``_send_interrupt`` writes: ``XADD <key> MAXLEN 1 * w 1``,
+        then ``EXPIRE <key> INTERRUPT_TTL_S``.
 
         None when no read is blocked (the next one includes every open
-        stream) or a wake is already on its way. A wake that is taken and
+        stream) or an interrupt is already on its way. An interrupt that is taken and
         then lost (its write failed) delays new streams until the blocked
         read times out (``block_ms``).
         """
-        if not self._blocked or self._woken:
+        if not self._blocked or self._interrupted:
             return None
-        self._woken = True
-        return self._wake_key
+        self._interrupted = True
+        return self._interrupt_key
 
     def close(self, request_id: str) -> None:
         self._subscriptions.pop(keys.event_stream(request_id), None)
@@ -179,20 +179,20 @@ class EventReader:
 
     # --- waking a blocked read ------------------------------------------------
 
-    def _wake(self) -> None:
+    def _interrupt(self) -> None:
         """Return the blocked ``XREAD`` so the next one includes the new stream."""
-        if not self._blocked or self._woken:
+        if not self._blocked or self._interrupted:
             return  # the next XREAD is built from the current registrations anyway
-        self._woken = True
-        task = asyncio.create_task(self._send_wake())
+        self._interrupted = True
+        task = asyncio.create_task(self._send_interrupt())
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def _send_wake(self) -> None:
+    async def _send_interrupt(self) -> None:
         try:
             async with self._client.pipeline(transaction=False) as pipe:
-                pipe.xadd(self._wake_key, {"w": "1"}, maxlen=1, approximate=False)
-                pipe.expire(self._wake_key, WAKE_TTL_S)
+                pipe.xadd(self._interrupt_key, {"w": "1"}, maxlen=1, approximate=False)
+                pipe.expire(self._interrupt_key, INTERRUPT_TTL_S)
                 await pipe.execute()
         except (RedisError, OSError) as exc:  # the read loop notices the outage itself
             log.debug("waking the event reader failed: %s", exc)
@@ -247,16 +247,16 @@ class EventReader:
             self._fail_all(f"lost the connection to Redis ({exc}); retry the request")
 
     async def _read_once(self) -> None:
-        streams = {self._wake_key: self._wake_last_id}
+        streams = {self._interrupt_key: self._interrupt_last_id}
         streams.update({key: sub.last_id for key, sub in self._subscriptions.items()})
-        self._blocked, self._woken = True, False
+        self._blocked, self._interrupted = True, False
         try:
             reply = await self._client.xread(streams, count=self._count, block=self._block_ms)
         finally:
             self._blocked = False
         for key, entries in reply or []:  # RESP2: [[stream, [(id, fields), ...]], ...]
-            if key == self._wake_key:
-                self._wake_last_id = entries[-1][0]
+            if key == self._interrupt_key:
+                self._interrupt_last_id = entries[-1][0]
             else:
                 self._dispatch(key, entries)
 

@@ -36,7 +36,7 @@ import time
 from redis.asyncio import Redis
 from redis.asyncio.client import Pipeline
 
-from api.backends.event_reader import WAKE_TTL_S
+from api.backends.event_reader import INTERRUPT_TTL_S
 from shared import keys
 from shared.task_message import TaskMessage, task_message
 from shared.wire import Job, PreparedRequest
@@ -44,10 +44,10 @@ from shared.wire import Job, PreparedRequest
 SEND_TIMEOUT_S = 10.0
 
 SUBMIT_SCRIPT = """
--- KEYS: the model's in-flight set, the queue's list, its wake list, then the event reader's wake
--- stream if ARGV[7] is '1', then the job's origin key when it has one. ARGV: now, the bound
--- (0: none), the job's in-flight score, its request id, its message, the origin key's TTL,
--- whether to wake the reader, the wake stream's TTL.
+-- KEYS: the model's in-flight set, the queue's list, its wake list, then the event reader's
+-- interrupt stream if ARGV[7] is '1', then the job's origin key when it has one.
+-- ARGV: now, the bound (0: none), the job's in-flight score, its request id, its message,
+-- the origin key's TTL, whether to interrupt the reader's read, the interrupt stream's TTL.
 -- Returns 1 if queued, 0 if refused: the set already counted the bound.
 local origin = 4
 if ARGV[7] == '1' then  -- whether queued or refused: the reader reads this job's stream next
@@ -87,7 +87,11 @@ class JobQueue:
         self._script = client.register_script(SUBMIT_SCRIPT)
 
     async def put(
-        self, job: Job, inflight_score: float, bound: int | None = None, wake: str | None = None
+        self,
+        job: Job,
+        inflight_score: float,
+        bound: int | None = None,
+        interrupt: str | None = None,
     ) -> TaskMessage | None:
         """Join the model's in-flight set and queue ``job``, unless the set counts ``bound``.
 
@@ -102,18 +106,19 @@ class JobQueue:
         key is missing, and after Redis lost its data (a restart) the key is
         missing until the next renewal, up to a second away.
 
-        ``wake``: the event reader's wake stream (``EventReader.take_wake``),
-        appended to in the same call, whether the job is queued or refused.
+        ``interrupt``: the event reader's interrupt stream
+        (``EventReader.take_interrupt``), appended to in the same call, whether
+        the job is queued or refused.
         """
         request = job.request
         message = task_message(job)
         script_keys = [keys.inflight(request.model), message.key, message.wake]
-        if wake is not None:
-            script_keys.append(wake)
+        if interrupt is not None:
+            script_keys.append(interrupt)
         if job.origin is not None:
             script_keys.append(keys.api_process(job.origin))
         args = [time.time(), bound or 0, inflight_score, request.request_id, message.body]
-        args += [keys.API_PROCESS_TTL_S, int(wake is not None), WAKE_TTL_S]
+        args += [keys.API_PROCESS_TTL_S, int(interrupt is not None), INTERRUPT_TTL_S]
         async with asyncio.timeout(SEND_TIMEOUT_S):
             queued = await self._script(keys=script_keys, args=args)
         return message if queued else None

@@ -95,8 +95,10 @@ def test_a_new_stream_does_not_wait_for_the_blocked_read(own_redis: RedisServer)
 
 
 @pytest.mark.parametrize("bound", [0, 1], ids=["queued", "refused"])
-def test_a_job_queued_with_the_wake_returns_the_blocked_read(own_redis: RedisServer, bound: int):
-    """The submit carries the wake (``take_wake``), once per blocked read, queued or refused."""
+def test_a_job_queued_with_the_interrupt_returns_the_blocked_read(
+    own_redis: RedisServer, bound: int
+):
+    """The submit carries the interrupt (``take_interrupt``), once per blocked read, either way."""
     now = time.time()
     request = PreparedRequest("late", "wake-test", [1, 2], SamplingParams(max_tokens=2))
     own_redis.client.zadd(keys.inflight("wake-test"), {"other": now + 600})  # fills a bound of 1
@@ -108,11 +110,11 @@ def test_a_job_queued_with_the_wake_returns_the_blocked_read(own_redis: RedisSer
         try:
             reader.open("idle")
             await asyncio.sleep(0.3)  # the reader is now blocked on "idle" alone
-            subscription = reader.open("late", wake=False)
-            wake = reader.take_wake()
-            assert wake is not None and reader.take_wake() is None  # one wake per blocked read
+            subscription = reader.open("late", interrupt=False)
+            interrupt = reader.take_interrupt()
+            assert interrupt is not None and reader.take_interrupt() is None  # one per blocked read
             job = Job(request, Deadlines(total=now + 600), origin="wake-test-api")
-            queued = await JobQueue(client).put(job, now + 600, bound, wake)
+            queued = await JobQueue(client).put(job, now + 600, bound, interrupt)
             assert (queued is None) == (bound == 1)
             started = time.monotonic()
             write(own_redis, "late", 1, Ready("late", 2, 0))

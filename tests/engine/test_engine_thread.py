@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from engine.host import EngineThread
+from engine.engine_thread import EngineThread
 
 
 class FailingOnce:
