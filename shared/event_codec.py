@@ -5,9 +5,7 @@ sequence number within that attempt, from 1), ``k`` (the event kind) and
 ``d`` (compact JSON of the rest). The stream entry id orders events and is
 what SSE ``Last-Event-ID`` resumes from; ``(a, s)`` names an event
 independently of the entry, so a write repeated after a lost reply can be
-recognised and skipped, by the writing script and by readers. Entries
-written before sequence numbers existed (a worker of an earlier release,
-during a rolling upgrade) read as sequence number 0: unnumbered.
+recognised and skipped, by the writing script and by readers.
 """
 
 from __future__ import annotations
@@ -53,8 +51,7 @@ def encode_event(event: InferenceEvent, attempt: int, seq: int) -> dict[str, str
 def decode_entry(request_id: str, fields: dict[Any, Any]) -> Entry:
     """An entry from its stream fields (bytes or str keys and values)."""
     get = _getter(fields)
-    seq = int(get("s")) if "s" in fields or b"s" in fields else 0
-    return Entry(int(get("a")), seq, _event(request_id, get("k"), json.loads(get("d"))))
+    return Entry(int(get("a")), int(get("s")), _event(request_id, get("k"), json.loads(get("d"))))
 
 
 def _event(request_id: str, kind: str, body: list[Any]) -> InferenceEvent:

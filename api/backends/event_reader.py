@@ -68,8 +68,8 @@ class Subscription:
     def accept(self, entry: Entry) -> bool:
         """False for a stale attempt's event, a repeated event or a repeated ``Ready``."""
         attempt, seq, event = entry
-        if attempt < self.attempt or (attempt == self.attempt and 0 < seq <= self.seq):
-            return False  # (sequence number 0: an earlier release's unnumbered entry)
+        if attempt < self.attempt or (attempt == self.attempt and seq <= self.seq):
+            return False
         self.attempt, self.seq = attempt, seq
         if isinstance(event, Ready):
             if self.ready_seen:

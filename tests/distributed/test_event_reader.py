@@ -19,7 +19,6 @@ from redis.asyncio import Redis
 from api.backends.event_reader import EventReader, Subscription
 from api.backends.job_queue import JobQueue
 from shared import keys
-from shared.event_codec import encode_event
 from shared.events import Error, Finish, FinishReason, InferenceEvent, Ready, Text
 from shared.sampling import SamplingParams
 from shared.wire import Deadlines, Job, PreparedRequest
@@ -139,22 +138,6 @@ def test_a_stale_attempt_a_repeated_event_and_a_second_ready_are_dropped(
     received = read_stream(own_redis, "r2", 4)
     assert [type(event) for event in received] == [Ready, Text, Text, Finish]
     assert [event.text for event in received[1:3]] == ["a", "b"]
-
-
-def test_entries_of_an_earlier_release_without_sequence_numbers_are_all_delivered(
-    own_redis: RedisServer,
-):
-    """During a rolling upgrade, an old worker's stream may be read, and resumed, by new code."""
-    stream = keys.event_stream("r3")
-    for event in (Ready("r3", 4, 0), Text("r3", "a", [7]), Text("r3", "b", [8])):
-        fields = encode_event(event, 1, 0)
-        del fields["s"]  # the three fields an earlier release wrote
-        own_redis.client.xadd(stream, fields)
-    write(own_redis, "r3", 2, Text("r3", "c", [9]), Finish("r3", FinishReason.LENGTH, 3))
-
-    received = read_stream(own_redis, "r3", 5)
-    assert [event.text for event in received if isinstance(event, Text)] == ["a", "b", "c"]
-    assert isinstance(received[-1], Finish)
 
 
 def test_a_redis_restart_fails_open_requests_and_reading_resumes(own_redis: RedisServer):
