@@ -186,7 +186,7 @@ class Admission:
     watcher's snapshot counts them, without a round trip, or once that count
     reaches the bound, as ``count_outstanding`` reads them now. The bound
     itself is kept by the submission, which checks the shared in-flight set
-    and joins it in one atomic step (``api.backends.job_queue``), so no
+    and joins it in one atomic step (``api.backends.request_queue``), so no
     number of API processes overshoots it; this check spares the preparation
     of requests the submission would refuse.
     """

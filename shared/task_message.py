@@ -6,7 +6,7 @@ handed-back job first in line) build the message here, and push a wake
 token beside it. Headers and body come from
 Celery's task protocol 2 (``app.amqp.as_task_v2``), wrapped in the envelope
 kombu's Redis transport reads, for the list kombu keeps that priority on.
-``tests/distributed/test_job_queue.py`` compares it with ``send_task``'s.
+``tests/distributed/test_request_queue.py`` compares it with ``send_task``'s.
 """
 
 from __future__ import annotations
@@ -23,17 +23,17 @@ from celery import Celery
 from kombu.transport.redis import Channel
 
 from shared import keys
-from shared.wire import Job, encode_job
+from shared.wire import QueuedRequest, encode_queued
 
 CELERY_PRIORITIES = range(10)  # kombu's Redis transport: 0 is served first
 
 
-JOB_HEADER = "sluice_job"
+REQUEST_HEADER = "sluice_request"
 """A header naming the job, for the script that takes it to start it (``workers.broker.taken``)."""
 
 
-def job_header(job: Job) -> list[str]:
-    """``JOB_HEADER``'s value: the request id, and the origin (empty when none)."""
+def request_header(job: QueuedRequest) -> list[str]:
+    """``REQUEST_HEADER``'s value: the request id, and the origin (empty when none)."""
     return [job.request.request_id, job.origin or ""]
 
 
@@ -49,14 +49,14 @@ class TaskMessage(NamedTuple):
     wake: str
 
 
-def task_message(job: Job) -> TaskMessage:
+def task_message(job: QueuedRequest) -> TaskMessage:
     """The message of ``job``, for the list of its model's queue and priority."""
     request, queue = job.request, keys.queue_name(job.request.model)
     expires = datetime.fromtimestamp(job.deadlines.queue, UTC) if job.deadlines.queue else None
     headers, properties, body, _ = _builder().amqp.as_task_v2(
         str(uuid.uuid4()),
         keys.TASK_NAME,
-        args=[encode_job(job)],
+        args=[encode_queued(job)],
         expires=expires,
         argsrepr=f"<job {request.request_id}>",  # what monitors show; not a repr of the prompt
         kwargsrepr="{}",
@@ -66,7 +66,7 @@ def task_message(job: Job) -> TaskMessage:
         "body": base64.b64encode(json.dumps(body).encode()).decode(),
         "content-encoding": "utf-8",
         "content-type": "application/json",
-        "headers": {**headers, JOB_HEADER: job_header(job)},
+        "headers": {**headers, REQUEST_HEADER: request_header(job)},
         "properties": {
             **properties,
             "delivery_mode": 2,

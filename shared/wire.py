@@ -100,12 +100,13 @@ class Deadlines:
 
 
 @dataclass(slots=True)
-class Job:
-    """What travels on the queue: the prepared request and its deadlines.
+class QueuedRequest:
+    """A prepared request as it travels on the queue, with its deadlines.
 
+    Workers call each one a job: Celery's task runs it (``workers.task``).
     ``origin``: the API process whose client waits for the events
     (``keys.api_process``); a worker stops the job once that process is gone.
-    None for a job nobody waits on in person (an async job, which another API
+    None for one nobody waits on in person (an async job's, which another API
     process adopts when its own dies).
     """
 
@@ -114,7 +115,7 @@ class Job:
     origin: str | None = None
 
 
-def encode_job(job: Job) -> str:
+def encode_queued(job: QueuedRequest) -> str:
     """Compact JSON with a version field, so workers can refuse what they don't understand."""
     payload = {
         "v": JOB_VERSION,
@@ -131,7 +132,7 @@ def _shallow(value: Any) -> dict[str, Any]:
     return {spec.name: getattr(value, spec.name) for spec in fields(value)}
 
 
-def job_request_id(payload: str | bytes) -> str | None:
+def queued_request_id(payload: str | bytes) -> str | None:
     """The request id of a job that may not decode, so its client can still be told why."""
     try:
         request_id = json.loads(payload)["request"]["request_id"]
@@ -140,7 +141,7 @@ def job_request_id(payload: str | bytes) -> str | None:
     return request_id if isinstance(request_id, str) and request_id else None
 
 
-def decode_job(payload: str | bytes) -> Job:
+def decode_queued(payload: str | bytes) -> QueuedRequest:
     data = json.loads(payload)
     if data.get("v") != JOB_VERSION:
         raise ValueError(f"job encoding version {data.get('v')!r} is not {JOB_VERSION}")
@@ -148,4 +149,4 @@ def decode_job(payload: str | bytes) -> Job:
     if origin is not None and not isinstance(origin, str):
         raise TypeError(f"job origin {origin!r} is not a string")
     request = PreparedRequest.from_dict(data["request"])
-    return Job(request, Deadlines(**data["deadlines"]), origin)
+    return QueuedRequest(request, Deadlines(**data["deadlines"]), origin)

@@ -89,7 +89,7 @@ class Run:
     request: PreparedRequest
     attempt: int
     resume: Resume | None = None
-    origin: str | None = None  # the API process waiting for it (``shared.wire.Job``)
+    origin: str | None = None  # the API process waiting for it (``shared.wire.QueuedRequest``)
     outcome: Outcome | None = None
     next_seq: int = 1  # the sequence number of the next event this attempt writes
     ended: bool = False  # its Finish or Error is published (written, or on its way)

@@ -35,7 +35,7 @@ from shared import keys
 from shared.event_codec import decode_entry
 from shared.events import Error, Finish, FinishReason, InferenceEvent, Ready, Text
 from shared.task_message import task_message
-from shared.wire import Job, decode_job, job_request_id
+from shared.wire import QueuedRequest, decode_queued, queued_request_id
 from workers.broker.app import ResumableRequest
 from workers.broker.taken import TakenStart, TakenStarts
 from workers.host import Outcome, Resume, Run, WorkerHost
@@ -114,10 +114,10 @@ def register_task(app: Celery, context: TaskContext) -> Task:
 def run_job(context: TaskContext, payload: str) -> None:
     """Run one job; raises ``Reject`` when its message must not simply be acked."""
     try:
-        job = decode_job(payload)
+        job = decode_queued(payload)
     except (ValueError, KeyError, TypeError) as exc:
         log.error("refusing a job that cannot be decoded: %s", exc)
-        if (request_id := job_request_id(payload)) is not None:
+        if (request_id := queued_request_id(payload)) is not None:
             _fail(context, request_id, f"the worker cannot read this job: {exc}")
         raise Reject(str(exc), requeue=False) from exc
     try:
@@ -134,7 +134,7 @@ def run_job(context: TaskContext, payload: str) -> None:
         requeue_first(context.client, job, outcome.value)
 
 
-def requeue_first(client: redis.Redis, job: Job, reason: str) -> None:
+def requeue_first(client: redis.Redis, job: QueuedRequest, reason: str) -> None:
     """Put ``job`` at the head of its queue; ``Reject`` to the tail if Redis refuses."""
     message = task_message(job)
     pipe = client.pipeline(transaction=True)
@@ -146,7 +146,7 @@ def requeue_first(client: redis.Redis, job: Job, reason: str) -> None:
         raise Reject(f"{reason} ({exc})", requeue=True) from exc
 
 
-def _run(context: TaskContext, job: Job) -> Outcome:
+def _run(context: TaskContext, job: QueuedRequest) -> Outcome:
     request = job.request
     start = _taken_start(context, job)
     if isinstance(start, StartFailed):
@@ -167,7 +167,7 @@ def _run(context: TaskContext, job: Job) -> Outcome:
 
 
 def _answer_without_engine(
-    model: str, job: Job, cancelled: bool, history: History
+    model: str, job: QueuedRequest, cancelled: bool, history: History
 ) -> InferenceEvent | None:
     """The final event of a job that must not reach the engine, or None to run it."""
     request_id = job.request.request_id
@@ -185,7 +185,7 @@ def _answer_without_engine(
     return None
 
 
-def _taken_start(context: TaskContext, job: Job) -> Start | StartFailed:
+def _taken_start(context: TaskContext, job: QueuedRequest) -> Start | StartFailed:
     """The start the take script made as it took the job (``workers.broker.taken``).
 
     Every message Sluice queues names its job (``shared.task_message``), so a
@@ -200,14 +200,16 @@ def _taken_start(context: TaskContext, job: Job) -> Start | StartFailed:
     return _start_or_failure(job, taken)
 
 
-def _start_or_failure(job: Job, taken: TakenStart) -> Start | StartFailed:
+def _start_or_failure(job: QueuedRequest, taken: TakenStart) -> Start | StartFailed:
     try:
         return _start(job, *taken)
     except (redis.ResponseError, KeyError, ValueError, TypeError, IndexError) as exc:
         return StartFailed(f"cannot read what earlier attempts wrote: {exc}")
 
 
-def _start(job: Job, attempt: Any, cancelled: Any, entries: Any, origin_alive: Any) -> Start:
+def _start(
+    job: QueuedRequest, attempt: Any, cancelled: Any, entries: Any, origin_alive: Any
+) -> Start:
     """One job's ``Start`` from its replies; raises the first reply that is an error."""
     for reply in (attempt, cancelled, entries, origin_alive):
         if isinstance(reply, Exception):

@@ -3,7 +3,7 @@
 Every generation this process hands to workers goes through here: the
 distributed backend's requests, which belong to their HTTP response, and
 async jobs, which belong to the job and outlive this process. Both queue the
-same task the same way (``api.backends.job_queue``), read their events
+same task the same way (``api.backends.request_queue``), read their events
 through the process's one ``EventReader``, meet the same deadlines with the
 same messages, and end the same way. The one difference is who owns the
 generation: a request's stream is ``attached`` (leaving it early cancels the
@@ -48,11 +48,11 @@ from redis.exceptions import RedisError
 
 from api.admission import Limits, rate_limited_message
 from api.backends.event_reader import EventReader, Subscription
-from api.backends.job_queue import JobQueue, with_seed, withdraw
+from api.backends.request_queue import RequestQueue, with_seed, withdraw
 from shared import keys
 from shared.events import Error, Finish, InferenceEvent, Text
 from shared.task_message import TaskMessage
-from shared.wire import Deadlines, Job
+from shared.wire import Deadlines, QueuedRequest
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ class RequestChannel:
         self.reader = EventReader(redis_url)
         self.process_id = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
         self.stopping = False  # the process is going away: detached generations go on
-        self._queue = JobQueue(self.redis)
+        self._queue = RequestQueue(self.redis)
         self._users = 0
         self._tasks: set[asyncio.Task[Any]] = set()  # ends in progress
         self._unsent_ends: dict[str, _End] = {}  # request id -> an end Redis did not receive
@@ -128,7 +128,7 @@ class RequestChannel:
 
     # --- one generation ------------------------------------------------------------------
 
-    def request(self, job: Job, bound: int | None) -> AsyncIterator[InferenceEvent]:
+    def request(self, job: QueuedRequest, bound: int | None) -> AsyncIterator[InferenceEvent]:
         """Submit ``job`` (refused beyond ``bound`` outstanding) and yield its events to its end.
 
         The generation is attached: leaving early cancels it, whatever the reason.
@@ -136,12 +136,14 @@ class RequestChannel:
         job = dataclasses.replace(job, request=with_seed(job.request))
         return self._run(job, None, bound, attached=True)
 
-    async def submit(self, job: Job) -> tuple[Job, TaskMessage | Error]:
+    async def submit(self, job: QueuedRequest) -> tuple[QueuedRequest, TaskMessage | Error]:
         """Queue a detached ``job`` with no bound (a job accepted is queued), seeded as sent."""
         job = dataclasses.replace(job, request=with_seed(job.request))
         return job, await self._submit(job, None, None)
 
-    def follow(self, job: Job, queued: TaskMessage | None = None) -> AsyncIterator[InferenceEvent]:
+    def follow(
+        self, job: QueuedRequest, queued: TaskMessage | None = None
+    ) -> AsyncIterator[InferenceEvent]:
         """Yield the events of a detached job, queued already, from the first to its end.
 
         ``queued``: its message, withdrawn if the job ends before a worker took it.
@@ -153,7 +155,7 @@ class RequestChannel:
         await self._send_end(request_id, self._end(cancel=True, untaken=None, model=""))
 
     async def _run(
-        self, job: Job, queued: TaskMessage | None, bound: int | None, *, attached: bool
+        self, job: QueuedRequest, queued: TaskMessage | None, bound: int | None, *, attached: bool
     ) -> AsyncIterator[InferenceEvent]:
         """One generation's events to its end; an attached one is submitted here first."""
         request_id = job.request.request_id
@@ -181,7 +183,7 @@ class RequestChannel:
                 self._spawn(self._send_end(request_id, end))
 
     async def _submit(
-        self, job: Job, bound: int | None, interrupt: str | None
+        self, job: QueuedRequest, bound: int | None, interrupt: str | None
     ) -> TaskMessage | Error:
         """Join the in-flight set and queue the job: its message, or the ``Error`` that ends it."""
         request_id, limits = job.request.request_id, self.limits

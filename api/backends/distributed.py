@@ -27,7 +27,7 @@ from shared.events import InferenceEvent
 from shared.heap import freeze_startup_heap
 from shared.registry import ModelSpec
 from shared.tokenizer_loader import LoadedTokenizer, load_tokenizer
-from shared.wire import Job, PreparedRequest
+from shared.wire import PreparedRequest, QueuedRequest
 
 if TYPE_CHECKING:
     from api.settings import Settings
@@ -136,7 +136,7 @@ class DistributedBackend(Backend):
     def infer(self, request: PreparedRequest) -> AsyncIterator[InferenceEvent]:
         """The request's events; closing the iterator before its end cancels it on the worker."""
         deadlines = self._limits.deadlines(time.time())
-        job = Job(request, deadlines, origin=self._channel.process_id)
+        job = QueuedRequest(request, deadlines, origin=self._channel.process_id)
         return self._channel.request(job, self._limits.max_inflight)
 
     async def _count_outstanding(self) -> int:

@@ -3,7 +3,7 @@
 ``health``, ``models``, ``/metrics`` and admission's wait for a live worker
 read the watcher's snapshot, so none of them costs a Redis round trip per
 call. The bound on outstanding work is checked again, exactly, by the
-submission's script (``api.backends.job_queue``).
+submission's script (``api.backends.request_queue``).
 """
 
 from __future__ import annotations

@@ -44,7 +44,7 @@ from api.jobs.store import JobStore
 from api.preparation import Prepared
 from api.protocols.base import Protocol
 from shared.events import Error
-from shared.wire import Job
+from shared.wire import QueuedRequest
 
 if TYPE_CHECKING:
     from api.backends.channel import RequestChannel
@@ -216,7 +216,7 @@ class JobManager:
             return self.serving.metrics.track(
                 name, self.serving.backend.infer(prepared.wire), arrived
             )
-        job = Job(prepared.wire, self._channel.job_deadlines(record.created_at))
+        job = QueuedRequest(prepared.wire, self._channel.job_deadlines(record.created_at))
         job, queued = await self._channel.submit(job)
         if isinstance(queued, Error):
             raise error_for(queued)
@@ -303,7 +303,7 @@ class JobManager:
             return
         kept = await self._stored_chunks(record.id)
         deadlines = self._channel.adoption_deadlines(record.created_at)
-        events = self._channel.follow(Job(prepared.wire, deadlines))
+        events = self._channel.follow(QueuedRequest(prepared.wire, deadlines))
         log.info("adopting job %s (%d chunks already stored)", record.id, len(kept))
         self._launch(self._runner(record, prepared, events, kept))
 

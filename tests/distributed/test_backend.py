@@ -28,7 +28,7 @@ from shared import keys
 from shared.events import Error, Finish, FinishReason, Ready, Text
 from shared.registry import DEFAULT_MODEL, default_registry
 from shared.sampling import SamplingParams
-from shared.wire import Job, PreparedRequest, decode_job
+from shared.wire import PreparedRequest, QueuedRequest, decode_queued
 from tests.distributed.conftest import ROOT, GhostWorker, RedisServer, wait_until
 from tests.streams import append_events
 
@@ -52,14 +52,14 @@ def fake_worker(server: RedisServer, worker_id: str = "fake", **load: object) ->
     GhostWorker(server.client, worker_id).beat(ttl_s=30, **report)
 
 
-def take_job(server: RedisServer) -> tuple[Job, dict]:
+def take_job(server: RedisServer) -> tuple[QueuedRequest, dict]:
     """Pop the next job from the model's Celery list, as a worker would receive it."""
     raw = wait_until(
         lambda: server.client.rpop(keys.queue_name(DEFAULT_MODEL)), 5, "a job on the queue"
     )
     message = json.loads(raw)
     args, _, _ = json.loads(base64.b64decode(message["body"]))
-    return decode_job(args[0]), message
+    return decode_queued(args[0]), message
 
 
 def write(server: RedisServer, request_id: str, *events: object, attempt: int = 1) -> None:
@@ -92,7 +92,7 @@ def test_the_module_does_not_import_torch(own_redis: RedisServer):
 
 
 def test_a_job_is_queued_and_its_events_come_back(server: RedisServer):
-    async def scenario() -> tuple[list, Job, dict, list[str]]:
+    async def scenario() -> tuple[list, QueuedRequest, dict, list[str]]:
         backend = await started(DistributedBackend(server.url, SPEC, settings(server)))
         try:
             events = backend.infer(request("req-1"))
@@ -123,7 +123,7 @@ def test_a_job_sets_its_origin_key_when_redis_lost_it(server: RedisServer):
     """After a Redis restart the key is gone until the next renewal, a second
     away; a job queued meanwhile must not look orphaned to the worker."""
 
-    async def scenario() -> tuple[Job, int]:
+    async def scenario() -> tuple[QueuedRequest, int]:
         backend = await started(DistributedBackend(server.url, SPEC, settings(server)))
         try:
             for key in server.client.scan_iter(keys.api_process("*")):
@@ -145,7 +145,7 @@ def test_a_job_sets_its_origin_key_when_redis_lost_it(server: RedisServer):
 
 
 def test_an_unseeded_sampling_request_gets_a_seed(server: RedisServer):
-    async def scenario() -> Job:
+    async def scenario() -> QueuedRequest:
         backend = await started(DistributedBackend(server.url, SPEC, settings(server)))
         try:
             events = backend.infer(request("req-seed", temperature=0.8))

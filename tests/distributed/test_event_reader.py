@@ -17,11 +17,11 @@ import pytest
 from redis.asyncio import Redis
 
 from api.backends.event_reader import EventReader, Subscription
-from api.backends.job_queue import JobQueue
+from api.backends.request_queue import RequestQueue
 from shared import keys
 from shared.events import Error, Finish, FinishReason, InferenceEvent, Ready, Text
 from shared.sampling import SamplingParams
-from shared.wire import Deadlines, Job, PreparedRequest
+from shared.wire import Deadlines, PreparedRequest, QueuedRequest
 from tests.distributed.conftest import RedisServer
 from tests.streams import append_events
 
@@ -112,8 +112,8 @@ def test_a_job_queued_with_the_interrupt_returns_the_blocked_read(
             subscription = reader.open("late", interrupt=False)
             interrupt = reader.take_interrupt()
             assert interrupt is not None and reader.take_interrupt() is None  # one per blocked read
-            job = Job(request, Deadlines(total=now + 600), origin="wake-test-api")
-            queued = await JobQueue(client).put(job, now + 600, bound, interrupt)
+            job = QueuedRequest(request, Deadlines(total=now + 600), origin="wake-test-api")
+            queued = await RequestQueue(client).put(job, now + 600, bound, interrupt)
             assert (queued is None) == (bound == 1)
             started = time.monotonic()
             write(own_redis, "late", 1, Ready("late", 2, 0))

@@ -25,12 +25,12 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from redis.asyncio import Redis as AsyncRedis
 
-from api.backends.job_queue import JobQueue
+from api.backends.request_queue import RequestQueue
 from shared import keys
 from shared.registry import DEFAULT_MODEL
 from shared.sampling import SamplingParams
 from shared.task_message import queue_lists
-from shared.wire import Deadlines, Job, PreparedRequest
+from shared.wire import Deadlines, PreparedRequest, QueuedRequest
 from tests.distributed.conftest import Api, RedisServer
 from workers.broker.scripts import TAKE
 from workers.broker.transport import START_ARGS
@@ -188,14 +188,14 @@ def test_jobs_on_every_priority_list_count_as_queued(metrics_api: str, server: R
     async def scenario() -> tuple[Gauges, list[int]]:
         client = AsyncRedis.from_url(server.url, decode_responses=True)
         try:
-            queue, now = JobQueue(client), time.time()
+            queue, now = RequestQueue(client), time.time()
             for index, priority in enumerate((0, 4, 9, 9, 9)):
                 params = SamplingParams(max_tokens=4, temperature=0.0)
                 request = PreparedRequest(
                     f"prio-{index}", DEFAULT_MODEL, [1, 2, 3], params, created=now,
                     priority=priority,
                 )  # fmt: skip
-                assert await queue.put(Job(request, Deadlines(total=now + 60)), now + 60)
+                assert await queue.put(QueuedRequest(request, Deadlines(total=now + 60)), now + 60)
         finally:
             await client.aclose()
         lengths = [server.client.llen(name) for name in queue_lists(DEFAULT_MODEL)]

@@ -36,7 +36,7 @@ from shared.events import Finish, FinishReason, Text
 from shared.registry import DEFAULT_MODEL
 from shared.sampling import SamplingParams
 from shared.task_message import queue_lists, task_message
-from shared.wire import Deadlines, Job, PreparedRequest
+from shared.wire import Deadlines, PreparedRequest, QueuedRequest
 from tests.distributed.conftest import (
     MAX_MODEL_LEN,
     WORKER_SEQS,
@@ -93,7 +93,7 @@ def test_a_job_taken_by_a_worker_killed_before_it_started_runs_elsewhere(
     sampling = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
     request_id = f"taken-unstarted-{uuid.uuid4().hex}"
     request = PreparedRequest(request_id, DEFAULT_MODEL, prompt, sampling, created=time.time())
-    message = task_message(Job(request, Deadlines()))
+    message = task_message(QueuedRequest(request, Deadlines()))
     victim = GhostWorker(client, "victim")
     taken_key = keys.taken(victim.worker_id)
     stream = keys.event_stream(request_id)

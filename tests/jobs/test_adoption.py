@@ -29,7 +29,7 @@ from api.settings import Settings
 from shared import keys
 from shared.events import Finish, FinishReason, InferenceEvent, Ready, Text
 from shared.registry import DEFAULT_MODEL
-from shared.wire import decode_job
+from shared.wire import decode_queued
 from tests.jobs.conftest import PacedBackend, serve_in_thread, sse_events
 from tests.streams import append_events
 
@@ -67,7 +67,7 @@ class WorkerThread:
             if item is not None:
                 message = json.loads(item[1])
                 args = json.loads(base64.b64decode(message["body"]))[0]
-                request_id = decode_job(args[0]).request.request_id
+                request_id = decode_queued(args[0]).request.request_id
                 threading.Thread(target=self._play, args=(request_id,), daemon=True).start()
 
     def _play(self, request_id: str) -> None:

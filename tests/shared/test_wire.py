@@ -7,10 +7,17 @@ import json
 import pytest
 
 from shared.sampling import SamplingParams
-from shared.wire import Deadlines, Job, ParsingOptions, PreparedRequest, decode_job, encode_job
+from shared.wire import (
+    Deadlines,
+    ParsingOptions,
+    PreparedRequest,
+    QueuedRequest,
+    decode_queued,
+    encode_queued,
+)
 
 
-def full_job() -> Job:
+def full_job() -> QueuedRequest:
     """A job with no field left at its default, so a dropped field cannot go unnoticed."""
     sampling = SamplingParams(
         max_tokens=77, min_tokens=3, temperature=0.7, top_p=0.9, top_k=40, min_p=0.05,
@@ -25,12 +32,12 @@ def full_job() -> Job:
     request = PreparedRequest(
         "chatcmpl-wire", "smollm2", list(range(5000)), sampling, parsing, priority=3, created=12.5
     )
-    return Job(request, Deadlines(100.0, 200.0, 300.0), origin="api-1")
+    return QueuedRequest(request, Deadlines(100.0, 200.0, 300.0), origin="api-1")
 
 
 def test_a_job_round_trips_with_every_field() -> None:
     job = full_job()
-    decoded = decode_job(encode_job(job))
+    decoded = decode_queued(encode_queued(job))
     assert decoded == job
     assert isinstance(decoded.request.parsing.reasoning, tuple)
 
@@ -39,13 +46,13 @@ def test_encoding_leaves_the_request_untouched() -> None:
     """The encoding shares the request's lists rather than copying them: it must not alter them."""
     job = full_job()
     before = (list(job.request.prompt_token_ids), list(job.request.sampling.stop))
-    payload = json.loads(encode_job(job))
+    payload = json.loads(encode_queued(job))
     payload["request"]["prompt_token_ids"].append(-1)  # the decoded copy is its own
     assert (job.request.prompt_token_ids, job.request.sampling.stop) == before
 
 
 def test_another_version_is_refused() -> None:
-    payload = json.loads(encode_job(full_job()))
+    payload = json.loads(encode_queued(full_job()))
     payload["v"] = 99
     with pytest.raises(ValueError, match="version 99"):
-        decode_job(json.dumps(payload))
+        decode_queued(json.dumps(payload))

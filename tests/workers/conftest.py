@@ -30,8 +30,8 @@ from shared.event_codec import Entry, decode_entry
 from shared.events import Error, Finish, InferenceEvent, Text
 from shared.registry import DEFAULT_MODEL
 from shared.sampling import SamplingParams
-from shared.task_message import JOB_HEADER, job_header, task_message
-from shared.wire import Deadlines, Job, PreparedRequest, encode_job
+from shared.task_message import REQUEST_HEADER, request_header, task_message
+from shared.wire import Deadlines, PreparedRequest, QueuedRequest, encode_queued
 from tests.servers import free_port
 
 if TYPE_CHECKING:
@@ -205,8 +205,10 @@ class Producer:
         """``named``: with the job's header, as the API sends it (``workers.broker.taken``)."""
         request_id = request_id or uuid.uuid4().hex
         request = PreparedRequest(request_id, model, prompt, params, created=time.time())
-        job = Job(request, deadlines or Deadlines(), origin)
-        self.send_payload(encode_job(job), {JOB_HEADER: job_header(job)} if named else None)
+        job = QueuedRequest(request, deadlines or Deadlines(), origin)
+        self.send_payload(
+            encode_queued(job), {REQUEST_HEADER: request_header(job)} if named else None
+        )
         return request_id
 
     def send_payload(self, payload: str, headers: dict | None = None) -> None:
@@ -242,7 +244,7 @@ def producer(redis_url: str, client: redis.Redis) -> Iterator[Producer]:
     app.close()
 
 
-def take_as_a_worker(client: redis.Redis, starts: TakenStarts, jobs: list[Job]) -> None:
+def take_as_a_worker(client: redis.Redis, starts: TakenStarts, jobs: list[QueuedRequest]) -> None:
     """Take ``jobs`` with the real take script, from a list of their own, leaving the starts
     in ``starts``: what a worker's transport does before its task threads run them."""
     from workers.broker.scripts import TAKE

@@ -21,7 +21,7 @@ from shared import keys
 from shared.events import Finish, FinishReason
 from shared.registry import DEFAULT_MODEL
 from shared.sampling import SamplingParams
-from shared.wire import Deadlines, Job, PreparedRequest, encode_job
+from shared.wire import Deadlines, PreparedRequest, QueuedRequest, encode_queued
 from tests.workers.conftest import (
     PROMPT,
     Producer,
@@ -56,9 +56,9 @@ def test_a_run_outlasting_the_grace_is_handed_back_and_resumed_elsewhere(
     request_id = uuid.uuid4().hex
     request = PreparedRequest(request_id, DEFAULT_MODEL, PROMPT, LONG, created=time.time())
     context = TaskContext(own, publisher, host, DEFAULT_MODEL)
-    job = Job(request, Deadlines())
+    job = QueuedRequest(request, Deadlines())
     take_as_a_worker(own, context.starts, [job])
-    task = threading.Thread(target=run_job, args=(context, encode_job(job)))
+    task = threading.Thread(target=run_job, args=(context, encode_queued(job)))
     try:
         task.start()
         wait_until(lambda: len(producer.events(request_id)) >= 4, 30, "tokens to flow")

@@ -23,7 +23,7 @@ from engine.llm_engine import LLMEngine
 from shared import keys
 from shared.registry import DEFAULT_MODEL
 from shared.sampling import SamplingParams
-from shared.wire import Deadlines, Job, PreparedRequest, encode_job
+from shared.wire import Deadlines, PreparedRequest, QueuedRequest, encode_queued
 from tests.workers.conftest import (
     PROMPT,
     engine_on_the_same_weights,
@@ -79,9 +79,9 @@ def test_the_watchdog_hands_back_a_dead_engine_s_runs_at_once(
     direct_id, task_id = uuid.uuid4().hex, uuid.uuid4().hex
     run = Run(prepared(direct_id), own.incr(keys.lease(direct_id)))
     context = TaskContext(own, publisher, host, DEFAULT_MODEL)
-    job = Job(prepared(task_id), Deadlines())
+    job = QueuedRequest(prepared(task_id), Deadlines())
     take_as_a_worker(own, context.starts, [job])
-    task = threading.Thread(target=run_job, args=(context, encode_job(job)))
+    task = threading.Thread(target=run_job, args=(context, encode_queued(job)))
     try:
         host.submit(run)
         task.start()

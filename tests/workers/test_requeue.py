@@ -13,23 +13,23 @@ from celery.exceptions import Reject
 from shared import keys
 from shared.sampling import SamplingParams
 from shared.task_message import priority_list, task_message
-from shared.wire import Deadlines, Job, PreparedRequest, decode_job
+from shared.wire import Deadlines, PreparedRequest, QueuedRequest, decode_queued
 from tests.servers import free_port
 from workers.task import requeue_first
 
 MODEL = "requeue-test"
 
 
-def job(request_id: str, priority: int = 0) -> Job:
+def job(request_id: str, priority: int = 0) -> QueuedRequest:
     request = PreparedRequest(
         request_id, MODEL, [1, 2], SamplingParams(max_tokens=2), priority=priority
     )
-    return Job(request, Deadlines(queue=time.time() + 30))
+    return QueuedRequest(request, Deadlines(queue=time.time() + 30))
 
 
 def request_id_of(raw: str) -> str:
     body = json.loads(base64.b64decode(json.loads(raw)["body"]))
-    return decode_job(body[0][0]).request.request_id
+    return decode_queued(body[0][0]).request.request_id
 
 
 @pytest.mark.parametrize("priority", [0, 7])

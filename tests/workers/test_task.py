@@ -13,8 +13,8 @@ from shared import keys
 from shared.events import Error, Finish, FinishReason, Ready, Text
 from shared.registry import DEFAULT_MODEL
 from shared.sampling import SamplingParams
-from shared.task_message import JOB_HEADER
-from shared.wire import Deadlines, Job, PreparedRequest, encode_job
+from shared.task_message import REQUEST_HEADER
+from shared.wire import Deadlines, PreparedRequest, QueuedRequest, encode_queued
 from tests.workers.conftest import (
     PROMPT,
     QUEUE,
@@ -63,8 +63,8 @@ def test_a_named_job_runs_on_the_start_its_take_made(
     steps = worker.host.snapshot.steps
     # Only the take script reads the header, here naming an API process that is gone:
     # a task that started the job itself would find no origin to check and run it.
-    header = {JOB_HEADER: [request_id, "an-api-process-that-is-gone"]}
-    producer.send_payload(encode_job(Job(request, Deadlines(), origin=None)), header)
+    header = {REQUEST_HEADER: [request_id, "an-api-process-that-is-gone"]}
+    producer.send_payload(encode_queued(QueuedRequest(request, Deadlines(), origin=None)), header)
 
     events = producer.wait_end(request_id)
 
@@ -154,13 +154,13 @@ def test_a_start_whose_replies_cannot_be_read_fails_its_job_alone(
     client.set(keys.event_stream(clobbered), "not a stream")  # XRANGE: WRONGTYPE
     starts = TakenStarts()
     context = TaskContext(client, worker.context.publisher, worker.host, DEFAULT_MODEL, starts)
-    jobs = [Job(prepared(clobbered)), Job(prepared(fine))]
+    jobs = [QueuedRequest(prepared(clobbered)), QueuedRequest(prepared(fine))]
     take_as_a_worker(client, starts, jobs)
     client.delete(keys.event_stream(clobbered))  # so that the failure report can be read
 
     with pytest.raises(StartFailed, match="WRONGTYPE"):
-        run_job(context, encode_job(jobs[0]))
-    run_job(context, encode_job(jobs[1]))
+        run_job(context, encode_queued(jobs[0]))
+    run_job(context, encode_queued(jobs[1]))
 
     (failure,) = producer.events(clobbered)
     assert isinstance(failure, Error) and "WRONGTYPE" in failure.message

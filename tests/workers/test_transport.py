@@ -31,7 +31,7 @@ from kombu.transport.redis import Channel as KombuChannel
 from shared import keys
 from shared.event_codec import decode_entry, encode_event
 from shared.events import Ready, Text
-from shared.task_message import JOB_HEADER, priority_list
+from shared.task_message import REQUEST_HEADER, priority_list
 from tests.workers.conftest import wait_until
 from workers.broker import BrokerLink
 from workers.broker.app import broker_transport_options, create_app
@@ -935,7 +935,7 @@ def _publish_named(connection: Connection, queue: Queue, request_id: str, origin
     with connection.channel() as channel:
         Producer(channel).publish(
             request_id, exchange=queue.exchange, routing_key=queue.routing_key,
-            declare=[queue], headers={JOB_HEADER: [request_id, origin]},
+            declare=[queue], headers={REQUEST_HEADER: [request_id, origin]},
         )  # fmt: skip
 
 

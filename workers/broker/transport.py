@@ -14,7 +14,7 @@ blocking read, on the same connection, goes the take script
 (``scripts/take.lua``): it pops up to the worker's prefetch credit from the
 queue lists (in kombu's priority order), records each message in the
 worker's own taken records (``keys.taken``) and starts each job its message
-names (``shared.task_message.JOB_HEADER``): the job's next attempt, its
+names (``shared.task_message.REQUEST_HEADER``): the job's next attempt, its
 cancel flag, its stream so far and whether its API process lives, left in
 ``workers.broker.taken`` for the task. Redis runs the script the moment the
 read returns, so one round trip wakes, takes and starts. A job is therefore
@@ -58,7 +58,7 @@ from kombu.utils.encoding import bytes_to_str
 from kombu.utils.json import loads
 
 from shared import keys
-from shared.task_message import JOB_HEADER
+from shared.task_message import REQUEST_HEADER
 from workers.broker.scripts import RESTORE, TAKE
 from workers.broker.taken import TakenStart
 
@@ -73,7 +73,7 @@ START_ARGS = (  # the take script's arguments to start the jobs it takes
     keys.event_stream(""),
     keys.api_process(""),
     keys.FINISHED_STREAM_TTL_S,
-    JOB_HEADER,
+    REQUEST_HEADER,
 )
 
 

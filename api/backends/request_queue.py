@@ -6,7 +6,7 @@ generation here, the synchronous path's and async jobs' alike.
 Why not ``Celery.send_task``: it is a blocking call, so every request paid a
 hop to a thread and its own round trips (a routing lookup, then the push),
 and a burst of requests would queue one after another behind the API's
-event loop. ``JobQueue`` writes from the event loop through the async Redis
+event loop. ``RequestQueue`` writes from the event loop through the async Redis
 client instead, in the step of the request's own task: the command leaves
 before the loop turns (batching the requests of one turn into one write
 would keep each job waiting for the rest of a busy turn).
@@ -39,7 +39,7 @@ from redis.asyncio.client import Pipeline
 from api.backends.event_reader import INTERRUPT_TTL_S
 from shared import keys
 from shared.task_message import TaskMessage, task_message
-from shared.wire import Job, PreparedRequest
+from shared.wire import PreparedRequest, QueuedRequest
 
 SEND_TIMEOUT_S = 10.0
 
@@ -80,7 +80,7 @@ return 1
 """
 
 
-class JobQueue:
+class RequestQueue:
     """Queues jobs from the event loop, each at once; see the module docstring."""
 
     def __init__(self, client: Redis) -> None:
@@ -88,7 +88,7 @@ class JobQueue:
 
     async def put(
         self,
-        job: Job,
+        job: QueuedRequest,
         inflight_score: float,
         bound: int | None = None,
         interrupt: str | None = None,

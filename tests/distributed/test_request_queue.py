@@ -1,4 +1,4 @@
-"""``JobQueue`` writes what Celery itself would, within the model's bound.
+"""``RequestQueue`` writes what Celery itself would, within the model's bound.
 
 The message is compared with the one ``Celery.send_task`` puts on the same
 Redis, so a kombu or Celery upgrade that changes the envelope fails here
@@ -19,11 +19,11 @@ from celery import Celery
 from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from api.backends.job_queue import SEND_TIMEOUT_S, JobQueue
+from api.backends.request_queue import SEND_TIMEOUT_S, RequestQueue
 from shared import keys
 from shared.sampling import SamplingParams
-from shared.task_message import JOB_HEADER, job_header
-from shared.wire import Deadlines, Job, PreparedRequest, decode_job, encode_job
+from shared.task_message import REQUEST_HEADER, request_header
+from shared.wire import Deadlines, PreparedRequest, QueuedRequest, decode_queued, encode_queued
 from tests.distributed.conftest import RedisServer
 from tests.servers import free_port
 
@@ -32,12 +32,12 @@ pytestmark = pytest.mark.distributed
 MODEL = "job-queue-test"
 
 
-def job(request_id: str, priority: int = 0) -> Job:
+def job(request_id: str, priority: int = 0) -> QueuedRequest:
     request = PreparedRequest(
         request_id, MODEL, [1, 2, 3], SamplingParams(max_tokens=4), priority=priority
     )
     now = time.time()
-    return Job(request, Deadlines(queue=now + 30, total=now + 600))
+    return QueuedRequest(request, Deadlines(queue=now + 30, total=now + 600))
 
 
 def only_message(server: RedisServer) -> tuple[str, dict]:
@@ -47,10 +47,10 @@ def only_message(server: RedisServer) -> tuple[str, dict]:
     return name, json.loads(raw)
 
 
-def put(server: RedisServer, *jobs: Job) -> None:
+def put(server: RedisServer, *jobs: QueuedRequest) -> None:
     async def main() -> None:
         client = Redis.from_url(server.url, decode_responses=True)
-        queue = JobQueue(client)
+        queue = RequestQueue(client)
         await asyncio.gather(*(queue.put(j, j.deadlines.total) for j in jobs))
         await client.aclose()
 
@@ -67,11 +67,11 @@ def test_message_matches_celery_send_task(redis_server: RedisServer, priority: i
     app = Celery("reference", broker=redis_server.url, set_as_current=False)
     app.send_task(
         keys.TASK_NAME,
-        args=[encode_job(theirs_job)],
+        args=[encode_queued(theirs_job)],
         queue=keys.queue_name(MODEL),
         priority=priority,
         expires=datetime.fromtimestamp(theirs_job.deadlines.queue, UTC),
-        headers={JOB_HEADER: job_header(theirs_job)},
+        headers={REQUEST_HEADER: request_header(theirs_job)},
     )
     app.close()
     their_list, theirs = only_message(redis_server)
@@ -80,12 +80,12 @@ def test_message_matches_celery_send_task(redis_server: RedisServer, priority: i
     assert ours.keys() == theirs.keys()
     assert ours["headers"].keys() == theirs["headers"].keys()
     assert ours["headers"]["task"] == keys.TASK_NAME
-    assert ours["headers"][JOB_HEADER] == [ours_job.request.request_id, ours_job.origin or ""]
+    assert ours["headers"][REQUEST_HEADER] == [ours_job.request.request_id, ours_job.origin or ""]
     assert set(theirs["properties"]) - set(ours["properties"]) <= {"expiration"}
     for name in ("delivery_info", "priority", "body_encoding", "delivery_mode"):
         assert ours["properties"][name] == theirs["properties"][name], name
     (args, kwargs, embed) = json.loads(base64.b64decode(ours["body"]))
-    assert decode_job(args[0]) == ours_job and kwargs == {}
+    assert decode_queued(args[0]) == ours_job and kwargs == {}
     assert embed.keys() == json.loads(base64.b64decode(theirs["body"]))[2].keys()
 
 
@@ -95,19 +95,19 @@ def test_a_burst_is_queued_with_its_in_flight_entries(redis_server: RedisServer)
 
     queued = redis_server.client.lrange(keys.queue_name(MODEL), 0, -1)
     bodies = [json.loads(base64.b64decode(json.loads(raw)["body"])) for raw in queued]
-    ids = {decode_job(body[0][0]).request.request_id for body in bodies}
+    ids = {decode_queued(body[0][0]).request.request_id for body in bodies}
     assert ids == {j.request.request_id for j in jobs}
     inflight = redis_server.client.zrange(keys.inflight(MODEL), 0, -1, withscores=True)
     assert dict(inflight) == {j.request.request_id: j.deadlines.total for j in jobs}
     redis_server.client.delete(keys.queue_name(MODEL), keys.inflight(MODEL))
 
 
-def put_bounded(url: str, bound: int | None, *jobs: Job) -> list[bool]:
-    """Each job through one of two ``JobQueue``s with clients of their own: two API processes."""
+def put_bounded(url: str, bound: int | None, *jobs: QueuedRequest) -> list[bool]:
+    """Each job through one of two ``RequestQueue``s, clients of their own: two API processes."""
 
     async def main() -> list[bool]:
         clients = [Redis.from_url(url, decode_responses=True) for _ in range(2)]
-        queues = [JobQueue(client) for client in clients]
+        queues = [RequestQueue(client) for client in clients]
         puts = (queues[i % 2].put(j, j.deadlines.total, bound) for i, j in enumerate(jobs))
         results = await asyncio.gather(*puts)
         for client in clients:
@@ -146,7 +146,7 @@ def test_without_a_bound_nothing_is_refused(redis_server: RedisServer) -> None:
 def test_an_unreachable_redis_fails_every_waiter() -> None:
     async def main() -> list[BaseException | None]:
         client = Redis(port=free_port(), socket_connect_timeout=1)
-        queue = JobQueue(client)
+        queue = RequestQueue(client)
         jobs = [job(f"lost-{i}") for i in range(3)]
         results = await asyncio.gather(
             *(queue.put(j, j.deadlines.total) for j in jobs), return_exceptions=True
