@@ -1,5 +1,9 @@
 """Jobs the take script started as it took them, until their task threads pick them up.
 
+It exists because of Celery's thread-per-job model: the broker consumer's
+thread takes a job, a thread of Celery's pool runs it, and Celery hands
+that thread the message alone.
+
 The take script (``workers.broker.transport``) takes each job's next
 attempt and reads its cancel flag, what earlier attempts streamed and
 whether its API process lives, in the atomic step that takes its message.
