@@ -73,6 +73,11 @@ def workers(model: str) -> str:
     return f"{PREFIX}:workers:{model}"
 
 
+def workers_alive_since(model: str) -> str:
+    """Beside ``workers``: when each entry last went from expired (or missing) to renewed."""
+    return f"{PREFIX}:workers-since:{model}"
+
+
 def worker_loads(model: str) -> str:
     """A hash of the model's workers' load reports (JSON), by worker id, beside ``workers``."""
     return f"{PREFIX}:loads:{model}"

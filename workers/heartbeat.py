@@ -11,12 +11,14 @@ workers whose entries have expired, puts every job they had taken back at
 the head of its queue, with a wake token, and removes them from the
 registry: a job whose worker was killed is taken by a live worker within
 one TTL and one interval of the kill, and resumes from its stream under a
-new attempt. A worker reclaims only once its own beats have succeeded for a
-whole TTL: after an outage of Redis, every live worker's entry has expired
-too, and each must have had the time to renew it before any is taken for
-dead. A live worker taken for dead all the same (its beats stalled for a
-whole TTL) loses nothing but work: its attempts are fenced out
-(``workers.publisher``) as soon as the new ones start.
+new attempt. A worker reclaims only once its own entry has stayed renewed
+for a whole TTL, as Redis's clock tells (the script keeps when each entry
+last came back, ``keys.workers_alive_since``): after Redis stalled or was
+away, every live worker's entry has expired too, and each must have had the
+time to renew it before any is taken for dead. A live worker taken for dead
+all the same (its own beats stalled for a whole TTL) loses nothing but
+work: its attempts are fenced out (``workers.publisher``) as soon as the
+new ones start.
 """
 
 from __future__ import annotations
@@ -62,10 +64,13 @@ class Heartbeat:
         self._draining = draining
         self._interval_s = interval_s
         self._ttl_s = ttl_s
-        self._keys = [keys.workers(identity.model), keys.worker_loads(identity.model)]
+        model = identity.model
+        self._keys = [
+            keys.workers(model),
+            keys.worker_loads(model),
+            keys.workers_alive_since(model),
+        ]
         self._last: tuple[float, int] | None = None  # (time, generated tokens) of the last beat
-        self._beating_since: float | None = None  # monotonic start of the current run of beats
-        self._last_beat: float = 0.0
         self.reclaimed = 0  # jobs of dead workers this worker put back on their queues
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="sluice-heartbeat", daemon=True)
@@ -78,7 +83,8 @@ class Heartbeat:
     def stop(self, timeout: float | None = None) -> None:
         """Stop beating and leave the registry, handing back whatever this worker still holds."""
         self._stopping.set()
-        self._thread.join(timeout)
+        if self._thread.is_alive():
+            self._thread.join(timeout)
         self._leave("this worker at exit")
 
     def _leave(self, holder: str) -> None:
@@ -114,14 +120,9 @@ class Heartbeat:
 
     def beat(self) -> None:
         """Renew this worker's entry and report; reclaim dead workers' jobs once it may."""
-        now = time.monotonic()
-        if self._beating_since is None or now - self._last_beat > self._ttl_s:
-            self._beating_since = now  # a gap as long as the TTL: the entry may have expired
-        reclaim = now - self._beating_since >= self._ttl_s
         report = json.dumps(self.report(), separators=(",", ":"))
-        args = [self._identity.worker_id, report, self._ttl_s, int(reclaim), keys.TAKEN_PREFIX]
+        args = [self._identity.worker_id, report, self._ttl_s, keys.TAKEN_PREFIX]
         dead, restored = BEAT(self._client, self._keys, args)
-        self._last_beat = now
         if dead:
             self.reclaimed += restored
             names = ", ".join(_text(worker) for worker in dead)
@@ -132,8 +133,9 @@ class Heartbeat:
             try:
                 self.beat()
             except redis.RedisError as exc:
-                self._beating_since = None
                 log.warning("heartbeat failed: %s", exc)
+            except Exception:  # a heartbeat that died would let others take this worker for dead
+                log.exception("the heartbeat failed")
             self._stopping.wait(self._interval_s)
 
     def _tokens_per_s(self, now: float, tokens: int) -> float:

@@ -179,6 +179,8 @@ def worker_queues(registry: ModelRegistry, spec: ModelSpec, extra: Sequence[str]
     foreign = {keys.queue_name(other.name): other.name for other in registry.specs()}
     foreign.pop(keys.queue_name(spec.name), None)
     for queue in extra:
+        if any(not char.isprintable() for char in queue):  # a taken record is split on newlines
+            raise ValueError(f"queue name {queue!r} holds a control character")
         if queue in foreign:
             raise ValueError(
                 f"queue {queue!r} holds the jobs of model {foreign[queue]!r}; "

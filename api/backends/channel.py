@@ -85,6 +85,7 @@ class RequestChannel:
         self._users += 1
         if self._users > 1:
             return
+        self.stopping = False
         await self.reader.start()
         try:  # before any job names this process
             await self._renew_origin()
@@ -98,16 +99,19 @@ class RequestChannel:
         Ends in progress get a moment to finish; nothing here waits on Redis
         without a limit (a cancelled call can hang in redis-py).
         """
-        self._users -= 1
+        self._users = max(self._users - 1, 0)
         if self._users > 0:
             return
         self.stopping = True
         await self.reader.stop()
-        pending = [*self._tasks, *([self._renewer] if self._renewer else [])]
+        await asyncio.sleep(0)  # the streams the reader just ended spawn their ends
+        deadline = time.monotonic() + CLEANUP_TIMEOUT_S
+        while self._tasks and (left := deadline - time.monotonic()) > 0:
+            await asyncio.wait(list(self._tasks), timeout=left)
         if self._renewer is not None:
             self._renewer.cancel()
-        if pending:
-            await asyncio.wait(pending, timeout=CLEANUP_TIMEOUT_S)
+            await asyncio.wait([self._renewer], timeout=1.0)
+            self._renewer = None
         await self.redis.aclose()
 
     # --- deadlines ---------------------------------------------------------------------

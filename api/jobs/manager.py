@@ -177,8 +177,9 @@ class JobManager:
     async def stop(self) -> None:
         """Shutdown: detach from shared jobs (others adopt them), cancel in-memory ones.
 
-        Stopping the channel then ends the detached runners' event streams
-        without cancelling the generations.
+        The channel is marked stopping first, so that the detached runners'
+        event streams, which end when the channel's last user stops it, cancel
+        no generation.
         """
         if self._maintainer is not None:
             self._maintainer.cancel()

@@ -34,7 +34,7 @@ from openai import OpenAI
 from shared import keys
 from shared.registry import DEFAULT_MODEL
 from tests.servers import free_port
-from workers.broker.scripts import BEAT, LEAVE
+from workers.broker.scripts import LEAVE
 
 ROOT = Path(__file__).resolve().parents[2]
 MAX_MODEL_LEN = 1024
@@ -210,8 +210,9 @@ class GhostWorker:
 
     Admission, ``/metrics`` and ``Fleet.heartbeats`` count it live until its
     entry expires (``beat``'s ``ttl_s``), but nothing takes the model's jobs
-    for it. Its entry is written by the workers' own heartbeat script (never
-    reclaiming anyone's jobs); ``leave`` removes it as a clean exit would. An
+    for it. Its entry is scored on Redis's clock as the workers' heartbeat
+    script scores theirs (it never reclaims anyone's jobs); ``leave``
+    removes it with the workers' own exit script. An
     expired ghost of a model that real workers serve is taken for dead by
     their next heartbeat, which hands back whatever its taken records hold.
     """
@@ -220,18 +221,21 @@ class GhostWorker:
     worker_id: str = "ghost"
     model: str = DEFAULT_MODEL
 
-    @property
-    def _keys(self) -> list[str]:
-        return [keys.workers(self.model), keys.worker_loads(self.model)]
-
     def beat(self, ttl_s: float = 60, **report: object) -> None:
         """Register (or renew) the ghost for ``ttl_s`` seconds, reporting ``report``."""
         body = json.dumps({"worker_id": self.worker_id, "model": self.model, **report})
-        BEAT(self.client, self._keys, [self.worker_id, body, ttl_s, 0, keys.TAKEN_PREFIX])
+        seconds, micros = self.client.time()
+        expiry = seconds + micros / 1e6 + ttl_s
+        pipe = self.client.pipeline(transaction=True)
+        pipe.zadd(keys.workers(self.model), {self.worker_id: expiry})
+        pipe.hset(keys.worker_loads(self.model), self.worker_id, body)
+        pipe.execute()
 
     def leave(self) -> None:
         """Remove the ghost's entry, report and taken records (put back on their queues)."""
-        LEAVE(self.client, [*self._keys, keys.taken(self.worker_id)], [self.worker_id])
+        model = self.model
+        registry = [keys.workers(model), keys.worker_loads(model), keys.workers_alive_since(model)]
+        LEAVE(self.client, [*registry, keys.taken(self.worker_id)], [self.worker_id])
 
 
 class Api:

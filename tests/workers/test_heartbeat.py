@@ -134,6 +134,38 @@ def test_a_worker_reclaims_only_after_beating_for_a_whole_ttl(client: redis.Redi
     client.delete(keys.workers(model), keys.worker_loads(model))
 
 
+def test_a_stall_of_redis_longer_than_the_ttl_takes_no_live_worker_for_dead(
+    client: redis.Redis,
+) -> None:
+    """Redis paused (a fork, a VM pause): every entry expired; whoever beats first reclaims no one.
+
+    The pause is played by moving both entries' expiries into the past, as
+    Redis's clock sees them after it; the beat that comes first already
+    reclaims where its own entry stayed renewed.
+    """
+    model, queue = f"model-{uuid.uuid4().hex}", f"queue-{uuid.uuid4().hex}"
+    first = heartbeat(client, "first", model, interval_s=0.05)
+    second = heartbeat(client, "second", model, interval_s=0.05)
+    hold(client, "first", queue, ["one"])
+    hold(client, "second", queue, ["two"])
+    for _ in range(3):  # both have been live for longer than a TTL
+        first.beat()
+        second.beat()
+        time.sleep(TTL_S / 2)
+
+    stalled = redis_now(client) - 0.01
+    client.zadd(keys.workers(model), {"first": stalled, "second": stalled})
+    first.beat()  # the first beat after the pause
+    time.sleep(TTL_S / 4)
+    second.beat()
+    first.beat()
+
+    assert first.reclaimed == second.reclaimed == 0
+    assert client.hlen(keys.taken("first")) == client.hlen(keys.taken("second")) == 1
+    first.stop(timeout=1)
+    second.stop(timeout=1)
+
+
 def test_live_workers_never_reclaim_each_other(client: redis.Redis) -> None:
     model, queue = f"model-{uuid.uuid4().hex}", f"queue-{uuid.uuid4().hex}"
     first = heartbeat(client, "first", model, interval_s=0.05)
@@ -163,3 +195,20 @@ def test_a_restarted_worker_hands_back_what_its_predecessor_held(client: redis.R
     restarted.stop(timeout=5)
 
     assert bodies_on(client, queue) == ["from-before"]
+
+
+def test_a_malformed_record_is_dropped_and_the_rest_still_go_back(client: redis.Redis) -> None:
+    """One record not in the ``<wake>\\n<list>\\n<message>`` form must not hold up the others."""
+    model, queue = f"model-{uuid.uuid4().hex}", f"queue-{uuid.uuid4().hex}"
+    hold(client, "broken", queue, ["fine"])
+    client.hset(keys.taken("broken"), "junk", "no newlines here")
+    client.zadd(keys.workers(model), {"broken": redis_now(client) - 1})
+    live = heartbeat(client, "mender", model, interval_s=0.05)
+
+    live.start()
+    try:
+        wait_until(lambda: live.reclaimed, 5, "the dead worker's jobs reclaimed")
+    finally:
+        live.stop(timeout=5)
+
+    assert bodies_on(client, queue) == ["fine"] and not client.exists(keys.taken("broken"))

@@ -39,3 +39,10 @@ def test_extra_queues_follow_the_model_s_own() -> None:
     spec = default_registry().resolve("default")
     queues = worker_queues(default_registry(), spec, ["batch"])
     assert queues == [keys.queue_name(spec.name), "batch"]
+
+
+def test_a_queue_name_with_a_control_character_is_refused() -> None:
+    """A taken record is ``<wake>\\n<list>\\n<message>``: a newline in a name would split it."""
+    spec = default_registry().resolve("default")
+    with pytest.raises(ValueError, match="control character"):
+        worker_queues(default_registry(), spec, ["bad\nqueue"])

@@ -576,6 +576,64 @@ def test_a_rejected_and_requeued_message_goes_to_the_tail_of_its_queue(
     assert _payloads(_consume_once(connection, queue, prefetch=3)) == [*rest, first]
 
 
+def test_a_requeue_redis_refuses_is_sent_again_with_the_next_write(
+    connection: Connection, queue: Queue, link: BrokerLink, client: redis.Redis,
+    caplog: pytest.LogCaptureFixture,
+) -> None:  # fmt: skip
+    """Refused (Redis away), the requeue is kept, not lost with the record left behind."""
+    first, second = _publish(connection, queue, 2)
+    one, two = _consume_once(connection, queue, prefetch=2)
+    records = client.hgetall(link.taken_key)
+    client.delete(link.taken_key)
+    client.set(link.taken_key, "not a hash")  # the restore fails with WRONGTYPE
+
+    one.reject(requeue=True)
+    assert "could not requeue 1 message(s)" in caplog.text
+    assert client.llen(queue.name) == 0
+
+    client.delete(link.taken_key)
+    client.hset(link.taken_key, mapping=records)  # Redis answers again
+    two.ack()  # the next write
+
+    assert _payloads([one]) == [first] and [_body(raw) for raw in _queued(client, queue.name)] == [
+        first
+    ]
+    assert client.exists(link.taken_key) == 0 and second
+
+
+def test_an_earlier_delivery_s_ack_leaves_the_record_of_the_same_message_taken_again(
+    connection: Connection, queue: Queue, link: BrokerLink, client: redis.Redis
+) -> None:
+    """Back in its queue and taken again by this worker, a message keeps its tag: the record
+    is the later delivery's, which the earlier one (fenced out, acking late) must not remove."""
+    _publish(connection, queue, 1)
+    channel = connection.channel()
+    channel.basic_qos(prefetch_count=4)
+    received: list = []
+    with Consumer(channel, queues=[queue], callbacks=[lambda _, message: received.append(message)]):
+        connection.drain_events(timeout=5)
+        channel.qos.restore_by_tag(received[0].delivery_tag)  # as a hand-back would
+        connection.drain_events(timeout=5)
+    earlier, later = received
+    assert earlier.delivery_tag == later.delivery_tag
+
+    earlier.ack()
+    assert client.hlen(link.taken_key) == 1  # still the later delivery's
+
+    later.ack()
+    assert client.hlen(link.taken_key) == 0
+
+
+def test_a_sent_read_is_dated_for_kombu_s_health_check(
+    connection: Connection, queue: Queue
+) -> None:
+    """kombu drops a consumer connection whose read is long overdue, if it knows when it went."""
+    _publish(connection, queue, 1)
+    (message,) = _consume_once(connection, queue, prefetch=1)
+
+    assert message.channel._brpop_sent_at is not None
+
+
 def test_a_rejected_message_not_requeued_is_dropped_like_an_acked_one(
     connection: Connection, queue: Queue, link: BrokerLink, client: redis.Redis
 ) -> None:
@@ -817,7 +875,7 @@ def test_what_redis_refuses_at_ack_or_close_is_logged_not_raised(
     client.set(link.taken_key, "not a hash")  # HDEL and the restore fail with WRONGTYPE
 
     message.ack()
-    assert "they will be restored" in caplog.text
+    assert "to be restored" in caplog.text
 
     message.channel.close()
     assert "could not restore" in caplog.text

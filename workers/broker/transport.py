@@ -47,7 +47,9 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import Counter
 from functools import cached_property
+from time import monotonic
 from typing import Any
 
 import redis
@@ -82,11 +84,18 @@ class QoS(kombu_redis.QoS):
 
     The take script writes the records, so ``append`` only counts the
     delivery; a closed intake leaves no credit (see the module docstring).
+    A record is keyed by its message's delivery tag, which a message keeps
+    when it goes back to its queue: should this worker take it again while
+    an earlier delivery of it is still running (fenced out, about to ack),
+    the record stays until the last delivery ends. A requeue that finds
+    Redis unreachable is kept and sent again, like an ack, until it lands.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._acked: list[str] = []  # acked tags whose records are still in Redis
+        self._requeued: list[str] = []  # rejected tags still to go back to their queues
+        self._holding: Counter[str] = Counter()  # deliveries not yet ended, by tag
         self._acks_lock = threading.Lock()
 
     @cached_property
@@ -111,26 +120,34 @@ class QoS(kombu_redis.QoS):
 
     def append(self, message: Any, delivery_tag: str) -> None:
         VirtualQoS.append(self, message, delivery_tag)  # the take script wrote its record
+        with self._acks_lock:
+            self._holding[delivery_tag] += 1
 
     def ack(self, delivery_tag: str) -> None:
         VirtualQoS.ack(self, delivery_tag)  # the credit is free now
+        self._end(delivery_tag, self._acked)
+
+    def reject(self, delivery_tag: str, requeue: bool = False) -> None:
+        """Requeued: back to the tail of its queue (kombu's ``reject``); else as an ack."""
+        VirtualQoS.ack(self, delivery_tag)
+        self._end(delivery_tag, self._requeued if requeue else self._acked)
+
+    def _end(self, delivery_tag: str, pending: list[str]) -> None:
+        """Queue what ends this delivery's record, written by the loop before it polls again."""
         with self._acks_lock:
-            self._acked.append(delivery_tag)
-            first = len(self._acked) == 1  # no flush is due yet
+            left = self._holding[delivery_tag] - 1
+            if left > 0:  # an earlier delivery of the same message: the record is the later's
+                self._holding[delivery_tag] = left
+                return
+            self._holding.pop(delivery_tag, None)
+            first = not self._acked and not self._requeued  # no flush is due yet
+            pending.append(delivery_tag)
         connection = self.channel.connection  # None once the channel closed (Redis went away)
         loop = None if connection is None else connection.event_loop
         if loop is None:
             self.flush_acks()
         elif first:
             loop.call_soon(self.flush_acks)  # from a task thread, this wakes the loop
-
-    def reject(self, delivery_tag: str, requeue: bool = False) -> None:
-        """Requeued: back to the tail of its queue (kombu's ``reject``); else as an ack."""
-        if requeue:
-            self.restore_by_tag(delivery_tag, leftmost=True)
-            VirtualQoS.ack(self, delivery_tag)
-        else:
-            self.ack(delivery_tag)
 
     def restore_by_tag(self, tag: str, client: Any = None, leftmost: bool = False) -> None:
         """Put one taken message back: at its queue's head, or its tail if ``leftmost``."""
@@ -157,16 +174,38 @@ class QoS(kombu_redis.QoS):
             log.warning("could not restore the jobs this worker holds: %s", exc)
 
     def flush_acks(self) -> None:
-        """Remove every pending ack's record in one write; a failure only logs."""
+        """Remove every pending ack's record in one write, then requeue the rejected.
+
+        A failed ack only logs (its finished job is restored once more when
+        this worker goes); a failed requeue is kept and tried again in a
+        second (or at the next flush).
+        """
         with self._acks_lock:
             tags, self._acked = self._acked, []
-        if not tags:
-            return
-        try:
-            with self.channel.conn_or_acquire() as client:
-                client.hdel(self._link.taken_key, *tags)
-        except Exception as exc:  # raised into Celery's consumer, it would stop the worker
-            log.warning("could not ack %d message(s); they will be restored: %s", len(tags), exc)
+            requeued, self._requeued = self._requeued, []
+        taken = self._link.taken_key
+        if tags:
+            try:
+                with self.channel.conn_or_acquire() as client:
+                    client.hdel(taken, *tags)
+            except Exception as exc:  # raised into Celery's consumer, it would stop the worker
+                log.warning("could not ack %d message(s); to be restored: %s", len(tags), exc)
+        for position, tag in enumerate(requeued):
+            try:
+                with self.channel.conn_or_acquire() as client:
+                    RESTORE(client, [taken], ["tail", tag])
+            except Exception as exc:
+                self._retry_requeues(requeued[position:], exc)
+                return
+
+    def _retry_requeues(self, tags: list[str], exc: Exception) -> None:
+        log.warning("could not requeue %d message(s), to retry: %s", len(tags), exc)
+        with self._acks_lock:
+            self._requeued = tags + self._requeued
+        connection = self.channel.connection
+        loop = None if connection is None else connection.event_loop
+        if loop is not None:
+            loop.call_later(1.0, self.flush_acks)
 
 
 class Channel(kombu_redis.Channel):
@@ -209,6 +248,7 @@ class Channel(kombu_redis.Channel):
         timeout = self.brpop_timeout if timeout is None else timeout
         connection = self.client.connection
         self._in_poll = connection
+        self._brpop_sent_at = monotonic()  # kombu's health check drops a reply long overdue
         script_keys = [self.link.taken_key, *wake, *lists]
         wait = ("BRPOP", *wake, timeout or 0)
         take = ("EVALSHA", TAKE.sha, len(script_keys), *script_keys, credit, len(queues))

@@ -43,7 +43,9 @@ local function record(item, list, wake)
   local properties = message['properties']
   if type(properties) ~= 'table' then return end
   local tag = properties['delivery_tag']
-  if type(tag) == 'number' then tag = tostring(tag) end  -- kombu acks it by the same digits
+  if type(tag) == 'number' and tag == math.floor(tag) then
+    tag = string.format('%d', tag)  -- kombu acks it by the same digits
+  end
   if type(tag) ~= 'string' then return end
   redis.call('HSET', KEYS[1], tag, wake .. '\n' .. list .. '\n' .. item)
   start(message['headers'])
