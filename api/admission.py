@@ -110,6 +110,18 @@ class Limits:
             total=start + self.total_timeout_s,
         )
 
+    def job_deadlines(self, submitted: float) -> Deadlines:
+        """An async job's: a worker must start it, and end it, this long after submission."""
+        return Deadlines(
+            queue=submitted + self.queue_timeout_s, total=submitted + self.total_timeout_s
+        )
+
+    def adoption_deadlines(self, submitted: float) -> Deadlines:
+        """An adopted job's: no queue deadline (its events may be there already), and the
+        total one, but at least a queue timeout from now to show the events there are."""
+        total = max(submitted + self.total_timeout_s, time.time() + self.queue_timeout_s)
+        return Deadlines(total=total)
+
 
 @dataclass(frozen=True, slots=True)
 class WorkerLoad:

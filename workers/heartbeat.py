@@ -3,22 +3,18 @@
 Every ``interval_s`` a worker renews its entry in the model's registry
 (``keys.workers``: expiry ``HEARTBEAT_TTL_S`` past Redis's clock) and its
 load report (``keys.worker_loads``), which the API reads for backpressure,
-``/metrics`` and readiness, and autoscalers for capacity. A clean exit
-removes both and hands back what the worker still holds.
+``/metrics`` and readiness. A clean exit removes both and hands back what
+the worker still holds.
 
-The same script (``workers/broker/scripts/beat.lua``) finds the model's
-workers whose entries have expired, puts every job they had taken back at
-the head of its queue, with a wake token, and removes them from the
-registry: a job whose worker was killed is taken by a live worker within
-one TTL and one interval of the kill, and resumes from its stream under a
-new attempt. A worker reclaims only once its own entry has stayed renewed
-for a whole TTL, as Redis's clock tells (the script keeps when each entry
-last came back, ``keys.workers_alive_since``): after Redis stalled or was
-away, every live worker's entry has expired too, and each must have had the
-time to renew it before any is taken for dead. A live worker taken for dead
-all the same (its own beats stalled for a whole TTL) loses nothing but
-work: its attempts are fenced out (``workers.publisher``) as soon as the
-new ones start.
+The same script (``scripts/beat.lua``) puts every job of the model's
+workers whose entries expired back at the head of its queue, and removes
+them: a killed worker's job is taken by a live worker within about one TTL
+and one interval, and resumes from its stream under a new attempt. A worker
+reclaims only once its own entry has stayed renewed for a whole TTL on
+Redis's clock (``keys.workers_alive_since``): after Redis stalled or was
+away every entry has expired, and each live worker must first renew its
+own. A live worker taken for dead all the same loses only work: its
+attempts are fenced out (``workers.publisher``) as the new ones start.
 """
 
 from __future__ import annotations

@@ -185,9 +185,6 @@ class WorkerHost:
         self._thread.stop(timeout)
         self._outbox.stop(timeout)
 
-    def is_alive(self) -> bool:
-        return self._thread.is_alive()
-
     def engine_died(self) -> bool:
         """Whether the engine thread ended without ``stop``: nothing here runs any more.
 

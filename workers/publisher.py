@@ -27,11 +27,10 @@ from shared.events import Error, Finish, InferenceEvent
 #   number, event count, its id if the events end it (else ""), and per
 #   event: field count n, then n field/value pairs.
 # A current lease and its stream get the time to live of a finished stream
-# when an attempt starts writing, every REFRESH_EVERY events and at the end,
-# so both outlive any generation that keeps writing and a stream whose
-# writer died expires on its own. (Every write would double the script's
-# cost: 350 -> 720 us per step of 32 requests, with the check below.) A
-# repeated write (sent again after its reply was lost) skips the events the
+# when an attempt starts writing, every REFRESH_EVERY events and at the end
+# (not at every write, which would double the script's cost), so both
+# outlive any generation that keeps writing and a stream whose writer died
+# expires on its own. A repeated write (sent again after its reply was lost) skips the events the
 # stream's last entry says this attempt already wrote. A request's end takes
 # it out of the in-flight set, as its API does when it reads the end: an API
 # that died would leave it counted against the model's bound until its

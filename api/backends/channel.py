@@ -1,32 +1,21 @@
 """One request channel per API process: submit, events, deadlines and ends, over Redis.
 
 Every generation this process hands to workers goes through here: the
-distributed backend's requests, which belong to their HTTP response, and
-async jobs, which belong to the job and outlive this process. Both queue the
-same task the same way (``api.backends.request_queue``), read their events
-through the process's one ``EventReader``, meet the same deadlines with the
-same messages, and end the same way. The one difference is who owns the
-generation: a request's stream is ``attached`` (leaving it early cancels the
-generation, whatever the reason), a job's is not once the channel is
-stopping (the process is going away and the job's next runner follows it).
+distributed backend's requests and async jobs queue the same way
+(``api.backends.request_queue``), read their events through the one
+``EventReader``, meet their deadlines with the same messages and end the
+same way. A request's stream is ``attached`` (leaving it early cancels the
+generation); a job's is not once the channel is stopping (the process goes
+away, and the job's next runner follows it).
 
 Ending a generation leaves the model's in-flight set and, unless it ended
-with a ``Finish``, cancels it (cancel flag and channel) and withdraws its
-message if no worker has taken it. The end runs as a task of its own, so it
-completes even when the stream's reader is being cancelled; one that finds
-Redis unreachable is kept and sent again once Redis answers, for a worker
-that kept its job through the outage would otherwise generate for nobody.
-
-Every job names this process as its origin (``keys.api_process``), a key the
-channel renews every second: once it has expired (the process died, and its
-clients' connections with it), workers stop its requests' jobs instead of
-generating for nobody. Async jobs name no origin.
-
-Unseeded sampling requests get a seed at submission: a job redelivered after
-its worker died continues the same random draws, so a resumed stream is
-indistinguishable from an uninterrupted one. The channel depends only on
-Redis and the event codec; a local engine process could stand behind the
-same interface.
+with a ``Finish``, cancels it and withdraws its message if no worker took
+it. The end runs as a task of its own, so it completes even when its reader
+is being cancelled; one that finds Redis unreachable is sent again once
+Redis answers. The channel renews this process's origin key every second
+(``keys.api_process``): workers stop the requests of a process whose key
+expired. Unseeded sampling requests get a seed at submission, so a resumed
+stream draws what the first attempt would have.
 """
 
 from __future__ import annotations
@@ -113,22 +102,6 @@ class RequestChannel:
             await asyncio.wait([self._renewer], timeout=1.0)
             self._renewer = None
         await self.redis.aclose()
-
-    # --- deadlines ---------------------------------------------------------------------
-
-    def job_deadlines(self, submitted: float) -> Deadlines:
-        """An async job's: a worker must start it, and end it, this long after submission."""
-        limits = self.limits
-        return Deadlines(
-            queue=submitted + limits.queue_timeout_s, total=submitted + limits.total_timeout_s
-        )
-
-    def adoption_deadlines(self, submitted: float) -> Deadlines:
-        """An adopted job's: no queue deadline (its events may be there already), and the
-        total one, but at least a queue timeout from now to show the events there are."""
-        limits = self.limits
-        total = max(submitted + limits.total_timeout_s, time.time() + limits.queue_timeout_s)
-        return Deadlines(total=total)
 
     # --- one generation ------------------------------------------------------------------
 

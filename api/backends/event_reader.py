@@ -2,31 +2,23 @@
 
 A request in flight registers its stream with ``open``; one background task
 runs ``XREAD BLOCK`` over every registered stream and puts each decoded event
-on that request's ``asyncio.Queue``. One blocking connection serves any
-number of requests, and an idle process costs one blocked command.
+on that request's ``asyncio.Queue``: one blocked command serves them all.
+The ``XREAD`` also reads this process's interrupt stream, so that a new
+stream need not wait for the block to time out: registering appends to it
+(once per block), or hands the entry to the caller's own next write
+(``take_interrupt``, which the request queue's submit script appends).
+Every stream is read from id ``0`` and its last id kept, so whatever a
+worker wrote before the first read, or while a read was rebuilt, is
+delivered in order and once.
 
-A new stream must not wait for the current block to time out, so the
-``XREAD`` also watches an interrupt stream of this process: registering appends to
-it (once per block), which returns the ``XREAD`` at once and the next one
-includes the new stream. (A caller that writes to Redis right after
-registering, as the distributed backend queues the job, takes the interrupt entry
-with ``take_interrupt`` and sends it in that write: one round trip less on the
-API's core per request.) Every stream is read from id ``0`` and its last id
-is kept, so whatever a worker wrote before the first read, or while a read was
-being rebuilt, is still delivered, in order and once.
+Fencing is repeated here cheaply: events of an attempt older than the newest
+one seen are dropped, and so are an event whose sequence number this attempt
+already delivered (its write was repeated) and a second ``Ready``.
 
-Fencing (workers write only while they hold the lease, so the stream holds
-current events) is repeated here cheaply: events of an attempt older than the
-newest one seen are dropped, and so are an event whose sequence number this
-attempt already delivered (its write was repeated) and a second ``Ready`` (a
-resumed attempt may announce itself again).
-
-Redis going away must not leave clients hanging. The loop reconnects with
-backoff; if Redis stays unreachable for longer than ``outage_grace_s``, or
-comes back as a different server (its ``run_id`` changed: a restart without
-persistence lost the streams), every open request ends with an
-``Error(kind="unavailable")``. A short blip with the same server loses
-nothing: reading resumes from the last ids.
+If Redis stays unreachable for longer than ``outage_grace_s``, or comes back
+as a different server (its ``run_id`` changed: the streams are lost), every
+open request ends with an ``Error(kind="unavailable")``; a short blip with
+the same server loses nothing.
 """
 
 from __future__ import annotations

@@ -1,29 +1,20 @@
-"""Putting prepared requests on a model's Celery queue, shared by every sender.
+"""Putting prepared requests on a model's Celery queue, for the request channel.
 
-The process's request channel (``api.backends.channel``) queues every
-generation here, the synchronous path's and async jobs' alike.
+Not ``Celery.send_task``, a blocking call: every request would pay a hop to
+a thread and round trips of its own, and a burst would queue behind the
+API's event loop. ``RequestQueue`` writes through the async Redis client, in
+the step of the request's own task, so the command leaves before the loop
+turns.
 
-Why not ``Celery.send_task``: it is a blocking call, so every request paid a
-hop to a thread and its own round trips (a routing lookup, then the push),
-and a burst of requests would queue one after another behind the API's
-event loop. ``RequestQueue`` writes from the event loop through the async Redis
-client instead, in the step of the request's own task: the command leaves
-before the loop turns (batching the requests of one turn into one write
-would keep each job waiting for the rest of a busy turn).
-
-The write is one script call, which also keeps the model's bound on outstanding
-work (``--max-inflight``): each job joins the model's in-flight set and its
-queue only while the set counts fewer live entries than the bound, so API
-processes that share the set cannot overshoot it together. The set is scored
-with the time after which an entry stops counting (the request's total
-deadline): ``ZCOUNT now +inf`` skips what a crashed process left behind,
-and the fleet watcher prunes it. Async jobs pass no bound: they are refused,
-if at all, before they are accepted.
-
-The message is Celery's own, built by ``shared.task_message``; the same
-script pushes the wake token workers block on (``keys.queue_wake``) and,
-when the caller passes it, the entry that returns its event reader's blocked
-read so that the next read includes the new request's stream.
+The write is one script call, which also keeps the model's bound on
+outstanding work (``--max-inflight``): a request joins the model's in-flight
+set and its queue only while the set counts fewer live entries than the
+bound, so API processes sharing the set cannot overshoot it together. The
+set is scored with the request's total deadline, after which an entry stops
+counting (``ZCOUNT now +inf``), so what a crashed process left behind is
+skipped and later pruned. Async jobs pass no bound. The message is Celery's
+own (``shared.task_message``); the script pushes the wake token beside it
+and, when the caller passes it, its event reader's interrupt entry.
 """
 
 from __future__ import annotations

@@ -217,7 +217,7 @@ class JobManager:
             return self.serving.metrics.track(
                 name, self.serving.backend.infer(prepared.wire), arrived
             )
-        job = QueuedRequest(prepared.wire, self._channel.job_deadlines(record.created_at))
+        job = QueuedRequest(prepared.wire, self._channel.limits.job_deadlines(record.created_at))
         job, queued = await self._channel.submit(job)
         if isinstance(queued, Error):
             raise error_for(queued)
@@ -303,7 +303,7 @@ class JobManager:
             await self.store.finish(record.id, JobOutcome(JobStatus.FAILED, error=failure))
             return
         kept = await self._stored_chunks(record.id)
-        deadlines = self._channel.adoption_deadlines(record.created_at)
+        deadlines = self._channel.limits.adoption_deadlines(record.created_at)
         events = self._channel.follow(QueuedRequest(prepared.wire, deadlines))
         log.info("adopting job %s (%d chunks already stored)", record.id, len(kept))
         self._launch(self._runner(record, prepared, events, kept))

@@ -1,46 +1,28 @@
 """kombu's Redis transport: waking on tokens, taking and starting jobs in one step, per worker.
 
-kombu's consumer ``BRPOP``s a message off its queue and then, in a round
-trip of its own, records it as unacked; between the two the message is in
-neither place, and a worker killed there loses the job. Its unacked records
-are global, so a dead worker's jobs come back only when a sweep finds them
-older than a visibility timeout, which must then outlast every generation
-(or be refreshed by every live worker).
+A worker blocks on the queues' wake lists (``keys.queue_wake``; every sender
+pushes one token beside each job). Sent right behind that read, on the same
+connection, goes the take script (``scripts/take.lua``), which Redis runs
+the moment the read returns: it pops up to the worker's prefetch credit (in
+kombu's priority order), records each message in the worker's own taken
+records (``keys.taken``), starts each job its message names (next attempt,
+cancel flag, stream so far, whether its API process lives: left in
+``workers.broker.taken``) and leaves each wake list as long as the jobs
+still queued. One round trip wakes, takes and starts, and a job is always
+in its queue or in one worker's records (kombu's own ``BRPOP`` and record
+are two steps, and a worker killed between them loses the job). A message
+queued without a token is taken when the read times out (1 s).
 
-Here a worker blocks on the queues' wake lists (``keys.queue_wake``): every
-sender pushes one token beside each job, in the same transaction. Popping a
-token takes nothing; it only wakes the worker. Sent right behind the
-blocking read, on the same connection, goes the take script
-(``scripts/take.lua``): it pops up to the worker's prefetch credit from the
-queue lists (in kombu's priority order), records each message in the
-worker's own taken records (``keys.taken``) and starts each job its message
-names (``shared.task_message.REQUEST_HEADER``): the job's next attempt, its
-cancel flag, its stream so far and whether its API process lives, left in
-``workers.broker.taken`` for the task. Redis runs the script the moment the
-read returns, so one round trip wakes, takes and starts. A job is therefore
-always in its queue or in one worker's taken records. The script also sets
-each wake list to the number of jobs still queued, so tokens never outnumber
-jobs. A message queued without a token is taken when the blocking read
-times out (``brpop_timeout``, 1 s): the script runs then too.
+Taken records go back to the head of their queues when their worker dies
+(``workers.heartbeat``), leaves, or closes its channel, so kombu's
+visibility sweep does nothing. No read is sent while the engine's intake is
+closed (``workers.broker.intake``); one already waiting is still read.
 
-A worker's taken records go back to the head of their queues when it dies
-(the heartbeat of any live worker of its model finds its registry entry
-expired: ``workers.heartbeat``), when it leaves, and when its channel
-closes; kombu's visibility sweep has nothing left to do and does nothing.
-
-The credit is Celery's prefetch (the engine's sequence slots) as the read is
-sent, and no read is sent while the engine's intake is closed
-(``workers.broker.intake``: its KV cache is full). A read already waiting when
-it closes is still read and its jobs delivered: they are taken by then.
-
-An ack frees the prefetch credit at once and queues the removal of its
-record; the loop removes everything acked by then in one write before it
-polls again, and the first ack wakes it (Celery's thread pool acks from the
-task's thread, and a loop whose credit was all taken would otherwise sleep
-until its next timer). On a connection no event loop polls, an ack writes
-at once. A lost removal only means a finished job is restored once more
-when the worker leaves or dies, which its stream's ``Finish`` turns into an
-immediate ack.
+An ack frees its credit at once and queues the removal of its record; the
+event loop writes every removal due in one write before it polls again, and
+the first ack wakes it (Celery acks from the task's thread). A lost removal
+only means a finished job is restored once more, which its stream's
+``Finish`` turns into an immediate ack.
 """
 
 from __future__ import annotations
