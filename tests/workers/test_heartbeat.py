@@ -51,6 +51,17 @@ def hold(client: redis.Redis, worker_id: str, queue: str, bodies: list[str]) -> 
     assert len(taken) == 2 * len(bodies) and client.llen(queue) == 0
 
 
+def beat_until_reclaimed(client: redis.Redis, worker_id: str, model: str) -> Heartbeat:
+    """A live worker of ``model`` that beats until it has reclaimed a dead one's jobs."""
+    live = heartbeat(client, worker_id, model, interval_s=0.05)
+    live.start()
+    try:
+        wait_until(lambda: live.reclaimed, 5, "the dead worker's jobs reclaimed")
+    finally:
+        live.stop(timeout=5)
+    return live
+
+
 def bodies_on(client: redis.Redis, queue: str) -> list[str]:
     """The queue's messages, head first (workers pop from the right)."""
     return [json.loads(item)["body"] for item in reversed(client.lrange(queue, 0, -1))]
@@ -99,13 +110,7 @@ def test_a_dead_worker_s_jobs_go_back_to_the_head_of_their_queue(client: redis.R
     client.zadd(keys.workers(model), {"dead": redis_now(client) - 1})
     client.hset(keys.worker_loads(model), "dead", "{}")
     client.lpush(queue, json.dumps({"body": "queued-later"}))
-    live = heartbeat(client, "live", model, interval_s=0.05)
-
-    live.start()
-    try:
-        wait_until(lambda: live.reclaimed, 5, "the dead worker's jobs reclaimed")
-    finally:
-        live.stop(timeout=5)
+    live = beat_until_reclaimed(client, "live", model)
 
     order = bodies_on(client, queue)
     assert sorted(order[:2]) == ["held-1", "held-2"] and order[2] == "queued-later"
@@ -203,12 +208,6 @@ def test_a_malformed_record_is_dropped_and_the_rest_still_go_back(client: redis.
     hold(client, "broken", queue, ["fine"])
     client.hset(keys.taken("broken"), "junk", "no newlines here")
     client.zadd(keys.workers(model), {"broken": redis_now(client) - 1})
-    live = heartbeat(client, "mender", model, interval_s=0.05)
-
-    live.start()
-    try:
-        wait_until(lambda: live.reclaimed, 5, "the dead worker's jobs reclaimed")
-    finally:
-        live.stop(timeout=5)
+    beat_until_reclaimed(client, "mender", model)
 
     assert bodies_on(client, queue) == ["fine"] and not client.exists(keys.taken("broken"))
