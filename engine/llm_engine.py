@@ -13,6 +13,7 @@ import time
 
 from engine.block_manager import BlockManager
 from engine.config import EngineArgs
+from engine.constraints import Constraints
 from engine.detokenizer import OutputText
 from engine.model_runner import ModelRunner
 from engine.sampler import Sampler
@@ -42,6 +43,7 @@ class LLMEngine:
         )
         self.runner = ModelRunner(loaded.model, loaded.attention, args.block_size, loaded.device)
         self.sampler = Sampler()
+        self.constraints = Constraints(loaded.tokenizer, self.model_config.vocab_size)
         self.sequences: dict[str, Sequence] = {}
         self._pending: list[InferenceEvent] = []
         self._seeds = random.Random(args.seed)
@@ -73,10 +75,17 @@ class LLMEngine:
         ``generated_token_ids`` resumes a request that another engine began:
         they count as output already produced (budget, penalties and the seeded
         draws continue from there), and ``emitted_chars`` says how much of
-        their text the client already has, so held-back text is not lost.
+        their text the client already has, so held-back text is not lost. A
+        constrained request's matcher replays them, so it continues the same
+        grammar where the other engine stopped.
         """
         generated = list(generated_token_ids or [])
         self._validate(request_id, prompt_token_ids + generated, params)
+        matcher = (
+            self.constraints.matcher(params.structured_outputs, generated)
+            if params.structured_outputs is not None
+            else None
+        )
         seq = Sequence(
             request_id,
             list(prompt_token_ids) + generated,
@@ -84,6 +93,7 @@ class LLMEngine:
             priority,
             num_prompt_tokens=len(prompt_token_ids),
         )
+        seq.matcher = matcher
         seq.seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
         seq.stop_token_ids = frozenset(params.stop_token_ids) | (
             frozenset() if params.ignore_eos else frozenset(self.tokenizer.stop_token_ids)
@@ -105,6 +115,7 @@ class LLMEngine:
             return False
         self.scheduler.remove(seq)
         seq.status = SequenceStatus.FINISHED
+        seq.matcher = None
         self._pending.append(Finish(request_id, FinishReason.ABORT, seq.num_output_tokens))
         self.stats.aborted += 1
         return True
@@ -117,8 +128,14 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch.scheduled:
             return events
+        masks = self.constraints.start_masks([i.seq for i in batch.scheduled if i.samples])
         logits, sampling = self.runner.run(batch.scheduled)
-        tokens, logprobs = self.sampler(logits, [item.seq for item in sampling])
+        seqs = [item.seq for item in sampling]
+        mask = None
+        if masks is not None:
+            row_of = {id(seq): row for row, seq in enumerate(seqs)}
+            mask = masks.result(row_of, logits.shape[-1])
+        tokens, logprobs = self.sampler(logits, seqs, mask)
         events += self._postprocess(batch, sampling, tokens, logprobs)
         return events
 
@@ -138,6 +155,7 @@ class LLMEngine:
         for field, ids in (
             ("prompt_token_ids", prompt_token_ids),
             ("stop_token_ids", params.stop_token_ids),
+            ("logit_bias", list(params.logit_bias)),
         ):
             bad = next((t for t in ids if not 0 <= t < vocab), None)
             if bad is not None:
@@ -171,6 +189,10 @@ class LLMEngine:
         self, seq: Sequence, token: int, logprob: TokenLogprob | None
     ) -> list[InferenceEvent]:
         seq.token_ids.append(token)
+        if seq.matcher is not None and not seq.matcher.consume_token(token):
+            log.warning(
+                "%s: grammar refused token %d: %s", seq.request_id, token, seq.matcher.get_error()
+            )
         reason, stop = self._finish_reason(seq, token)
         text = seq.output.take(final=reason is not None)
         events: list[InferenceEvent] = [
@@ -186,12 +208,20 @@ class LLMEngine:
     ) -> tuple[FinishReason | None, str | int | None]:
         if seq.num_output_tokens <= seq.params.min_tokens:  # no stop of any kind before min_tokens
             seq.output.append(token)
-            return self._length_reason(seq), None
+            return self._grammar_reason(seq) or self._length_reason(seq), None
         if token in seq.stop_token_ids:
             return FinishReason.STOP, token
         if seq.output.append(token):
             return FinishReason.STOP, seq.output.matched_stop
-        return self._length_reason(seq), None
+        return self._grammar_reason(seq) or self._length_reason(seq), None
+
+    @staticmethod
+    def _grammar_reason(seq: Sequence) -> FinishReason | None:
+        """A grammar that allows no further token (complete, or refused) ends the sequence."""
+        matcher = seq.matcher
+        if matcher is not None and (matcher.is_stopped() or matcher.is_error()):
+            return FinishReason.STOP
+        return None
 
     def _length_reason(self, seq: Sequence) -> FinishReason | None:
         if seq.num_output_tokens >= seq.params.max_tokens or len(seq) >= self.max_model_len:
@@ -200,6 +230,7 @@ class LLMEngine:
 
     def _finish(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.FINISHED
+        seq.matcher = None
         self.scheduler.remove(seq)
         del self.sequences[seq.request_id]
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from engine.constraints import GrammarMask
 from engine.sequence import Sequence
 from shared.events import TokenLogprob
 from shared.sampling import SamplingParams
@@ -33,10 +34,24 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> None:
             logits[row] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
 
 
-def ban_stops_before_min_tokens(logits: torch.Tensor, seqs: list[Sequence]) -> None:
+def apply_logit_bias(logits: torch.Tensor, seqs: list[Sequence]) -> None:
+    """Each request's ``logit_bias``, added to its row in place."""
+    for row, seq in enumerate(seqs):
+        bias = seq.params.logit_bias
+        if bias:
+            ids = torch.tensor(list(bias), device=logits.device)
+            logits[row, ids] += torch.tensor(list(bias.values()), dtype=logits.dtype)
+
+
+def ban_stops_before_min_tokens(
+    logits: torch.Tensor, seqs: list[Sequence], fallback: torch.Tensor
+) -> None:
+    """No stop token before ``min_tokens``, unless nothing else is left (a completed grammar)."""
     for row, seq in enumerate(seqs):
         if seq.num_output_tokens < seq.params.min_tokens and seq.stop_token_ids:
             logits[row, list(seq.stop_token_ids)] = float("-inf")
+            if torch.isinf(logits[row]).all():
+                logits[row] = fallback[row]
 
 
 def candidates(row: torch.Tensor, p: SamplingParams) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -96,9 +111,16 @@ def top_logprobs(logprobs: torch.Tensor, token: int, n: int) -> TokenLogprob:
 
 
 class Sampler:
+    """Bias and grammar masks first (logprobs report that distribution), then penalties."""
+
     def __call__(
-        self, logits: torch.Tensor, seqs: list[Sequence]
+        self, logits: torch.Tensor, seqs: list[Sequence], mask: GrammarMask | None = None
     ) -> tuple[list[int], list[TokenLogprob | None]]:
+        if mask is not None or any(s.params.logit_bias for s in seqs):
+            logits = logits.clone()
+            apply_logit_bias(logits, seqs)
+            if mask is not None:
+                mask.apply(logits)
         raw = logits
         if any(
             s.params.repetition_penalty != 1.0
@@ -109,7 +131,7 @@ class Sampler:
         ):
             logits = logits.clone()
             apply_penalties(logits, seqs)
-            ban_stops_before_min_tokens(logits, seqs)
+            ban_stops_before_min_tokens(logits, seqs, raw)
         tokens = logits.argmax(-1).tolist()
         for row, seq in enumerate(seqs):
             p = seq.params

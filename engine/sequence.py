@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 from enum import Enum, auto
+from typing import Any
 
 from engine.detokenizer import OutputText
 from shared.events import FinishReason, TokenLogprob
@@ -47,6 +48,7 @@ class Sequence:
     seed: int = 0  # resolved at admission when the request gave none
     stop_token_ids: frozenset[int] = frozenset()
     output: OutputText | None = None
+    matcher: Any = None  # the llguidance matcher of a constrained sequence (engine.constraints)
 
     def __post_init__(self) -> None:
         if not self.num_prompt_tokens:

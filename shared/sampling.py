@@ -7,8 +7,55 @@ them over the wire; the engine only reads them.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 MAX_TOP_LOGPROBS = 20
+MAX_LOGIT_BIAS = 100.0
+
+
+@dataclass(slots=True)
+class StructuredOutputs:
+    """What the output must match: exactly one of the fields, vLLM's names.
+
+    ``json`` is a JSON schema (an object or its JSON text), ``json_object`` any
+    JSON object, ``regex`` a full-match regular expression, ``choice`` one of
+    the strings, ``grammar`` a grammar in llguidance's Lark syntax (or its JSON
+    grammar form). ``shared.constraints`` turns it into the grammar the engine
+    matches.
+    """
+
+    json: dict[str, Any] | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        given = [name for name in _STRUCTURED_KINDS if getattr(self, name) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(
+                "structured_outputs must set exactly one of "
+                f"{', '.join(_STRUCTURED_KINDS)}, got {', '.join(given) or 'none'}"
+            )
+        if self.choice is not None and (
+            not isinstance(self.choice, list)
+            or not self.choice
+            or not all(isinstance(option, str) for option in self.choice)
+        ):
+            raise ValueError("structured_outputs.choice must be a non-empty list of strings")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"structured_outputs.{name} must be a non-empty string")
+        if self.json is not None and not isinstance(self.json, dict | str):
+            raise ValueError("structured_outputs.json must be a JSON schema object")
+
+    def to_dict(self) -> dict[str, Any]:
+        """The one field that is set, JSON-ready."""
+        return {name: getattr(self, name) for name in _STRUCTURED_KINDS if getattr(self, name)}
+
+
+_STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
 
 @dataclass(slots=True)
@@ -35,8 +82,13 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    structured_outputs: StructuredOutputs | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.structured_outputs, dict):  # as it crosses the wire
+            self.structured_outputs = StructuredOutputs(**self.structured_outputs)
+        self.logit_bias = {int(token): float(bias) for token, bias in self.logit_bias.items()}
         self.validate()
 
     @property
@@ -71,6 +123,10 @@ class SamplingParams:
             (
                 self.logprobs is None or 0 <= self.logprobs <= MAX_TOP_LOGPROBS,
                 f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}",
+            ),
+            (
+                all(abs(bias) <= MAX_LOGIT_BIAS for bias in self.logit_bias.values()),
+                f"logit_bias values must be between -{MAX_LOGIT_BIAS:g} and {MAX_LOGIT_BIAS:g}",
             ),
         ]
         for ok, message in checks:

@@ -59,7 +59,7 @@ class PreparedRequest:
             "request_id": self.request_id,
             "model": self.model,
             "prompt_token_ids": self.prompt_token_ids,
-            "sampling": _shallow(self.sampling),
+            "sampling": _sampling_dict(self.sampling),
             "parsing": _shallow(self.parsing),
             "priority": self.priority,
             "created": self.created,
@@ -125,6 +125,13 @@ def encode_queued(job: QueuedRequest) -> str:
     if job.origin is not None:  # absent otherwise: an earlier worker reads the rest unchanged
         payload["origin"] = job.origin
     return json.dumps(payload, separators=(",", ":"))
+
+
+def _sampling_dict(sampling: SamplingParams) -> dict[str, Any]:
+    data = _shallow(sampling)
+    if sampling.structured_outputs is not None:
+        data["structured_outputs"] = sampling.structured_outputs.to_dict()
+    return data
 
 
 def _shallow(value: Any) -> dict[str, Any]:

@@ -1,0 +1,132 @@
+"""Grammar matchers for constrained sequences, and the token masks they allow.
+
+A constrained sequence owns one llguidance matcher, advanced on every token
+it samples. Each step the masks of the constrained rows are filled on a
+helper thread while the forward pass runs (llguidance releases the GIL), and
+applied to those rows' logits before sampling; other rows are untouched.
+Grammars are compiled once per distinct grammar text and copied per sequence.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import llguidance
+import llguidance.torch
+import numpy as np
+import torch
+
+from engine.sequence import Sequence
+from shared.constraints import ConstraintError, check, grammar_of
+from shared.sampling import StructuredOutputs
+from shared.tokenizer_loader import LoadedTokenizer
+
+COMPILED_GRAMMARS = 256  # distinct grammars kept compiled, least recently used first out
+
+
+@dataclass(slots=True)
+class GrammarMask:
+    """The tokens constrained rows may take next: ``allowed[i]`` is for logits row ``rows[i]``."""
+
+    rows: list[int]
+    allowed: torch.Tensor  # bool [len(rows), vocab]
+
+    def apply(self, logits: torch.Tensor) -> None:
+        """Rule out every disallowed token of the constrained rows, in place."""
+        index = torch.tensor(self.rows, device=logits.device)
+        allowed = self.allowed.to(logits.device, non_blocking=True)
+        logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+
+
+class PendingMasks:
+    """Masks being filled for some sequences while the model runs."""
+
+    def __init__(self, seqs: list[Sequence], bitmask: torch.Tensor, filled: Future[None]):
+        self.seqs = seqs
+        self._bitmask = bitmask
+        self._filled = filled
+
+    def result(self, row_of: dict[int, int], vocab_size: int) -> GrammarMask:
+        """Wait for the masks; ``row_of`` maps ``id(seq)`` to its logits row."""
+        self._filled.result()
+        bits = np.unpackbits(self._bitmask.numpy().view(np.uint8), axis=1, bitorder="little")
+        allowed = torch.from_numpy(bits[:, :vocab_size].astype(bool))
+        return GrammarMask([row_of[id(seq)] for seq in self.seqs], allowed)
+
+
+class Constraints:
+    """One engine's grammar compiler, matcher factory and mask filler.
+
+    The llguidance tokenizer is built on first use (a fraction of a second),
+    so an engine that never sees a constraint never pays for it.
+    """
+
+    def __init__(self, tokenizer: LoadedTokenizer, vocab_size: int) -> None:
+        self._tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self._lltokenizer: llguidance.LLTokenizer | None = None
+        self._compiled: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
+        self._executor: llguidance.LLExecutor | None = None
+        self._thread: ThreadPoolExecutor | None = None
+        self.compiled = 0  # grammars compiled (cache misses), for tests and benchmarks
+
+    @property
+    def lltokenizer(self) -> llguidance.LLTokenizer:
+        if self._lltokenizer is None:
+            self._lltokenizer = llguidance.LLTokenizer(
+                self._tokenizer.tokenizer.to_str(),
+                n_vocab=self.vocab_size,
+                eos_token=list(self._tokenizer.stop_token_ids),
+            )
+        return self._lltokenizer
+
+    def matcher(self, spec: StructuredOutputs, generated: list[int]) -> llguidance.LLMatcher:
+        """A fresh matcher for ``spec`` that has already consumed ``generated``.
+
+        Raises ``ValueError`` for a grammar llguidance refuses, or for
+        generated tokens it does not accept (a resumed request whose grammar
+        changed).
+        """
+        matcher = self._template(grammar_of(spec)).deep_copy()
+        if generated and not matcher.consume_tokens(generated):
+            raise ValueError(
+                f"the generated tokens do not match the grammar: {matcher.get_error()}"
+            )
+        return matcher
+
+    def start_masks(self, seqs: list[Sequence]) -> PendingMasks | None:
+        """Begin filling the next-token masks of ``seqs`` (those with a matcher)."""
+        constrained = [seq for seq in seqs if seq.matcher is not None]
+        if not constrained:
+            return None
+        if self._thread is None:
+            self._thread = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
+            self._executor = llguidance.LLExecutor()
+        bitmask = llguidance.torch.allocate_token_bitmask(len(constrained), self.vocab_size)
+        pairs = [(seq.matcher, index) for index, seq in enumerate(constrained)]
+        filled = self._thread.submit(
+            llguidance.torch.fill_next_token_bitmask_par, self._executor, pairs, bitmask
+        )
+        return PendingMasks(constrained, bitmask, filled)
+
+    def _template(self, grammar: str) -> llguidance.LLMatcher:
+        key = hashlib.sha256(grammar.encode()).hexdigest()
+        template = self._compiled.get(key)
+        if template is not None:
+            self._compiled.move_to_end(key)
+            return template
+        try:
+            check(grammar, "structured_outputs", self.lltokenizer)
+        except ConstraintError as exc:
+            raise ValueError(str(exc)) from None
+        template = llguidance.LLMatcher(self.lltokenizer, grammar, log_level=0)
+        if template.is_error():
+            raise ValueError(f"structured_outputs: {template.get_error()}")
+        self.compiled += 1
+        self._compiled[key] = template
+        if len(self._compiled) > COMPILED_GRAMMARS:
+            self._compiled.popitem(last=False)
+        return template

@@ -1,0 +1,154 @@
+"""Constraints as llguidance grammars: built and checked in the API, matched in the engine.
+
+Every constraint a request can carry (a JSON schema, any JSON object, a
+regex, a choice, a Lark grammar, a forced tool call) becomes one grammar in
+llguidance's JSON grammar format. That text is the constraint's compact form:
+it travels in ``SamplingParams.structured_outputs.grammar``, and an engine
+compiles it once per distinct text.
+
+JSON is written the way ``json.dumps`` writes it (``", "`` and ``": "``, no
+other whitespace): a model cannot pad an object with newlines until it runs
+out of tokens, and the output reads like the JSON it was trained on.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any, Literal
+
+import llguidance
+
+from shared.sampling import StructuredOutputs
+
+ToolCallSyntax = Literal["hermes", "llama3_json"]
+TOOL_CALL_SYNTAXES: tuple[str, ...] = ("hermes", "llama3_json")
+
+JSON_OPTIONS: dict[str, Any] = {
+    "whitespace_flexible": False,
+    "item_separator": ", ",
+    "key_separator": ": ",
+}
+ANY_OBJECT: dict[str, Any] = {"type": "object"}
+
+
+class ConstraintError(ValueError):
+    """A constraint the grammar engine refuses; the message is its own, prefixed by the field."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+@dataclass(frozen=True, slots=True)
+class ToolSpec:
+    """What a forced tool call needs of one tool: its name and its arguments' schema."""
+
+    name: str
+    parameters: dict[str, Any]
+
+
+def grammar_of(spec: StructuredOutputs) -> str:
+    """The llguidance grammar (JSON text) for one structured-outputs spec."""
+    if spec.grammar is not None:
+        text = spec.grammar.strip()
+        return text if text.startswith("{") else _from_lark(text)
+    if spec.regex is not None:
+        return llguidance.LLMatcher.grammar_from_regex(spec.regex)
+    if spec.choice is not None:
+        return _from_lark("start: " + " | ".join(_literal(option) for option in spec.choice))
+    schema = ANY_OBJECT if spec.json_object else spec.json
+    if isinstance(schema, str):
+        schema = _schema_object(schema)
+    return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+
+
+def tool_call_grammar(tools: Iterable[ToolSpec], syntax: ToolCallSyntax, *, parallel: bool) -> str:
+    """One tool call (or, with ``parallel``, one or more) in the model's own syntax.
+
+    ``hermes``: ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``,
+    calls separated by a newline. ``llama3_json``: ``{"name": ..., "parameters":
+    {...}}``, calls separated by ``"; "``. Each call's arguments match its
+    tool's ``parameters`` schema.
+    """
+    key = "arguments" if syntax == "hermes" else "parameters"
+    rules: list[str] = []
+    names: list[str] = []
+    for index, tool in enumerate(tools):
+        rule = f"tool_{index}"
+        names.append(rule)
+        prefix = json.dumps({"name": tool.name, key: 0}, ensure_ascii=False).removesuffix("0}")
+        schema = {**tool.parameters, "x-guidance": JSON_OPTIONS}
+        rules.append(f'{rule}: {_literal(prefix)} {rule}_args "}}"')
+        rules.append(f"{rule}_args: %json {json.dumps(schema, ensure_ascii=False)}")
+    if syntax == "hermes":
+        call = 'call: "<tool_call>\\n" body "\\n</tool_call>"'
+        separator = '"\\n"'
+    else:
+        call = "call: body"
+        separator = '"; "'
+    start = f"start: call ({separator} call)*" if parallel else "start: call"
+    return _from_lark("\n".join([start, call, "body: " + " | ".join(names), *rules]))
+
+
+def after_reasoning(grammar: str, reasoning_end: str) -> str:
+    """``grammar`` applied only to what follows the first ``reasoning_end``.
+
+    The reasoning before it is free text: a lazy lexeme ends at the first
+    occurrence of the delimiter, and the answer grammar takes over.
+    """
+    answer = json.loads(grammar)["grammars"]
+    name = answer[0].get("name") or "answer"
+    answer[0]["name"] = name
+    end = re.escape(reasoning_end).replace("/", "\\/")
+    gate = f"start: reasoning GAP? @{name}\nreasoning[lazy]: /(?s:.*){end}/\nGAP: /[ \\n]+/"
+    return json.dumps({"grammars": [{"lark_grammar": gate}, *answer]}, ensure_ascii=False)
+
+
+def check(grammar: str, field: str, tokenizer: llguidance.LLTokenizer | None = None) -> None:
+    """Raise ``ConstraintError`` for a grammar llguidance refuses or would only partly enforce.
+
+    Warnings (an unknown string ``format``, say) are refusals too: a schema
+    feature the engine cannot enforce is never silently relaxed.
+    """
+    failed, messages = _validated(grammar, tokenizer)
+    if failed or messages:
+        raise ConstraintError(field, "; ".join(messages) or "the grammar is invalid")
+
+
+def schema_is_enforceable(schema: dict[str, Any]) -> bool:
+    """Whether llguidance enforces every feature of a JSON schema."""
+    grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+    failed, messages = _validated(grammar, None)
+    return not failed and not messages
+
+
+@lru_cache(maxsize=1024)
+def _validated(
+    grammar: str, tokenizer: llguidance.LLTokenizer | None
+) -> tuple[bool, tuple[str, ...]]:
+    """llguidance's verdict on a grammar, cached: clients send the same schema again and again."""
+    failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, tokenizer)
+    return failed, tuple(messages)
+
+
+def _schema_object(text: str) -> dict[str, Any]:
+    try:
+        schema = json.loads(text)
+    except ValueError as exc:
+        raise ConstraintError("json", f"the schema is not valid JSON: {exc}") from None
+    if not isinstance(schema, dict):
+        raise ConstraintError("json", "the schema must be a JSON object")
+    return schema
+
+
+def _from_lark(lark: str) -> str:
+    return json.dumps({"grammars": [{"lark_grammar": lark}]}, ensure_ascii=False)
+
+
+def _literal(text: str) -> str:
+    """A Lark string literal for ``text`` (llguidance reads JSON string escapes)."""
+    return json.dumps(text, ensure_ascii=False)
