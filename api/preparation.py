@@ -21,10 +21,22 @@ from api.backends.base import ServedModel
 from api.errors import ApiError, bad_request
 from api.output_parser import HERMES_TOOL_CALL, THINK, Delimiters, ParserConfig
 from api.protocols.base import GenerationRequest, Protocol, ResponseContext
+from shared.constraints import (
+    ANY_OBJECT,
+    ConstraintError,
+    ToolCallSyntax,
+    ToolSpec,
+    after_reasoning,
+    check,
+    grammar_of,
+    lltokenizer,
+    schema_is_enforceable,
+    tool_call_grammar,
+)
 from shared.conversation import Conversation, ConversationError, has_images
 from shared.prompting import PromptFormatError, RenderedPrompt, render
 from shared.registry import ModelRegistry, ModelSpec, UnknownModel
-from shared.sampling import SamplingParams
+from shared.sampling import SamplingParams, StructuredOutputs
 from shared.tokenization import PromptEncodingError, encode_prompt
 from shared.wire import ParsingOptions, PreparedRequest
 
@@ -97,6 +109,9 @@ def prepare(
         param=request.max_tokens_param,
     )  # 400: the context cannot hold what was asked for
     sampling = sampling_params(request, max_tokens)  # 400 naming the field
+    _check_token_ids(sampling, model)  # 400: ids outside the vocabulary
+    sampling.structured_outputs = constraint(encoded, thinking)  # 400: a grammar llguidance refuses
+    sampling.stop += hidden_stops(encoded)
     context = ResponseContext(
         request_id=request_id or new_request_id(protocol),
         model=request.model,
@@ -252,10 +267,124 @@ def sampling_params(request: GenerationRequest, max_tokens: int) -> SamplingPara
             repetition_penalty=request.repetition_penalty,
             seed=request.seed,
             stop=list(request.stop),
+            stop_token_ids=list(request.stop_token_ids),
+            min_tokens=request.min_tokens,
+            ignore_eos=request.ignore_eos,
+            logit_bias=dict(request.logit_bias),
             logprobs=request.logprobs,
         )
     except ValueError as exc:  # SamplingParams names the field first
         raise bad_request(str(exc), _leading_field(str(exc))) from exc
+
+
+def constraint(encoded: Encoded, thinking: bool) -> StructuredOutputs | None:
+    """The request's constraint as one checked grammar, or None when the output is free.
+
+    A forced tool call, ``structured_outputs`` and a JSON response format are
+    each a grammar; a thinking model's grammar starts after its reasoning.
+    """
+    request, model = encoded.request, encoded.model
+    conversation = request.conversation
+    sources = [
+        name
+        for name, given in (
+            ("tool_choice", conversation.tool_choice.mode in ("required", "function")),
+            ("structured_outputs", request.structured_outputs is not None),
+            (conversation.response_format.param, conversation.response_format.type != "text"),
+        )
+        if given
+    ]
+    if not sources:
+        return None
+    if len(sources) > 1 and "structured_outputs" in sources:
+        raise bad_request(
+            f"structured_outputs cannot be combined with {sources[0]}: send one constraint",
+            "structured_outputs",
+        )
+    field = sources[0]
+    try:
+        grammar = _grammar(encoded, field)
+        if thinking:
+            grammar = after_reasoning(grammar, THINK.close)
+        check(grammar, field, lltokenizer(model.tokenizer))
+    except ConstraintError as exc:
+        raise bad_request(str(exc), exc.field) from None
+    return StructuredOutputs(grammar=grammar)
+
+
+def _grammar(encoded: Encoded, field: str) -> str:
+    request = encoded.request
+    conversation = request.conversation
+    if field == "tool_choice":
+        return _tool_call_grammar(encoded)
+    if field == "structured_outputs":
+        assert request.structured_outputs is not None
+        return grammar_of(request.structured_outputs)
+    response_format = conversation.response_format
+    if response_format.type == "json_object":
+        return grammar_of(StructuredOutputs(json_object=True))
+    return grammar_of(StructuredOutputs(json=response_format.schema))
+
+
+def _tool_call_grammar(encoded: Encoded) -> str:
+    """Calls to the named tool (or any tool), in the model's syntax.
+
+    A ``strict`` tool's arguments match its schema, and a schema the grammar
+    engine cannot enforce is refused; a non-strict tool's arguments match it
+    where it can, and are at least a JSON object.
+    """
+    conversation = encoded.request.conversation
+    choice = conversation.tool_choice
+    syntax = tool_call_syntax(encoded.model)
+    if syntax is None:
+        raise bad_request(
+            f"tool_choice {choice.mode!r}: model {encoded.model.spec.name!r} has no tool-call "
+            "syntax to enforce",
+            "tool_choice",
+        )
+    specs = []
+    for index, tool in enumerate(conversation.tools):
+        if choice.mode == "function" and tool.name != choice.name:
+            continue
+        parameters = tool.parameters
+        if not schema_is_enforceable(parameters):
+            if tool.strict:
+                check(grammar_of(StructuredOutputs(json=parameters)), f"tools[{index}].parameters")
+            parameters = ANY_OBJECT
+        specs.append(ToolSpec(tool.name, parameters))
+    return tool_call_grammar(specs, syntax, parallel=choice.parallel)
+
+
+def tool_call_syntax(model: ServedModel) -> ToolCallSyntax | None:
+    """How the model writes tool calls, or None when it has no syntax we read."""
+    if model.spec.tool_parser == "llama3_json":
+        return "llama3_json"
+    return "hermes" if _hermes_tool_calls(model) else None
+
+
+def hidden_stops(encoded: Encoded) -> list[str]:
+    """With tools offered but ``tool_choice: none``, a call's opening markup ends the answer.
+
+    The client is never shown the markup of a call it ruled out.
+    """
+    conversation = encoded.request.conversation
+    ruled_out = conversation.tools and conversation.tool_choice.mode == "none"
+    return (
+        [HERMES_TOOL_CALL.open] if ruled_out and tool_call_syntax(encoded.model) == "hermes" else []
+    )
+
+
+def _check_token_ids(sampling: SamplingParams, model: ServedModel) -> None:
+    vocab = model.tokenizer.tokenizer.get_vocab_size()
+    for field, ids in (
+        ("stop_token_ids", sampling.stop_token_ids),
+        ("logit_bias", list(sampling.logit_bias)),
+    ):
+        bad = next((token for token in ids if not 0 <= token < vocab), None)
+        if bad is not None:
+            raise bad_request(
+                f"{field}: token id {bad} is outside the vocabulary [0, {vocab})", field
+            )
 
 
 def parsing_options(encoded: Encoded, thinking: bool) -> ParsingOptions:

@@ -133,8 +133,8 @@ class StreamProcessor:
     def _finish_kind(self, event: Finish) -> tuple[FinishKind, str | None]:
         if self._stop_matched is not None:
             return "stop_sequence", self._stop_matched
-        if event.reason is FinishReason.STOP and isinstance(event.stop, str):
-            return "stop_sequence", event.stop
+        if event.reason is FinishReason.STOP and event.stop in self._builder.request.stop:
+            return "stop_sequence", event.stop  # not a stop the client did not ask for
         if event.reason is FinishReason.STOP:
             return ("tool_calls" if self._tool_calls else "stop"), None
         if event.reason is FinishReason.LENGTH:

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from engine.sequence import Sequence
-from shared.constraints import ConstraintError, check, grammar_of
+from shared.constraints import ConstraintError, check, grammar_of, lltokenizer
 from shared.sampling import StructuredOutputs
 from shared.tokenizer_loader import LoadedTokenizer
 
@@ -67,7 +67,6 @@ class Constraints:
     def __init__(self, tokenizer: LoadedTokenizer, vocab_size: int) -> None:
         self._tokenizer = tokenizer
         self.vocab_size = vocab_size
-        self._lltokenizer: llguidance.LLTokenizer | None = None
         self._compiled: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
         self._executor: llguidance.LLExecutor | None = None
         self._thread: ThreadPoolExecutor | None = None
@@ -75,13 +74,7 @@ class Constraints:
 
     @property
     def lltokenizer(self) -> llguidance.LLTokenizer:
-        if self._lltokenizer is None:
-            self._lltokenizer = llguidance.LLTokenizer(
-                self._tokenizer.tokenizer.to_str(),
-                n_vocab=self.vocab_size,
-                eos_token=list(self._tokenizer.stop_token_ids),
-            )
-        return self._lltokenizer
+        return lltokenizer(self._tokenizer, self.vocab_size)
 
     def matcher(self, spec: StructuredOutputs, generated: list[int]) -> llguidance.LLMatcher:
         """A fresh matcher for ``spec`` that has already consumed ``generated``.

@@ -23,6 +23,7 @@ from typing import Any, Literal
 import llguidance
 
 from shared.sampling import StructuredOutputs
+from shared.tokenizer_loader import LoadedTokenizer
 
 ToolCallSyntax = Literal["hermes", "llama3_json"]
 TOOL_CALL_SYNTAXES: tuple[str, ...] = ("hermes", "llama3_json")
@@ -49,6 +50,26 @@ class ToolSpec:
 
     name: str
     parameters: dict[str, Any]
+
+
+_lltokenizers: dict[tuple[int, int], llguidance.LLTokenizer] = {}
+
+
+def lltokenizer(
+    tokenizer: LoadedTokenizer, vocab_size: int | None = None
+) -> llguidance.LLTokenizer:
+    """llguidance's view of a tokenizer (a fraction of a second to build; built once).
+
+    ``vocab_size`` is the model's logits width when it exceeds the tokenizer's.
+    The model's stop tokens are the grammar's end-of-sequence tokens.
+    """
+    size = vocab_size or tokenizer.tokenizer.get_vocab_size()
+    key = (id(tokenizer), size)
+    if key not in _lltokenizers:
+        _lltokenizers[key] = llguidance.LLTokenizer(
+            tokenizer.tokenizer.to_str(), n_vocab=size, eos_token=list(tokenizer.stop_token_ids)
+        )
+    return _lltokenizers[key]
 
 
 def grammar_of(spec: StructuredOutputs) -> str:

@@ -103,11 +103,16 @@ Message = SystemMessage | UserMessage | AssistantMessage | ToolMessage
 
 @dataclass(slots=True)
 class Tool:
-    """A function the model may call; ``parameters`` is a JSON schema object."""
+    """A function the model may call; ``parameters`` is a JSON schema object.
+
+    ``strict`` asks that forced calls' arguments match ``parameters`` exactly;
+    without it they are at least a JSON object.
+    """
 
     name: str
     description: str | None = None
     parameters: dict = field(default_factory=lambda: {"type": "object", "properties": {}})
+    strict: bool = False
 
 
 @dataclass(slots=True)
@@ -125,12 +130,16 @@ class ToolChoice:
 
 @dataclass(slots=True)
 class ResponseFormat:
-    """The shape the answer must take; ``schema`` is required for ``json_schema``."""
+    """The shape the answer must take; ``schema`` is required for ``json_schema``.
+
+    ``param`` is where the client wrote the schema, for the 400 that refuses it.
+    """
 
     type: ResponseFormatType = "text"
     schema: dict | None = None
     name: str | None = None
     strict: bool = False
+    param: str = "response_format"
 
 
 @dataclass(slots=True)

@@ -18,6 +18,7 @@ from typing import Any, Literal
 from api.errors import ApiError
 from api.output_parser import Delta
 from shared.conversation import Conversation
+from shared.sampling import StructuredOutputs
 
 # Why a generation ended, in protocol-free words. Each protocol maps them:
 # chat: stop/stop/length/tool_calls; messages: end_turn/stop_sequence/max_tokens/tool_use.
@@ -46,6 +47,11 @@ class GenerationRequest:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    structured_outputs: StructuredOutputs | None = None  # vLLM's extension field
     logprobs: int | None = None  # number of top alternatives; None = no logprobs
     include_usage: bool = False  # Chat Completions stream_options.include_usage
     metadata: dict[str, Any] = field(default_factory=dict)  # echoed where the protocol does

@@ -61,6 +61,11 @@ from api.protocols.openai_common import (
     token_logprob,
     validated,
 )
+from api.protocols.vllm_extensions import (
+    read_logit_bias,
+    read_structured_outputs,
+    read_token_ids,
+)
 from shared.conversation import (
     RESPONSE_FORMAT_TYPES,
     AssistantMessage,
@@ -109,6 +114,7 @@ def parse(body: Any) -> GenerationRequest:
         response_format=_response_format(fields),
     )
     apply_effort(conversation, read_effort(fields, "reasoning_effort"))
+    _apply_thinking(fields, conversation)
     _apply_template_kwargs(fields, conversation)
     max_tokens, max_tokens_param = _max_tokens(fields)
     stream = bool(fields.boolean("stream"))
@@ -128,6 +134,11 @@ def parse(body: Any) -> GenerationRequest:
         frequency_penalty=fields.number("frequency_penalty", -2, 2) or 0.0,
         repetition_penalty=fields.number("repetition_penalty", 0, low_open=True) or 1.0,
         stop=read_stop(fields),
+        stop_token_ids=read_token_ids(fields, "stop_token_ids"),
+        min_tokens=fields.integer("min_tokens", low=0) or 0,
+        ignore_eos=bool(fields.boolean("ignore_eos")),
+        logit_bias=read_logit_bias(fields),
+        structured_outputs=read_structured_outputs(fields.get("structured_outputs")),
         logprobs=_logprobs(fields),
         include_usage=stream and include_usage,
         metadata=read_metadata(fields),
@@ -269,6 +280,14 @@ def _response_format(fields: Fields) -> ResponseFormat:
         return ResponseFormat(kind)  # type: ignore[arg-type]
     spec = response_format.required("json_schema")
     return read_json_schema(Fields(spec, response_format.where("json_schema")))
+
+
+def _apply_thinking(fields: Fields, conversation: Conversation) -> None:
+    """A top-level ``thinking: {"type": "enabled" | "disabled"}`` switches reasoning."""
+    thinking = fields.object("thinking")
+    if thinking is not None:
+        thinking.required("type")
+        conversation.thinking = thinking.choice("type", ("enabled", "disabled")) == "enabled"
 
 
 def _apply_template_kwargs(fields: Fields, conversation: Conversation) -> None:

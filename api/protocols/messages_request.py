@@ -50,6 +50,7 @@ from api.protocols.messages_schema import (
     UserTurn,
     validated,
 )
+from api.protocols.vllm_extensions import read_structured_outputs
 from shared.conversation import (
     AssistantMessage,
     ContentPart,
@@ -89,6 +90,7 @@ def parse(body: dict[str, Any]) -> GenerationRequest:
         top_p=request.top_p,
         top_k=request.top_k,
         stop=list(request.stop_sequences),
+        structured_outputs=read_structured_outputs(request.structured_outputs),
         metadata={"user_id": user_id} if user_id is not None else {},
     )
 
@@ -100,7 +102,7 @@ def parse_count_tokens(body: dict[str, Any]) -> GenerationRequest:
 
 
 def _conversation(request: CountTokensBody) -> Conversation:
-    tools = [Tool(t.name, t.description, t.input_schema) for t in request.tools]
+    tools = [Tool(t.name, t.description, t.input_schema, bool(t.strict)) for t in request.tools]
     _check_tools(tools)
     system = [SystemMessage([TextPart(block.text) for block in request.system])]
     config = request.output_config or OutputConfig()
@@ -111,7 +113,9 @@ def _conversation(request: CountTokensBody) -> Conversation:
         thinking=_thinking(request.thinking),
         reasoning_effort="max" if config.effort == "xhigh" else config.effort,
         response_format=(
-            ResponseFormat("json_schema", config.format.schema_)
+            ResponseFormat(
+                "json_schema", config.format.schema_, param="output_config.format.schema"
+            )
             if config.format
             else ResponseFormat()
         ),

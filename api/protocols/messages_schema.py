@@ -129,6 +129,7 @@ class ToolDefinition(Strict):
     name: _NonEmptyStr
     description: str | None = None
     input_schema: dict[str, Any]
+    strict: bool | None = None
     type: Literal["custom"] | None = None  # server tools (bash, web search, …) are not served
 
 
@@ -208,6 +209,7 @@ class CreateBody(CountTokensBody):
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
     top_k: Annotated[int, Field(ge=0)] | None = None  # 0 turns it off
     metadata: Metadata | None = None
+    structured_outputs: dict[str, Any] | None = None  # vLLM's extension, read by its own reader
 
 
 _BodyT = TypeVar("_BodyT", bound=CountTokensBody)

@@ -219,6 +219,7 @@ def read_function(fields: Fields) -> Tool:
     tool = Tool(
         name=fields.string("name", required=True, non_empty=True) or "",
         description=fields.string("description"),
+        strict=bool(fields.boolean("strict")),
     )
     if parameters is not None:
         tool.parameters = parameters
@@ -235,6 +236,7 @@ def read_json_schema(spec: Fields) -> ResponseFormat:
         schema=schema,
         name=spec.string("name"),
         strict=bool(spec.boolean("strict")),
+        param=spec.where("schema"),
     )
 
 

@@ -60,6 +60,7 @@ from api.protocols.openai_common import (
     token_logprob,
     validated,
 )
+from api.protocols.vllm_extensions import read_structured_outputs
 from shared.conversation import (
     RESPONSE_FORMAT_TYPES,
     AssistantMessage,
@@ -116,6 +117,7 @@ def parse(body: Any) -> GenerationRequest:
         temperature=fields.number("temperature", 0, 2),
         top_p=fields.number("top_p", 0, 1, low_open=True),
         logprobs=_logprobs(fields),
+        structured_outputs=read_structured_outputs(fields.get("structured_outputs")),
         metadata=read_metadata(fields),
         echo={
             "instructions": instructions,
