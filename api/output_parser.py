@@ -7,9 +7,15 @@ into deltas that no protocol owns, so the OpenAI and Anthropic chunk generators
 
 Contract: however the text is cut into chunks, ``merge_deltas`` of all the
 deltas is the same. To keep that and stay linear, only a held-back tail is ever
-looked at twice: the longest suffix that could still become a delimiter or a
-stop string (at most the longest of them minus one character), or, inside a
-tool call, a possible start of the closing delimiter.
+looked at twice: the longest suffix that could still become a delimiter, a
+stop string or a lead of a bare JSON call (at most the longest of them minus
+one character), or, inside a tool call, a possible start of the closing
+delimiter.
+
+Tool calls come in one of two syntaxes. ``tool_calls`` delimiters (Hermes,
+Qwen): ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` anywhere in
+the content. ``bare_json_tool_calls`` (Llama 3): the answer itself is the
+calls, ``{"name": ..., "parameters": {...}}`` objects joined by ``;``.
 
 Choices worth knowing:
 
@@ -21,7 +27,8 @@ Choices worth knowing:
   one position the shortest, and a stop string beats a delimiter spelled the
   same. A match waits while a longer candidate could still start before it.
 - Whitespace at the start of the content that follows reasoning or a tool call
-  is the template's formatting, not the answer: it is dropped.
+  (and, with bare JSON calls, at the start of the answer) is the template's
+  formatting, not the answer: it is dropped.
 - A tool call body of the shape ``{"name": ..., "arguments": {...}}`` streams
   its arguments verbatim as they arrive; text between the arguments and the
   closing delimiter is ignored. Any other body is held until the closing
@@ -31,6 +38,13 @@ Choices worth knowing:
 - At ``finish()`` an unterminated streamed call is closed (its arguments may be
   cut short, the finish reason says why); an unterminated held body gets the
   whole-object attempt and otherwise becomes content.
+- A bare JSON call starts where the answer does (the start of the text, the
+  end of reasoning) when only whitespace comes before its ``{`` or
+  ``<|python_tag|>{``, and right after a bare call when only whitespace and
+  then at most ``;`` or ``; `` do. Its object is held until its brackets
+  balance and parsed whole: with a string ``name`` and an ``arguments`` or
+  ``parameters`` key it is a call; otherwise it, its lead and all that follows
+  are plain content. An object still open at ``finish()`` is content too.
 """
 
 from __future__ import annotations
@@ -129,6 +143,11 @@ class Delimiters:
 
 THINK = Delimiters("<think>", "</think>")
 HERMES_TOOL_CALL = Delimiters("<tool_call>", "</tool_call>")
+_PYTHON_TAG = "<|python_tag|>"  # Llama 3's token in front of a tool call
+
+# What opens a bare JSON call where the answer starts, and between two calls.
+_ANSWER_CALL_LEADS = frozenset({"{", _PYTHON_TAG + "{"})
+_NEXT_CALL_LEADS = frozenset({"{", ";{", "; {"})
 
 
 @dataclass(slots=True)
@@ -139,6 +158,7 @@ class ParserConfig:
     reasoning: Delimiters | None = None
     starts_in_reasoning: bool = False  # the prompt already opened the reasoning block
     tool_calls: Delimiters | None = None
+    bare_json_tool_calls: bool = False  # an answer that starts with ``{`` is tool calls (Llama 3)
     stop: Sequence[str] = ()
     single_tool_call: bool = False  # stop parsing (and generating) after the first call
 
@@ -189,6 +209,9 @@ class _State(Enum):
     ARGUMENTS = "arguments"  # streaming the arguments object
     TAIL = "tail"  # after the arguments, waiting for the closing delimiter
     HELD = "held"  # an unexpected body, kept whole until the closing delimiter
+    ANSWER_START = "answer start"  # content, blank so far, that may still be bare JSON calls
+    NEXT_CALL = "next call"  # after a bare JSON call, before what follows it
+    OBJECT = "object"  # a bare JSON object, kept whole until its brackets balance
     STOPPED = "stopped"
 
 
@@ -200,13 +223,15 @@ class OutputParser:
     ) -> None:
         self._config = config
         self._new_id = id_factory
-        self._state = _State.REASONING if config.starts_in_reasoning else _State.CONTENT
+        self._answer_start = _State.ANSWER_START if config.bare_json_tool_calls else _State.CONTENT
+        self._state = _State.REASONING if config.starts_in_reasoning else self._answer_start
         self._finders = _finders(config)
         self._held = ""
         self._out: list[Delta] = []
-        self._strip_content = False
+        self._strip_content = config.bare_json_tool_calls
         self._calls = 0
         self._body: list[str] = []
+        self._lead = ""
         self._prelude = ToolCallPrelude()
         self._arguments = JsonValueScanner()
         self._handlers: dict[_State, Callable[[str, int], int]] = {
@@ -216,6 +241,9 @@ class OutputParser:
             _State.ARGUMENTS: self._read_arguments,
             _State.TAIL: self._read_tail,
             _State.HELD: self._read_held_body,
+            _State.ANSWER_START: self._scan_answer_start,
+            _State.NEXT_CALL: self._scan_answer_start,
+            _State.OBJECT: self._read_object,
         }
 
     def push(self, text: str) -> list[Delta]:
@@ -234,7 +262,7 @@ class OutputParser:
     def finish(self) -> list[Delta]:
         """Flush what was held back at the end of generation."""
         held, self._held = self._held, ""
-        if self._state is _State.CONTENT:
+        if self._state in (_State.CONTENT, _State.ANSWER_START, _State.NEXT_CALL):
             self._content(held)
         elif self._state is _State.REASONING:
             self._emit(ReasoningDelta(held))
@@ -243,6 +271,9 @@ class OutputParser:
             self._resolve_held_body(closed=False)
         elif self._state in (_State.ARGUMENTS, _State.TAIL):
             self._end_call()
+        elif self._state is _State.OBJECT:
+            self._body.append(held)
+            self._resolve_object()
         self._state = _State.STOPPED
         return self._take()
 
@@ -258,13 +289,53 @@ class OutputParser:
             self._emit(StopMatched(marker))
             self._state = _State.STOPPED
         elif self._state is _State.REASONING:
-            self._state, self._strip_content = _State.CONTENT, True
+            self._state, self._strip_content = self._answer_start, True
         elif self._config.reasoning is not None and marker == self._config.reasoning.open:
             self._state = _State.REASONING
         else:
             self._state, self._body = _State.PRELUDE, []
             self._prelude = ToolCallPrelude()
         return end + len(marker)
+
+    def _scan_answer_start(self, buffer: str, pos: int) -> int:
+        """Whitespace, then a lead that opens a bare JSON call, or else plain content.
+
+        The content markers are a subset of this state's, so the text passed on
+        before a hand-over is text the content state would have passed on too.
+        """
+        end, marker = self._finders[self._state].find(buffer, pos)
+        text = buffer[pos:end]
+        self._content(text)
+        leads = _ANSWER_CALL_LEADS if self._state is _State.ANSWER_START else _NEXT_CALL_LEADS
+        opens_call = marker in leads and marker not in self._config.stop
+        if (text and not text.isspace()) or (marker is not None and not opens_call):
+            self._state = _State.CONTENT  # the answer is text: the content state takes the marker
+            return end
+        if marker is None:
+            return end
+        brace = end + len(marker) - 1
+        self._state, self._lead, self._body = _State.OBJECT, buffer[end:brace], []
+        self._arguments = JsonValueScanner()
+        return brace
+
+    def _read_object(self, buffer: str, pos: int) -> int:
+        end = self._arguments.feed(buffer, pos)
+        self._body.append(buffer[pos:end])
+        if end is None:
+            return len(buffer)
+        self._resolve_object()
+        return end
+
+    def _resolve_object(self) -> None:
+        """A whole bare JSON object: a call, or (with its lead) the content it was."""
+        body = "".join(self._body)
+        call = _parse_call(body, arguments_required=True)
+        if call is None:
+            self._state = _State.CONTENT
+            self._content(self._lead + body)
+            return
+        self._state = _State.NEXT_CALL
+        self._whole_call(*call)
 
     def _read_prelude(self, buffer: str, pos: int) -> int:
         end = self._prelude.feed(buffer, pos)
@@ -307,13 +378,16 @@ class OutputParser:
         body = "".join(self._body)
         call = _parse_call(body)
         if call is not None:
-            self._emit(ToolCallStart(self._calls, self._new_id(), call[0]))
-            self._emit(ToolCallArgsDelta(self._calls, call[1]))
-            self._end_call()
+            self._whole_call(*call)
             return
         delimiters = self._config.tool_calls
         assert delimiters is not None
         self._content(delimiters.open + body + (delimiters.close if closed else ""))
+
+    def _whole_call(self, name: str, arguments: str) -> None:
+        self._emit(ToolCallStart(self._calls, self._new_id(), name))
+        self._emit(ToolCallArgsDelta(self._calls, arguments))
+        self._end_call()
 
     def _end_call(self) -> None:
         self._emit(ToolCallEnd(self._calls))
@@ -349,18 +423,22 @@ def _finders(config: ParserConfig) -> dict[_State, _MarkerFinder]:
         tail.add(config.tool_calls.close)
     return {
         _State.CONTENT: _MarkerFinder(frozenset(content)),
+        _State.ANSWER_START: _MarkerFinder(frozenset(content | _ANSWER_CALL_LEADS)),
+        _State.NEXT_CALL: _MarkerFinder(frozenset(content | _NEXT_CALL_LEADS)),
         _State.REASONING: _MarkerFinder(frozenset(reasoning)),
         _State.TAIL: _MarkerFinder(frozenset(tail)),
     }
 
 
-def _parse_call(body: str) -> tuple[str, str] | None:
+def _parse_call(body: str, *, arguments_required: bool = False) -> tuple[str, str] | None:
     """(name, arguments JSON) from a whole body, or None if it is not a call."""
     try:
         value = json.loads(body)
     except ValueError:
         return None
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+        return None
+    if arguments_required and not {"arguments", "parameters"} & value.keys():
         return None
     arguments = value.get("arguments", value.get("parameters", {}))
     if not isinstance(arguments, str):

@@ -392,10 +392,12 @@ def parsing_options(encoded: Encoded, thinking: bool) -> ParsingOptions:
     conversation = encoded.request.conversation
     reasoning = THINK if thinking else None
     tools = bool(conversation.tools) and conversation.tool_choice.mode != "none"
+    syntax = tool_call_syntax(encoded.model) if tools else None
     return ParsingOptions(
         reasoning=_pair(reasoning),
         starts_in_reasoning=reasoning is not None and _opens(encoded.rendered, reasoning),
-        tool_calls=_pair(HERMES_TOOL_CALL) if tools and _hermes_tool_calls(encoded.model) else None,
+        tool_calls=_pair(HERMES_TOOL_CALL) if syntax == "hermes" else None,
+        bare_json_tool_calls=syntax == "llama3_json",
         stop=list(encoded.request.stop),
         single_tool_call=tools and not conversation.tool_choice.parallel,
     )
@@ -407,6 +409,7 @@ def parser_config(options: ParsingOptions) -> ParserConfig:
         reasoning=Delimiters(*options.reasoning) if options.reasoning else None,
         starts_in_reasoning=options.starts_in_reasoning,
         tool_calls=Delimiters(*options.tool_calls) if options.tool_calls else None,
+        bare_json_tool_calls=options.bare_json_tool_calls,
         stop=options.stop,
         single_tool_call=options.single_tool_call,
     )

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from shared.constraints import TOOL_CALL_SYNTAXES, ToolCallSyntax
+
 PROMPT_FORMATS = ("chatml", "qwen3", "llama3", "jinja")
 CAPABILITIES = frozenset({"tools", "thinking", "images"})
 
@@ -48,7 +50,9 @@ class ModelSpec:
     path has a cost or can fail (the default model lives inside an optional
     package): it is called each time the path is read, so listing or
     validating models never needs the files. ``context_length`` 0 means
-    "whatever the model's own metadata says".
+    "whatever the model's own metadata says". ``tool_parser`` is the syntax
+    of the model's tool calls: ``hermes`` (``<tool_call>`` blocks) or
+    ``llama3_json`` (the answer is the calls, bare JSON objects).
     """
 
     name: str
@@ -56,6 +60,7 @@ class ModelSpec:
     prompt_format: str
     context_length: int
     capabilities: frozenset[str]
+    tool_parser: ToolCallSyntax
     default_system_prompt: str | None
     _weights: PathSource = field(repr=False)
     _tokenizer: PathSource | None = field(repr=False)
@@ -70,6 +75,7 @@ class ModelSpec:
         prompt_format: str = "jinja",
         context_length: int = 0,
         capabilities: Iterable[str] = (),
+        tool_parser: ToolCallSyntax = "hermes",
         default_system_prompt: str | None = None,
     ) -> None:
         values = {
@@ -78,6 +84,7 @@ class ModelSpec:
             "prompt_format": prompt_format,
             "context_length": context_length,
             "capabilities": frozenset(capabilities),
+            "tool_parser": tool_parser,
             "default_system_prompt": default_system_prompt,
             "_weights": weights,
             "_tokenizer": tokenizer,
@@ -210,6 +217,7 @@ def spec_from_entry(name: str, entry: Any, base: Path) -> ModelSpec:
         prompt_format=_prompt_format(name, entry),
         context_length=_context_length(name, entry),
         capabilities=_capabilities(name, entry),
+        tool_parser=_tool_parser(name, entry),
         default_system_prompt=_optional_string(name, entry, "default_system_prompt"),
     )
 
@@ -222,6 +230,7 @@ _TOML_FIELDS = frozenset(
         "prompt_format",
         "context_length",
         "capabilities",
+        "tool_parser",
         "default_system_prompt",
     }
 )
@@ -287,6 +296,16 @@ def _capabilities(name: str, entry: dict[str, Any]) -> frozenset[str]:
             f"accepted: {', '.join(sorted(CAPABILITIES))}"
         )
     return frozenset(values)
+
+
+def _tool_parser(name: str, entry: dict[str, Any]) -> ToolCallSyntax:
+    value = entry.get("tool_parser", "hermes")
+    if value not in TOOL_CALL_SYNTAXES:
+        raise InvalidModelEntry(
+            f"model {name!r}: field 'tool_parser' is {value!r}; "
+            f"accepted: {', '.join(TOOL_CALL_SYNTAXES)}"
+        )
+    return value
 
 
 def default_registry() -> ModelRegistry:

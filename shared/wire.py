@@ -21,13 +21,15 @@ class ParsingOptions:
 
     Delimiter pairs are ``(open, close)``; ``None`` turns the feature off so its
     markup stays plain content. ``starts_in_reasoning`` is set when the prompt
-    itself opened the reasoning block; ``single_tool_call`` when the client
+    itself opened the reasoning block; ``bare_json_tool_calls`` reads Llama 3's
+    undelimited JSON calls at the start of the answer; ``single_tool_call`` when the client
     allowed one tool call per turn (the answer ends after it).
     """
 
     reasoning: tuple[str, str] | None = None
     starts_in_reasoning: bool = False
     tool_calls: tuple[str, str] | None = None
+    bare_json_tool_calls: bool = False
     stop: list[str] = field(default_factory=list)
     single_tool_call: bool = False
 

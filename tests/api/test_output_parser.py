@@ -34,6 +34,7 @@ from api.output_parser import (
 
 FULL = ParserConfig(reasoning=THINK, tool_calls=HERMES_TOOL_CALL)
 PLAIN = ParserConfig()
+LLAMA = ParserConfig(bare_json_tool_calls=True)
 
 
 def counting_ids():
@@ -225,6 +226,79 @@ CASES = [
         '<tool_call>\n{"name": "f", "argu',
         [ContentDelta('<tool_call>\n{"name": "f", "argu')],
     ),
+    Case(
+        "bare json call",
+        LLAMA,
+        '{"name": "get_weather", "parameters": {"city": "Paris"}}',
+        call(0, "get_weather", '{"city": "Paris"}'),
+    ),
+    Case(
+        "python tag, nested json, several bare calls",
+        LLAMA,
+        f'\n<|python_tag|>{{"name": "a", "arguments": {NESTED_ARGS}}}; '
+        '{"parameters": {"s": "; {"}, "name": "b"};{"name": "c", "parameters": {}}\n',
+        [*call(0, "a", NESTED_ARGS), *call(1, "b", '{"s": "; {"}'), *call(2, "c", "{}")],
+    ),
+    Case(
+        "bare calls separated by whitespace only",
+        LLAMA,
+        '{"name": "a", "parameters": {}}\n\n{"name": "b", "parameters": {}}',
+        [*call(0, "a", "{}"), *call(1, "b", "{}")],
+    ),
+    Case(
+        "bare call after reasoning",
+        ParserConfig(reasoning=THINK, bare_json_tool_calls=True),
+        '<think>use {"name": "f"}</think>\n\n{"name": "f", "parameters": {"n": 1}}',
+        [ReasoningDelta('use {"name": "f"}'), *call(0, "f", '{"n": 1}')],
+    ),
+    Case(
+        "plain answer with bare calls on",
+        LLAMA,
+        '  The set is {1, 2}; {"name": "f", "parameters": {}}',
+        [ContentDelta('The set is {1, 2}; {"name": "f", "parameters": {}}')],
+    ),
+    Case(
+        "json that is not a call is content, and so is what follows",
+        LLAMA,
+        '<|python_tag|>{"name": "Bob"}; {"name": "f", "parameters": {}}',
+        [ContentDelta('<|python_tag|>{"name": "Bob"}; {"name": "f", "parameters": {}}')],
+    ),
+    Case(
+        "text after a bare call is content",
+        LLAMA,
+        '{"name": "f", "parameters": {}} \n; done {"name": "g", "parameters": {}}',
+        [*call(0, "f", "{}"), ContentDelta('; done {"name": "g", "parameters": {}}')],
+    ),
+    Case(
+        "near-miss leads are content",
+        LLAMA,
+        '<|python_tag|> {"name": "f", "parameters": {}}',
+        [ContentDelta('<|python_tag|> {"name": "f", "parameters": {}}')],
+    ),
+    Case(
+        "bare call cut short is content",
+        LLAMA,
+        '<|python_tag|>{"name": "f", "parameters": {"a": "}',
+        [ContentDelta('<|python_tag|>{"name": "f", "parameters": {"a": "}')],
+    ),
+    Case(
+        "stop strings around bare calls",
+        ParserConfig(bare_json_tool_calls=True, stop=["END", "; "]),
+        '{"name": "f", "parameters": {"q": "END; "}} END',
+        [*call(0, "f", '{"q": "END; "}'), StopMatched("END")],
+    ),
+    Case(
+        "a stop string beats a lead at the same place",
+        ParserConfig(bare_json_tool_calls=True, stop=["<|python", "; "]),
+        '{"name": "f", "parameters": {}}; {"name": "g", "parameters": {}}',
+        [*call(0, "f", "{}"), StopMatched("; ")],
+    ),
+    Case(
+        "bare calls beside hermes markup",
+        ParserConfig(tool_calls=HERMES_TOOL_CALL, bare_json_tool_calls=True),
+        '{"name": "a", "parameters": {}}\n<tool_call>{"name": "b", "arguments": {}}</tool_call>',
+        [*call(0, "a", "{}"), *call(1, "b", "{}")],
+    ),
 ]
 
 
@@ -283,8 +357,51 @@ def test_fuzzed_text_is_chunking_invariant(text: str, cuts: list[int], stops) ->
     assert_well_formed(whole)
 
 
+BARE_FRAGMENTS = [
+    "<|python_tag|>",
+    "<|python",
+    "_tag|>",
+    "; ",
+    ";",
+    '{"name": "f", "parameters": ',
+    '{"parameters": {}, "name": "g"}',
+    '{"name": "h"}',
+    "<think>",
+    "</think>",
+    "<tool_call>",
+    "</tool_call>",
+    *JSON_PUNCTUATION,
+    *TEXT,
+]
+bare_fuzz_texts = st.lists(st.sampled_from(BARE_FRAGMENTS), max_size=30).map("".join)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    text=bare_fuzz_texts,
+    cuts=st.lists(st.integers(min_value=0, max_value=10_000), max_size=10),
+    stops=st.sampled_from([(), ("STOP", "; {", "x"), ("{", "<|py", "\n\n")]),
+    hermes=st.booleans(),
+    single=st.booleans(),
+)
+def test_fuzzed_bare_json_calls_are_chunking_invariant(
+    text: str, cuts: list[int], stops, hermes: bool, single: bool
+) -> None:
+    config = ParserConfig(
+        reasoning=THINK,
+        tool_calls=HERMES_TOOL_CALL if hermes else None,
+        bare_json_tool_calls=True,
+        stop=stops,
+        single_tool_call=single,
+    )
+    whole = merged(config, [text])
+    assert merged(config, split(text, cuts)) == whole
+    assert merged(config, list(text)) == whole
+    assert_well_formed(whole)
+
+
 def assert_well_formed(deltas: list[Delta]) -> None:
-    """Calls open, stream and close in order with indices 0, 1, ...; stop is last."""
+    """Calls open, stream and close in order with indices 0, 1, ...; a stop or done is last."""
     open_index, next_index = None, 0
     for position, delta in enumerate(deltas):
         if isinstance(delta, ToolCallStart):
@@ -295,7 +412,7 @@ def assert_well_formed(deltas: list[Delta]) -> None:
         elif isinstance(delta, ToolCallEnd):
             assert delta.index == open_index
             open_index = None
-        elif isinstance(delta, StopMatched):
+        elif isinstance(delta, StopMatched | ToolCallsDone):
             assert position == len(deltas) - 1
         else:
             assert open_index is None
@@ -320,6 +437,25 @@ def test_held_back_tail_never_exceeds_the_longest_marker() -> None:
         pushed += len(chunk)
         emitted += sum(len(delta.text) for delta in parser.push(chunk))
         assert pushed - emitted <= longest - 1
+
+
+def test_held_back_tail_before_a_bare_call_never_exceeds_the_longest_lead() -> None:
+    parser = OutputParser(ParserConfig(bare_json_tool_calls=True, stop=["END"]))
+    longest = len("<|python_tag|>{")
+    pushed = emitted = 0
+    for chunk in ["<|py", "thon_", "tag|>", " ", "EN", "x", "<|python_tag|", "x", "\n"] * 3:
+        pushed += len(chunk)
+        emitted += sum(len(delta.text) for delta in parser.push(chunk))
+        assert pushed - emitted <= longest - 1
+
+
+def test_a_bare_call_is_held_until_its_object_ends() -> None:
+    parser = OutputParser(LLAMA, id_factory=counting_ids())
+    assert parser.push("<|python_tag|>") == []
+    assert parser.push('{"name": "f", "parameters": {"city": "Par') == []
+    assert parser.push('is"}}') == call(0, "f", '{"city": "Paris"}')
+    assert parser.push(";") == []
+    assert parser.finish() == [ContentDelta(";")]
 
 
 def test_arguments_stream_before_the_call_ends() -> None:
@@ -413,6 +549,20 @@ def test_a_single_tool_call_request_stops_after_a_held_body_too() -> None:
     text = '<tool_call>{"arguments": {}, "name": "a"}</tool_call><tool_call>{"name": "b"}'
 
     assert merged(config, [text]) == [*call(0, "a", "{}"), ToolCallsDone()]
+
+
+BARE_TWO_CALLS = (
+    '<|python_tag|>{"name": "a", "parameters": {"x": 1}}; {"name": "b", "parameters": {}}'
+)
+
+
+@pytest.mark.parametrize("cut", [1, 14, 20, 40, 50, len(BARE_TWO_CALLS)])
+def test_a_single_tool_call_request_stops_after_its_first_bare_call(cut: int) -> None:
+    config = ParserConfig(bare_json_tool_calls=True, single_tool_call=True)
+
+    deltas = merged(config, [BARE_TWO_CALLS[:cut], BARE_TWO_CALLS[cut:]])
+
+    assert deltas == [*call(0, "a", '{"x": 1}'), ToolCallsDone()]
 
 
 def test_parallel_tool_calls_are_all_parsed_by_default() -> None:

@@ -65,7 +65,8 @@ class RecordingBuilder(ResponseBuilder):
 
     def __init__(self) -> None:
         super().__init__(
-            GenerationRequest("m", Conversation([])), ResponseContext(RID, "m", 0, "fp")
+            GenerationRequest("m", Conversation([]), stop=["END"]),
+            ResponseContext(RID, "m", 0, "fp"),
         )
         self.calls: list[tuple[Any, ...]] = []
 
@@ -141,6 +142,8 @@ def test_ready_text_finish_become_start_deltas_finish(tokenizer):
     [
         (Finish(RID, FinishReason.STOP, 1, stop=2), ("stop", None)),
         (Finish(RID, FinishReason.STOP, 1, stop="END"), ("stop_sequence", "END")),
+        # a stop string preparation added (a ruled-out tool call's markup) is a plain stop
+        (Finish(RID, FinishReason.STOP, 1, stop="<tool_call>"), ("stop", None)),
         (Finish(RID, FinishReason.LENGTH, 1), ("length", None)),
         (Finish(RID, FinishReason.ABORT, 1), ("abort", None)),
     ],

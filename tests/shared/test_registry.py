@@ -27,6 +27,7 @@ def test_default_model_entry():
     assert spec.prompt_format == "chatml"
     assert spec.context_length == 8192
     assert spec.capabilities == frozenset({"tools"})
+    assert spec.tool_parser == "hermes"
     assert spec.default_system_prompt == (
         "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
     )
@@ -60,6 +61,7 @@ weights = "models/llama"
 prompt_format = "llama3"
 context_length = 131072
 capabilities = ["tools"]
+tool_parser = "llama3_json"
 
 [models.qwen]
 weights = "/abs/qwen.gguf"
@@ -80,12 +82,14 @@ def test_from_toml(tmp_path):
     assert llama.weights == tmp_path / "models" / "llama"  # relative to the TOML file
     assert llama.tokenizer == llama.weights
     assert (llama.prompt_format, llama.context_length) == ("llama3", 131072)
+    assert llama.tool_parser == "llama3_json"
     qwen = registry.resolve("qwen")
     assert qwen.weights == Path("/abs/qwen.gguf")
     assert qwen.tokenizer == tmp_path / "tok"
     assert qwen.capabilities == frozenset({"tools", "thinking"})
     assert qwen.default_system_prompt == "Be brief."
     assert qwen.context_length == 0
+    assert qwen.tool_parser == "hermes"  # the default
     assert [s.name for s in registry.specs()] == ["smollm2-135m-instruct", "my-llama", "qwen"]
     with pytest.raises(UnknownModel, match="are default, llama, my-llama, qwen, smollm2"):
         registry.resolve("nope")
@@ -100,6 +104,14 @@ def test_from_toml(tmp_path):
         ('weights = "w"\ncontext_length = -1', r"'context_length' must be a non-negative integer"),
         ('weights = "w"\ncontext_length = "8k"', r"'context_length'"),
         ('weights = "w"\ncapabilities = ["vision"]', r"has vision; accepted: images"),
+        (
+            'weights = "w"\ntool_parser = "mistral"',
+            r"'tool_parser' is 'mistral'; accepted: hermes, llama3_json",
+        ),
+        (
+            'weights = "w"\ntool_parser = 1',
+            r"model 'bad': field 'tool_parser' is 1; accepted: hermes",
+        ),
         ('weights = "w"\naliases = "b"', r"field 'aliases' must be a list of strings"),
         ('weights = "w"\nmax_tokens = 5', r"unknown field\(s\) max_tokens"),
         ('weights = "w"\naliases = ["default"]', r"name 'default' is already used by 'smollm2"),
@@ -123,7 +135,7 @@ def test_local_paths_resolve_to_ad_hoc_specs(tmp_path):
         spec = registry.resolve(str(path))
         assert spec.weights == path
         assert spec.tokenizer == path
-        assert (spec.prompt_format, spec.context_length) == ("jinja", 0)
+        assert (spec.prompt_format, spec.context_length, spec.tool_parser) == ("jinja", 0, "hermes")
     with pytest.raises(UnknownModel):
         registry.resolve(str(tmp_path))  # a directory without config.json
 
@@ -132,7 +144,9 @@ def test_spec_accepts_plain_strings_and_defaults():
     spec = ModelSpec("m", "/w", capabilities=["tools"])
     assert spec.weights == Path("/w")
     assert spec.capabilities == frozenset({"tools"})
+    assert spec.tool_parser == "hermes"
     assert spec == ModelSpec("m", "/w", capabilities=("tools",))
+    assert spec != ModelSpec("m", "/w", capabilities=("tools",), tool_parser="llama3_json")
     registry = ModelRegistry([spec])
     assert registry.names() == ["m"]
     with pytest.raises(InvalidModelEntry, match="already used"):
