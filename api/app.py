@@ -25,7 +25,7 @@ from api.backends.base import Backend
 from api.errors import ApiError, bad_request
 from api.jobs.routes import jobs_router
 from api.jobs.store import JobStore, MemoryJobStore
-from api.preparation import encode_request, new_request_id
+from api.preparation import Prepared, encode_request, new_request_id
 from api.protocols import chat_completions, messages
 from api.protocols.base import Protocol
 from api.protocols.table import BY_PATH, PROTOCOLS, error_shape
@@ -39,6 +39,8 @@ if TYPE_CHECKING:
     from api.backends.channel import RequestChannel
 
 log = logging.getLogger(__name__)
+# Names the request fields that were ignored because no reader of the protocol knows them.
+IGNORED_FIELDS_HEADER = "sluice-ignored-fields"
 
 T = TypeVar("T")
 
@@ -131,10 +133,20 @@ def _generation_route(protocol: Protocol, serving: Serving) -> Callable[..., Awa
             answer = _json_response(collect(processor, events))
         response = await _unless_client_leaves(request, answer) or Response(status_code=499)
         serving.metrics.count_request(protocol.name, response.status_code)
+        _report_ignored(prepared, response)
         return response
 
     generate.__name__ = f"create_{protocol.name.replace('.', '_')}"
     return generate
+
+
+def _report_ignored(prepared: Prepared, response: Response) -> None:
+    """Fields no protocol reader knows are ignored, and said to be: in a header and the log."""
+    ignored = prepared.request.ignored_fields
+    if ignored:
+        names = ", ".join(ignored)
+        log.warning("%s: ignored unknown fields: %s", prepared.context.request_id, names)
+        response.headers[IGNORED_FIELDS_HEADER] = names
 
 
 async def _json_response(body: Awaitable[dict]) -> Response:

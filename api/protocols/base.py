@@ -56,6 +56,7 @@ class GenerationRequest:
     include_usage: bool = False  # Chat Completions stream_options.include_usage
     metadata: dict[str, Any] = field(default_factory=dict)  # echoed where the protocol does
     echo: dict[str, Any] = field(default_factory=dict)  # protocol-specific fields to echo back
+    ignored_fields: list[str] = field(default_factory=list)  # unknown fields, reported, not used
 
 
 @dataclass(slots=True)

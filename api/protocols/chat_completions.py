@@ -119,7 +119,7 @@ def parse(body: Any) -> GenerationRequest:
     max_tokens, max_tokens_param = _max_tokens(fields)
     stream = bool(fields.boolean("stream"))
     include_usage = _include_usage(fields)  # read either way, so a malformed value is a 400
-    return GenerationRequest(
+    request = GenerationRequest(
         model=model,
         conversation=validated(conversation),
         stream=stream,
@@ -147,6 +147,8 @@ def parse(body: Any) -> GenerationRequest:
             "parallel_tool_calls": fields.boolean("parallel_tool_calls") is not False,
         },
     )
+    request.ignored_fields = fields.unread()
+    return request
 
 
 def _reject_unsupported(fields: Fields) -> None:

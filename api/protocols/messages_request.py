@@ -81,6 +81,7 @@ def parse(body: dict[str, Any]) -> GenerationRequest:
             "thinking.budget_tokens",
         )
     user_id = request.metadata.user_id if request.metadata else None
+    known = {info.alias or name for name, info in CreateBody.model_fields.items()}
     return GenerationRequest(
         model=request.model,
         conversation=_conversation(request),
@@ -92,6 +93,7 @@ def parse(body: dict[str, Any]) -> GenerationRequest:
         stop=list(request.stop_sequences),
         structured_outputs=read_structured_outputs(request.structured_outputs),
         metadata={"user_id": user_id} if user_id is not None else {},
+        ignored_fields=[name for name in body if name not in known],
     )
 
 

@@ -69,12 +69,18 @@ class Fields:
             raise bad_request(f"{where} must be a JSON object, got {show(body)}", path or None)
         self.body = body
         self.path = path
+        self.read: set[str] = set()
 
     def where(self, name: str) -> str:
         return f"{self.path}.{name}" if self.path else name
 
     def get(self, name: str) -> Any:
+        self.read.add(name)
         return self.body.get(name)
+
+    def unread(self) -> list[str]:
+        """The fields no reader asked for: a parser calls this last, to report them ignored."""
+        return [name for name in self.body if name not in self.read]
 
     def has(self, name: str) -> bool:
         return self.body.get(name) is not None

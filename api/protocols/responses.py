@@ -108,7 +108,7 @@ def parse(body: Any) -> GenerationRequest:
     reasoning = fields.object("reasoning")
     effort = read_effort(reasoning, "effort") if reasoning else None
     apply_effort(conversation, effort)
-    return GenerationRequest(
+    request = GenerationRequest(
         model=model,
         conversation=validated(conversation, param_from_message=False),
         stream=bool(fields.boolean("stream")),
@@ -127,6 +127,8 @@ def parse(body: Any) -> GenerationRequest:
             "user": fields.string("user"),
         },
     )
+    request.ignored_fields = fields.unread()
+    return request
 
 
 def _reject_stored_state(fields: Fields) -> None:

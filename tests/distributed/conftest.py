@@ -41,7 +41,7 @@ MAX_MODEL_LEN = 1024
 WORKER_SEQS = 4
 STARTUP_TIMEOUT_S = 180
 CHILD_ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-Greedy = Callable[[list[int], int], str]  # (prompt ids, max tokens) -> text
+Greedy = Callable[..., str]  # (prompt ids, max tokens, structured outputs=None) -> text
 T = TypeVar("T")
 API_OPTIONS = ("--queue-timeout", "60", "--first-token-timeout", "90", "--total-timeout", "120")
 
@@ -330,12 +330,14 @@ def reference(fleet: Fleet) -> Greedy:
     from engine import LLM, SamplingParams
 
     llm = LLM("default", max_model_len=MAX_MODEL_LEN, max_num_seqs=WORKER_SEQS)
-    cache: dict[tuple[tuple[int, ...], int], str] = {}
+    cache: dict[tuple[tuple[int, ...], int, str], str] = {}
 
-    def greedy(prompt_ids: list[int], max_tokens: int) -> str:
-        key = (tuple(prompt_ids), max_tokens)
+    def greedy(prompt_ids: list[int], max_tokens: int, structured: object = None) -> str:
+        key = (tuple(prompt_ids), max_tokens, repr(structured))
         if key not in cache:
-            params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+            params = SamplingParams(
+                max_tokens=max_tokens, temperature=0.0, structured_outputs=structured
+            )
             cache[key] = llm.generate([prompt_ids], params)[0].text
         return cache[key]
 
@@ -378,11 +380,16 @@ def anthropic_client(api: str) -> Anthropic:
 
 
 def stream_chat(
-    client: OpenAI, messages: list[dict], max_tokens: int
+    client: OpenAI, messages: list[dict], max_tokens: int, **options: object
 ) -> Iterator[tuple[str, str, str | None]]:
     """A streamed greedy chat completion, as an iterator of (request id, text delta, finish)."""
     stream = client.chat.completions.create(
-        model="default", messages=messages, max_tokens=max_tokens, temperature=0, stream=True
+        model="default",
+        messages=messages,
+        max_tokens=max_tokens,
+        temperature=0,
+        stream=True,
+        **options,
     )
     for chunk in stream:
         for choice in chunk.choices:

@@ -11,6 +11,8 @@ import pytest
 from anthropic import Anthropic
 from openai import OpenAI
 
+from shared.constraints import grammar_of
+from shared.sampling import StructuredOutputs
 from tests.distributed.conftest import Greedy, stream_chat, tokenize
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
@@ -58,3 +60,34 @@ def test_messages(anthropic_client: Anthropic, expected: str):
         text = "".join(stream.text_stream)
         final = stream.get_final_message()
     assert text == expected and final.usage.output_tokens == MAX_TOKENS
+
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "sea": {"type": "string", "maxLength": 20},
+        "waves": {"type": "integer", "minimum": 0, "maximum": 99},
+    },
+    "required": ["sea", "waves"],
+    "additionalProperties": False,
+}
+
+
+def test_a_constrained_request_matches_offline(
+    api: str, openai_client: OpenAI, reference: Greedy
+) -> None:
+    """The constraint crosses Redis with the job and the worker's engine enforces it."""
+    grammar = grammar_of(StructuredOutputs(json=SCHEMA))
+    expected = reference(tokenize(api, MESSAGES), 64, StructuredOutputs(grammar=grammar))
+    response_format = {"type": "json_schema", "json_schema": {"name": "sea", "schema": SCHEMA}}
+    whole = openai_client.chat.completions.create(
+        model="default",
+        messages=MESSAGES,
+        max_tokens=64,
+        temperature=0,
+        response_format=response_format,
+    )
+    assert whole.choices[0].message.content == expected
+    assert whole.choices[0].finish_reason == "stop"
+    deltas = list(stream_chat(openai_client, MESSAGES, 64, response_format=response_format))
+    assert "".join(text for _, text, _ in deltas) == expected

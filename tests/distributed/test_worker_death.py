@@ -18,6 +18,7 @@ on a live worker.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import signal
@@ -26,15 +27,17 @@ import time
 import uuid
 from collections.abc import Iterator
 
+import jsonschema
 import pytest
 import redis
 from openai import OpenAI
 
 from shared import keys
+from shared.constraints import grammar_of
 from shared.event_codec import Entry, decode_entry
 from shared.events import Finish, FinishReason, Text
 from shared.registry import DEFAULT_MODEL
-from shared.sampling import SamplingParams
+from shared.sampling import SamplingParams, StructuredOutputs
 from shared.task_message import queue_lists, task_message
 from shared.wire import Deadlines, PreparedRequest, QueuedRequest
 from tests.distributed.conftest import (
@@ -55,6 +58,7 @@ pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 MESSAGES = [{"role": "user", "content": "Write a long story about a lighthouse keeper."}]
 MAX_TOKENS = 96
+CONSTRAINED_MAX_TOKENS = 200
 ROUNDS = int(os.environ.get("SLUICE_KILL_ROUNDS", "10"))  # ``make soak`` asks for more
 STALL_BOUND_S = 10  # the longest wait for the next delta a client may see across a kill
 RESUMED_BOUND_S = 12  # from the kill to the first delta the survivor generated
@@ -72,6 +76,50 @@ def test_a_killed_worker_s_stream_completes_on_the_other(
     reference: Greedy,
 ):
     kill_mid_stream_and_finish(api, fleet, redis_server, openai_client, reference)
+
+
+LIST_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "keeper": {"type": "string", "maxLength": 20},
+        "days": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "properties": {
+                    "day": {"type": "integer", "minimum": 1, "maximum": 99},
+                    "event": {"type": "string", "maxLength": 40},
+                },
+                "required": ["day", "event"],
+                "additionalProperties": False,
+            },
+            "minItems": 6,
+            "maxItems": 6,
+        },
+    },
+    "required": ["keeper", "days"],
+    "additionalProperties": False,
+}
+
+
+def test_a_killed_worker_s_constrained_stream_completes_to_the_same_object(
+    api: str,
+    fleet: Fleet,
+    redis_server: RedisServer,
+    openai_client: OpenAI,
+    reference: Greedy,
+):
+    """The survivor replays the matcher over the tokens already streamed and continues."""
+    grammar = grammar_of(StructuredOutputs(json=LIST_SCHEMA))
+    structured = StructuredOutputs(grammar=grammar)
+    expected = reference(tokenize(api, MESSAGES), CONSTRAINED_MAX_TOKENS, structured)
+    response_format = {"type": "json_schema", "json_schema": {"name": "log", "schema": LIST_SCHEMA}}
+    deltas = stream_chat(
+        openai_client, MESSAGES, CONSTRAINED_MAX_TOKENS, response_format=response_format
+    )
+    reader = kill_mid_stream(fleet, redis_server, deltas, expected)
+    assert reader.finish == "stop"
+    jsonschema.validate(json.loads(reader.text), LIST_SCHEMA)
 
 
 def test_a_job_taken_by_a_worker_killed_before_it_started_runs_elsewhere(
@@ -198,7 +246,21 @@ def kill_mid_stream_and_finish(
     """Stream, ``kill -9`` the serving worker, check the stream ends as if nothing happened,
     and time the stall the client saw."""
     expected = reference(tokenize(api, MESSAGES), MAX_TOKENS)
-    reader = StreamReader(stream_chat(client, MESSAGES, MAX_TOKENS))
+    reader = kill_mid_stream(
+        fleet, redis_server, stream_chat(client, MESSAGES, MAX_TOKENS), expected
+    )
+    assert reader.finish == "length"
+
+
+def kill_mid_stream(
+    fleet: Fleet,
+    redis_server: RedisServer,
+    deltas: Iterator[tuple[str, str, str | None]],
+    expected: str,
+) -> StreamReader:
+    """Read ``deltas``, ``kill -9`` the serving worker, check the text is ``expected`` and
+    record the stall; the reader is returned for the caller's own checks."""
+    reader = StreamReader(deltas)
     reader.start()
     assert reader.first_text.wait(120), "no text streamed"
     if reader.error is not None:
@@ -222,7 +284,6 @@ def kill_mid_stream_and_finish(
     ]
     assert max(entry.attempt for entry in entries) >= 2, "the stream was not resumed"
     assert reader.text == expected
-    assert reader.finish == "length"
 
     times = [at for at, _ in reader.received]
     stall = max(later - earlier for earlier, later in zip(times, times[1:], strict=False))
@@ -231,6 +292,7 @@ def kill_mid_stream_and_finish(
     RESUMED.append(resumed_after)
     assert stall < STALL_BOUND_S
     assert 0 < resumed_after < RESUMED_BOUND_S
+    return reader
 
 
 def survivor_s_first_delta(reader: StreamReader, entries: list[Entry]) -> float:

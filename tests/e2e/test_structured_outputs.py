@@ -384,3 +384,23 @@ def test_an_unenforceable_anthropic_format_is_a_400(http: httpx.Client) -> None:
     assert reply.status_code == 400, reply.text
     assert reply.json()["error"]["type"] == "invalid_request_error"
     assert "no-such-format" in reply.json()["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2},
+        ),
+        ("/v1/responses", {"input": "Hi", "max_output_tokens": 16}),
+        ("/v1/messages", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}),
+    ],
+)
+def test_an_unknown_field_is_reported_as_ignored(http: httpx.Client, path: str, body: dict):
+    body = {"model": "default", **body}
+    reply = http.post(path, json={**body, "no_such": 1})
+    assert reply.status_code == 200, reply.text
+    assert reply.headers["sluice-ignored-fields"] == "no_such"
+    known = http.post(path, json=body)
+    assert "sluice-ignored-fields" not in known.headers
