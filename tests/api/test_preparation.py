@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import llguidance
 import pytest
 
 from api.backends.base import ServedModel
@@ -26,15 +27,18 @@ from api.preparation import (
     thinking_mode,
 )
 from api.protocols.base import GenerationRequest, Protocol, ResponseBuilder
+from shared.constraints import lltokenizer
 from shared.conversation import (
     AssistantMessage,
     Conversation,
+    ResponseFormat,
     TextPart,
     Tool,
     ToolChoice,
     UserMessage,
 )
 from shared.registry import ModelRegistry, ModelSpec, UnknownModel, default_registry
+from shared.sampling import StructuredOutputs
 from shared.tokenizer_loader import load_tokenizer
 from shared.wire import PreparedRequest
 
@@ -47,12 +51,13 @@ def _parse(body: dict[str, Any]) -> GenerationRequest:
         raise bad_request("model is required", "model")
     conversation = Conversation(
         messages=[UserMessage([TextPart(text)]) for text in body.get("messages", ["Hi"])],
-        tools=[Tool(name) for name in body.get("tools", [])],
+        tools=[tool if isinstance(tool, Tool) else Tool(tool) for tool in body.get("tools", [])],
         tool_choice=ToolChoice(
             body.get("tool_choice", "auto"), parallel=body.get("parallel", True)
         ),
         thinking=body.get("thinking"),
         reasoning_effort=body.get("reasoning_effort"),
+        response_format=body.get("response_format", ResponseFormat()),
     )
     return GenerationRequest(
         model=body["model"],
@@ -60,6 +65,7 @@ def _parse(body: dict[str, Any]) -> GenerationRequest:
         max_tokens=body.get("max_tokens"),
         temperature=body.get("temperature"),
         stop=body.get("stop", []),
+        structured_outputs=body.get("structured_outputs"),
     )
 
 
@@ -303,3 +309,90 @@ def test_images_are_refused_for_a_model_that_cannot_see_them(default_spec: Model
     body["model"] = "seer"
     prepared = prepare(chat_completions.PROTOCOL, body, _context(seeing))
     assert prepared.wire.prompt_token_ids
+
+
+# --- constraints -----------------------------------------------------------------
+
+
+def _accepts(ctx: PreparationContext, grammar: str, text: str) -> bool:
+    """Whether the grammar matches ``text`` completely, on the model's tokenizer."""
+    tokenizer = lltokenizer(next(iter(ctx.models.values())).tokenizer)
+    matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+    return matcher.consume_tokens(tokenizer.tokenize_str(text)) and matcher.is_accepting()
+
+
+def test_no_constraint_leaves_the_output_free(ctx: PreparationContext):
+    assert prepare(MINIMAL, {"model": "default"}, ctx).wire.sampling.structured_outputs is None
+
+
+def test_a_thinking_model_is_constrained_after_its_reasoning():
+    ctx = _context(_qwen3_like())
+    body = {"model": "thinker", "structured_outputs": StructuredOutputs(choice=["yes", "no"])}
+    spec = prepare(MINIMAL, body, ctx).wire.sampling.structured_outputs
+    assert spec is not None and spec.grammar is not None
+    assert _accepts(ctx, spec.grammar, "<think>\nMaybe {yes}.\n</think>\n\nyes")
+    assert not _accepts(ctx, spec.grammar, "<think>\nhmm\n</think>\n\nperhaps")
+    body["thinking"] = False
+    spec = prepare(MINIMAL, body, ctx).wire.sampling.structured_outputs
+    assert spec is not None and _accepts(ctx, spec.grammar or "", "yes")
+
+
+def test_a_forced_call_is_a_grammar_in_the_models_syntax(ctx: PreparationContext):
+    body = {"model": "default", "tools": ["f", "g"], "tool_choice": "required"}
+    spec = prepare(MINIMAL, body, ctx).wire.sampling.structured_outputs
+    assert spec is not None and spec.grammar is not None
+    call = '<tool_call>\n{"name": "g", "arguments": {}}\n</tool_call>'
+    assert _accepts(ctx, spec.grammar, call)
+    assert _accepts(ctx, spec.grammar, call + "\n" + call.replace('"g"', '"f"'))
+    assert not _accepts(ctx, spec.grammar, "Sure! " + call)
+    body["parallel"] = False
+    spec = prepare(MINIMAL, body, ctx).wire.sampling.structured_outputs
+    assert spec is not None and not _accepts(ctx, spec.grammar or "", call + "\n" + call)
+
+
+def test_llama3_json_models_are_forced_into_their_own_syntax():
+    base = default_registry().resolve("default")
+    llama = ModelSpec("llama", base.weights, prompt_format="chatml", tool_parser="llama3_json")
+    ctx = _context(llama)
+    body = {"model": "llama", "tools": ["f"], "tool_choice": "required"}
+    prepared = prepare(MINIMAL, body, ctx)
+    grammar = prepared.wire.sampling.structured_outputs.grammar  # type: ignore[union-attr]
+    assert _accepts(ctx, grammar, '{"name": "f", "parameters": {}}')
+    assert prepared.wire.parsing.bare_json_tool_calls and prepared.wire.parsing.tool_calls is None
+
+
+def test_a_strict_tool_whose_schema_cannot_be_enforced_is_a_400(ctx: PreparationContext):
+    unenforceable = {"type": "object", "properties": {"a": {"if": {}}}}
+    strict = Tool("f", parameters=unenforceable, strict=True)
+    body = {"model": "default", "tools": [strict], "tool_choice": "required"}
+    error = _error(prepare, MINIMAL, body, ctx)
+    assert (error.status, error.param) == (400, "tools[0].parameters")
+    body["tools"] = [Tool("f", parameters=unenforceable)]  # not strict: any JSON object
+    spec = prepare(MINIMAL, body, ctx).wire.sampling.structured_outputs
+    call = '<tool_call>\n{"name": "f", "arguments": {"b": [1]}}\n</tool_call>'
+    assert spec is not None and _accepts(ctx, spec.grammar or "", call)
+
+
+def test_two_constraints_at_once_are_a_400(ctx: PreparationContext):
+    body = {
+        "model": "default",
+        "structured_outputs": StructuredOutputs(regex="a+"),
+        "response_format": ResponseFormat("json_object"),
+    }
+    error = _error(prepare, MINIMAL, body, ctx)
+    assert (error.status, error.param) == (400, "structured_outputs")
+
+
+def test_an_invalid_response_format_schema_names_where_it_was_written(ctx: PreparationContext):
+    schema = {"type": "string", "format": "no-such-format"}
+    response_format = ResponseFormat("json_schema", schema, param="text.format.schema")
+    error = _error(prepare, MINIMAL, {"model": "default", "response_format": response_format}, ctx)
+    assert (error.status, error.param) == (400, "text.format.schema")
+    assert "no-such-format" in error.message
+
+
+def test_tool_choice_none_ends_the_answer_at_a_calls_markup(ctx: PreparationContext):
+    body = {"model": "default", "tools": ["f"], "tool_choice": "none", "stop": ["END"]}
+    prepared = prepare(MINIMAL, body, ctx)
+    assert prepared.wire.sampling.stop == ["END", HERMES_TOOL_CALL.open]
+    assert prepared.wire.parsing.stop == ["END"] and prepared.wire.parsing.tool_calls is None
