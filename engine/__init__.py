@@ -24,6 +24,7 @@ _EXPORTS = {
     "RequestOutput": "engine.llm",
     "LLMEngine": "engine.llm_engine",
     "SamplingParams": "shared.sampling",
+    "StructuredOutputs": "shared.sampling",
 }
 
 
