@@ -91,10 +91,17 @@ class Constraints:
         return matcher
 
     def start_masks(self, seqs: list[Sequence]) -> PendingMasks | None:
-        """Begin filling the next-token masks of ``seqs`` (those with a matcher)."""
-        constrained = [seq for seq in seqs if seq.matcher is not None]
+        """Begin filling the next-token masks of the constrained ``seqs``.
+
+        A sequence whose matcher was freed (it was preempted) gets a new one
+        that replays its output so far.
+        """
+        constrained = [seq for seq in seqs if seq.params.structured_outputs is not None]
         if not constrained:
             return None
+        for seq in constrained:
+            if seq.matcher is None:
+                seq.matcher = self.matcher(seq.params.structured_outputs, seq.output_token_ids)
         if self._thread is None:
             self._thread = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
             self._executor = llguidance.LLExecutor()

@@ -126,6 +126,8 @@ class LLMEngine:
     def step(self) -> list[InferenceEvent]:
         events, self._pending = self._pending, []
         batch = self.scheduler.schedule()
+        for seq in batch.preempted:
+            seq.matcher = None  # freed with its blocks; rebuilt from its tokens when it samples
         if not batch.scheduled:
             return events
         masks = self.constraints.start_masks([i.seq for i in batch.scheduled if i.samples])

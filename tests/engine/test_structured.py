@@ -261,3 +261,33 @@ def test_the_grammar_tokenizer_accepts_the_model_vocabulary(make_engine: EngineF
     tokenizer = lltokenizer(engine.tokenizer, engine.model_config.vocab_size)
     assert isinstance(tokenizer, llguidance.LLTokenizer)
     assert tokenizer.vocab_size == engine.model_config.vocab_size
+
+
+def test_preempted_constrained_sequences_continue_their_grammar(
+    make_engine: EngineFactory,
+) -> None:
+    """A preempted sequence's matcher is freed and rebuilt from its tokens: same outputs."""
+    reference = make_engine()
+    encode = reference.tokenizer.tokenizer.encode
+    texts = [
+        "The history of the Roman Empire begins with",
+        "In a small village by the sea, there lived an old fisherman who",
+        "Python is a programming language that",
+        "My favourite recipe for apple pie needs flour, butter and",
+    ]
+    spec = StructuredOutputs(regex=r"[a-z]+( [a-z]+){6,12}")
+    requests = {
+        f"r{i}": (encode(text).ids, constrained(spec, max_tokens=14, temperature=1.0, seed=i))
+        for i, text in enumerate(texts)
+    }
+    assert all(len(ids) + params.max_tokens <= 32 for ids, params in requests.values())
+    expected = run_all(reference, requests)
+    tight = make_engine(num_blocks=5)
+    got = run_all(tight, requests)
+    assert tight.stats.preemptions > 0
+    for name, (ids, text, _) in expected.items():
+        assert got[name][0] == ids
+        assert (
+            re.fullmatch(r"[a-z]+( [a-z]+){2,12}", text)
+            or got[name][2].reason is FinishReason.LENGTH
+        )
