@@ -327,7 +327,7 @@ def _grammar(encoded: Encoded, field: str) -> str:
 
 
 def _tool_call_grammar(encoded: Encoded) -> str:
-    """Calls to the named tool (or any tool), in the model's syntax.
+    """One call to the named tool, or calls to any tool, in the model's syntax.
 
     A ``strict`` tool's arguments match its schema, and a schema the grammar
     engine cannot enforce is refused; a non-strict tool's arguments match it
@@ -352,7 +352,8 @@ def _tool_call_grammar(encoded: Encoded) -> str:
                 check(grammar_of(StructuredOutputs(json=parameters)), f"tools[{index}].parameters")
             parameters = ANY_OBJECT
         specs.append(ToolSpec(tool.name, parameters))
-    return tool_call_grammar(specs, syntax, parallel=choice.parallel)
+    # A named function is one call (as vLLM forces it); "required" allows several when parallel.
+    return tool_call_grammar(specs, syntax, parallel=choice.parallel and choice.mode == "required")
 
 
 def tool_call_syntax(model: ServedModel) -> ToolCallSyntax | None:

@@ -53,7 +53,7 @@ def _parse(body: dict[str, Any]) -> GenerationRequest:
         messages=[UserMessage([TextPart(text)]) for text in body.get("messages", ["Hi"])],
         tools=[tool if isinstance(tool, Tool) else Tool(tool) for tool in body.get("tools", [])],
         tool_choice=ToolChoice(
-            body.get("tool_choice", "auto"), parallel=body.get("parallel", True)
+            body.get("tool_choice", "auto"), body.get("tool_name"), body.get("parallel", True)
         ),
         thinking=body.get("thinking"),
         reasoning_effort=body.get("reasoning_effort"),
@@ -348,6 +348,16 @@ def test_a_forced_call_is_a_grammar_in_the_models_syntax(ctx: PreparationContext
     body["parallel"] = False
     spec = prepare(MINIMAL, body, ctx).wire.sampling.structured_outputs
     assert spec is not None and not _accepts(ctx, spec.grammar or "", call + "\n" + call)
+
+
+def test_a_named_function_is_called_once(ctx: PreparationContext):
+    body = {"model": "default", "tools": ["f", "g"], "tool_choice": "function"}
+    body["tool_name"] = "g"
+    spec = prepare(MINIMAL, body, ctx).wire.sampling.structured_outputs
+    call = '<tool_call>\n{"name": "g", "arguments": {}}\n</tool_call>'
+    assert spec is not None and _accepts(ctx, spec.grammar or "", call)
+    assert not _accepts(ctx, spec.grammar or "", call + "\n" + call)
+    assert not _accepts(ctx, spec.grammar or "", call.replace('"g"', '"f"'))
 
 
 def test_llama3_json_models_are_forced_into_their_own_syntax():
