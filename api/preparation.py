@@ -297,8 +297,9 @@ def constraint(encoded: Encoded, thinking: bool) -> StructuredOutputs | None:
     if not sources:
         return None
     if len(sources) > 1 and "structured_outputs" in sources:
+        others = ", ".join(name for name in sources if name != "structured_outputs")
         raise bad_request(
-            f"structured_outputs cannot be combined with {sources[0]}: send one constraint",
+            f"structured_outputs cannot be combined with {others}: send one constraint",
             "structured_outputs",
         )
     field = sources[0]
