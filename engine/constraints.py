@@ -29,16 +29,20 @@ COMPILED_GRAMMARS = 256  # distinct grammars kept compiled, least recently used 
 
 @dataclass(slots=True)
 class GrammarMask:
-    """The tokens constrained rows may take next: ``allowed[i]`` is for logits row ``rows[i]``."""
+    """Tokens the constrained rows may not take: ``ruled_out[i]`` is for logits row ``rows[i]``."""
 
     rows: list[int]
-    allowed: torch.Tensor  # bool [len(rows), vocab]
+    ruled_out: torch.Tensor  # bool [len(rows), vocab]
 
     def apply(self, logits: torch.Tensor) -> None:
-        """Rule out every disallowed token of the constrained rows, in place."""
-        index = torch.tensor(self.rows, device=logits.device)
-        allowed = self.allowed.to(logits.device, non_blocking=True)
-        logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+        """Rule out the disallowed tokens of the constrained rows, in place, row by row.
+
+        In place on each row's view: indexing all rows at once would copy
+        them out and back, which costs more than the fill itself.
+        """
+        ruled_out = self.ruled_out.to(logits.device, non_blocking=True)
+        for index, row in enumerate(self.rows):
+            logits[row].masked_fill_(ruled_out[index], float("-inf"))
 
 
 class PendingMasks:
@@ -53,8 +57,8 @@ class PendingMasks:
         """Wait for the masks; ``row_of`` maps ``id(seq)`` to its logits row."""
         self._filled.result()
         bits = np.unpackbits(self._bitmask.numpy().view(np.uint8), axis=1, bitorder="little")
-        allowed = torch.from_numpy(bits[:, :vocab_size].astype(bool))
-        return GrammarMask([row_of[id(seq)] for seq in self.seqs], allowed)
+        ruled_out = torch.from_numpy(bits[:, :vocab_size] == 0)
+        return GrammarMask([row_of[id(seq)] for seq in self.seqs], ruled_out)
 
 
 class Constraints:
