@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
+from api.auth import Authentication, KeyRing
 from api.backends.base import Backend
 from api.errors import ApiError, bad_request
 from api.jobs.routes import jobs_router
@@ -67,6 +68,9 @@ def create_app(settings: Settings | None = None, backend: Backend | None = None)
     app.add_api_route("/metrics", _metrics_route(serving), methods=["GET"])
     app.include_router(jobs_router(serving, _job_store(settings), settings, channel))
     _install_error_handlers(app, serving)
+    keys = KeyRing.configured(settings.api_keys, settings.api_keys_file)
+    log.info("%s", keys.describe())
+    app.add_middleware(Authentication, keys=keys, metrics_token=settings.metrics_token)
     return app
 
 
@@ -125,7 +129,8 @@ def _generation_route(protocol: Protocol, serving: Serving) -> Callable[..., Awa
         arrived = time.monotonic()
         request_id = new_request_id(protocol)
         await serving.admit()
-        prepared = await serving.prepare(protocol, await read_json(request), request_id)
+        key = getattr(request.state, "api_key_record", None)
+        prepared = await serving.prepare(protocol, await read_json(request), request_id, key)
         processor, events = serving.run(prepared, arrived)
         if prepared.request.stream:
             answer: Awaitable[Response] = event_source(processor, events, protocol.done_marker)

@@ -7,6 +7,7 @@ pulls in torch and ``sluice generate`` never pulls in the web stack.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -80,6 +81,7 @@ def _generate(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     from pathlib import Path
 
+    from api.auth import KeyRing
     from api.server import run
     from api.settings import Settings, load_models
 
@@ -99,14 +101,24 @@ def _serve(args: argparse.Namespace) -> int:
         max_inflight=args.max_inflight,
         job_retention_s=args.job_retention,
         max_batch_jobs=args.max_batch_jobs,
+        api_keys=tuple(args.api_key or ()) + _environment_key(),
+        api_keys_file=Path(args.api_keys) if args.api_keys else None,
+        metrics_token=args.metrics_token,
     )
     try:
         load_models(settings)  # a bad --model or --config fails here, with a clear message
+        KeyRing.configured(settings.api_keys, settings.api_keys_file)  # and a bad keys file
     except (ValueError, OSError) as exc:
         print(f"sluice serve: {exc}", file=sys.stderr)
         return 2
     run(settings)
     return 0
+
+
+def _environment_key() -> tuple[str, ...]:
+    """``SLUICE_API_KEY``, accepted beside any ``--api-key``."""
+    key = os.environ.get("SLUICE_API_KEY", "").strip()
+    return (key,) if key else ()
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -176,6 +188,20 @@ def build_parser() -> argparse.ArgumentParser:
         default=100,
         metavar="N",
         help="POST /v1/jobs/batch: at most N",
+    )
+    serve.add_argument(
+        "--api-key",
+        action="append",
+        metavar="KEY",
+        help="require this API key (repeatable; SLUICE_API_KEY adds one)",
+    )
+    serve.add_argument(
+        "--api-keys",
+        metavar="FILE",
+        help="TOML file of named keys stored as SHA-256 hashes ([keys.<name>])",
+    )
+    serve.add_argument(
+        "--metrics-token", metavar="TOKEN", help="GET /metrics needs this bearer token"
     )
     serve.set_defaults(run=_serve)
 

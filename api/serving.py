@@ -9,6 +9,7 @@ from typing import Any, TypeVar
 import anyio
 from fastapi import FastAPI
 
+from api.auth import ApiKey
 from api.backends.base import Backend, ServedModel
 from api.errors import ApiError
 from api.metrics import ServingMetrics
@@ -68,8 +69,28 @@ class Serving:
         """Run CPU work (rendering, tokenizing) in the bounded threadpool."""
         return await anyio.to_thread.run_sync(function, *args, limiter=self.limiter)
 
-    async def prepare(self, protocol: Protocol, body: dict[str, Any], request_id: str) -> Prepared:
-        return await self.off_loop(prepare, protocol, body, self.context(), request_id)
+    async def prepare(
+        self,
+        protocol: Protocol,
+        body: dict[str, Any],
+        request_id: str,
+        key: ApiKey | None = None,
+    ) -> Prepared:
+        """The prepared request, under ``key``'s models and priority when there is one."""
+        prepared = await self.off_loop(prepare, protocol, body, self.context(), request_id)
+        if key is not None:
+            model = prepared.model.spec.name
+            if not key.allows(model):
+                raise ApiError(
+                    404,
+                    f"The model '{prepared.request.model}' does not exist or you do not have "
+                    "access to it.",
+                    "not_found_error",
+                    "model",
+                    "model_not_found",
+                )
+            prepared.wire.priority = key.priority
+        return prepared
 
     def run(
         self, prepared: Prepared, arrived: float

@@ -30,6 +30,10 @@ class Settings:
     # Async jobs (api/jobs): kept this long after submission; a batch holds at most this many.
     job_retention_s: float = 86_400.0
     max_batch_jobs: int = 100
+    # Who may call (api/auth.py): plain keys, a TOML file of named keys, the /metrics token.
+    api_keys: tuple[str, ...] = ()
+    api_keys_file: Path | None = None
+    metrics_token: str | None = None
 
 
 def load_models(settings: Settings) -> tuple[ModelRegistry, ModelSpec]:

@@ -1,0 +1,135 @@
+"""API keys against a real server: the SDKs' AuthenticationError, both headers, job ownership.
+
+The server requires a plain key (``--api-key``), two named keys from a TOML
+file of SHA-256 hashes (one limited to a model it does not serve) and a
+token for ``/metrics``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator
+from pathlib import Path
+
+import anthropic
+import httpx
+import openai
+import pytest
+
+from api.auth import KeyRing
+from tests.servers import running_server
+
+pytestmark = pytest.mark.slow
+
+PLAIN = "sk-plain-0123"
+ALICE = "sk-alice-4567"
+BOB = "sk-bob-89ab"
+ELSEWHERE = "sk-elsewhere-cdef"
+METRICS_TOKEN = "metrics-secret"
+HI = [{"role": "user", "content": "Hi"}]
+
+
+def _digest(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    directory = tmp_path_factory.mktemp("auth")
+    keys_file = directory / "keys.toml"
+    keys_file.write_text(
+        f'[keys.alice]\nsha256 = "{_digest(ALICE)}"\npriority = -1\n\n'
+        f'[keys.bob]\nsha256 = "{_digest(BOB)}"\n\n'
+        f'[keys.elsewhere]\nsha256 = "{_digest(ELSEWHERE)}"\nmodels = ["another-model"]\n'
+    )
+    args = [
+        "--max-model-len", "1024", "--max-num-seqs", "2",
+        "--api-key", PLAIN, "--api-keys", str(keys_file), "--metrics-token", METRICS_TOKEN,
+    ]  # fmt: skip
+    with running_server(args, directory) as base_url:
+        yield base_url
+
+
+def _openai(server: str, key: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server}/v1", api_key=key, max_retries=0, timeout=60)
+
+
+def _anthropic(server: str, key: str) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=server, api_key=key, max_retries=0, timeout=60)
+
+
+@pytest.mark.parametrize("key", ["sk-wrong", ""])
+def test_the_openai_sdk_raises_authentication_error_without_a_right_key(server: str, key: str):
+    with pytest.raises(openai.AuthenticationError) as raised:
+        _openai(server, key or "unused").chat.completions.create(
+            model="default", messages=HI, max_tokens=2, extra_headers={"Authorization": key}
+        )
+    assert raised.value.status_code == 401
+    assert raised.value.body["code"] == "invalid_api_key"  # type: ignore[index]
+
+
+def test_the_anthropic_sdk_raises_authentication_error_with_a_wrong_key(server: str):
+    with pytest.raises(anthropic.AuthenticationError) as raised:
+        _anthropic(server, "sk-wrong").messages.create(model="default", max_tokens=2, messages=HI)
+    assert raised.value.body["error"]["type"] == "authentication_error"  # type: ignore[index]
+
+
+@pytest.mark.parametrize("key", [PLAIN, ALICE])
+def test_a_right_key_works_through_either_header(server: str, key: str):
+    reply = _openai(server, key).chat.completions.create(
+        model="default", messages=HI, max_tokens=2
+    )  # Authorization: Bearer
+    assert reply.usage.completion_tokens >= 1
+    message = _anthropic(server, key).messages.create(
+        model="default", max_tokens=2, messages=HI
+    )  # x-api-key
+    assert message.usage.output_tokens >= 1
+
+
+def test_a_key_limited_to_other_models_gets_404(server: str):
+    with pytest.raises(openai.NotFoundError):
+        _openai(server, ELSEWHERE).chat.completions.create(
+            model="default", messages=HI, max_tokens=2
+        )
+
+
+def test_health_and_ready_stay_open_and_metrics_needs_its_token(server: str):
+    assert httpx.get(f"{server}/health").status_code == 200
+    assert httpx.get(f"{server}/ready").status_code == 200
+    assert httpx.get(f"{server}/metrics").status_code == 401
+    wrong = {"Authorization": f"Bearer {PLAIN}"}
+    assert httpx.get(f"{server}/metrics", headers=wrong).status_code == 401
+    right = {"Authorization": f"Bearer {METRICS_TOKEN}"}
+    assert httpx.get(f"{server}/metrics", headers=right).status_code == 200
+
+
+def test_a_job_belongs_to_the_key_that_submitted_it(server: str):
+    def client(key: str) -> httpx.Client:
+        headers = {"Authorization": f"Bearer {key}"}
+        return httpx.Client(base_url=server, headers=headers, timeout=60)
+
+    with client(ALICE) as alice, client(BOB) as bob:
+        body = {"model": "default", "messages": HI, "max_tokens": 2}
+        submitted = alice.post("/v1/jobs", json={"endpoint": "/v1/chat/completions", "body": body})
+        assert submitted.status_code == 202, submitted.text
+        job_id = submitted.json()["id"]
+        assert alice.get(f"/v1/jobs/{job_id}").status_code == 200
+        for response in (
+            bob.get(f"/v1/jobs/{job_id}"),
+            bob.get(f"/v1/jobs/{job_id}/events"),
+            bob.delete(f"/v1/jobs/{job_id}"),
+        ):
+            assert response.status_code == 404
+        assert job_id in [job["id"] for job in alice.get("/v1/jobs").json()["data"]]
+        assert job_id not in [job["id"] for job in bob.get("/v1/jobs").json()["data"]]
+
+
+def test_keys_are_never_in_the_log(server: str, tmp_path_factory: pytest.TempPathFactory):
+    log = Path(tmp_path_factory.getbasetemp()).glob("auth*/server.log")
+    text = "".join(path.read_text() for path in log)
+    assert "API key(s) configured" in text
+    assert not any(key in text for key in (PLAIN, ALICE, BOB, ELSEWHERE, METRICS_TOKEN))
+
+
+def test_an_open_server_says_so():
+    assert "no API key configured" in KeyRing().describe()
