@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, TypeVar
 
 import anyio
@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
+from api.access_log import AccessLog, AccessRecord
 from api.auth import Authentication, KeyRing
 from api.backends.base import Backend
 from api.errors import ApiError, bad_request
@@ -29,11 +30,12 @@ from api.jobs.store import JobStore, MemoryJobStore
 from api.preparation import Prepared, encode_request, new_request_id
 from api.protocols import chat_completions, messages
 from api.protocols.base import Protocol
-from api.protocols.table import BY_PATH, PROTOCOLS, error_shape
+from api.protocols.table import PROTOCOLS, error_shape
 from api.request_body import read_json
 from api.serving import Serving
 from api.settings import Settings, load_models
 from api.streaming import collect, event_source
+from shared.events import InferenceEvent, Text
 from shared.registry import ModelSpec
 
 if TYPE_CHECKING:
@@ -71,6 +73,7 @@ def create_app(settings: Settings | None = None, backend: Backend | None = None)
     keys = KeyRing.configured(settings.api_keys, settings.api_keys_file)
     log.info("%s", keys.describe())
     app.add_middleware(Authentication, keys=keys, metrics_token=settings.metrics_token)
+    app.add_middleware(AccessLog, metrics=serving.metrics)  # outermost: sees every answer
     return app
 
 
@@ -132,17 +135,32 @@ def _generation_route(protocol: Protocol, serving: Serving) -> Callable[..., Awa
         key = getattr(request.state, "api_key_record", None)
         prepared = await serving.prepare(protocol, await read_json(request), request_id, key)
         processor, events = serving.run(prepared, arrived)
+        access: AccessRecord = request.state.access
+        access.model, access.processor = prepared.request.model, processor
+        events = _noting_first_token(events, access)
         if prepared.request.stream:
             answer: Awaitable[Response] = event_source(processor, events, protocol.done_marker)
         else:
             answer = _json_response(collect(processor, events))
         response = await _unless_client_leaves(request, answer) or Response(status_code=499)
-        serving.metrics.count_request(protocol.name, response.status_code)
         _report_ignored(prepared, response)
         return response
 
     generate.__name__ = f"create_{protocol.name.replace('.', '_')}"
     return generate
+
+
+async def _noting_first_token(
+    events: AsyncIterator[InferenceEvent], access: AccessRecord
+) -> AsyncIterator[InferenceEvent]:
+    """``events``, with the time of the first generated token left in the access record."""
+    try:
+        async for event in events:
+            if access.first_token_at is None and isinstance(event, Text) and event.token_ids:
+                access.first_token_at = time.monotonic()
+            yield event
+    finally:
+        await events.aclose()
 
 
 def _report_ignored(prepared: Prepared, response: Response) -> None:
@@ -263,12 +281,9 @@ async def _unless_client_leaves(request: Request, work: Awaitable[T]) -> T | Non
 
 
 def _install_error_handlers(app: FastAPI, serving: Serving) -> None:
-    protocol_paths = set(BY_PATH)
 
     def respond(request: Request, error: ApiError) -> Response:
         protocol = error_shape(request.url.path)
-        if request.url.path in protocol_paths:
-            serving.metrics.count_request(protocol.name, error.status)
         return JSONResponse(
             protocol.error_body(error), status_code=error.status, headers=error.headers
         )
