@@ -3,11 +3,12 @@
 Every response carries ``x-request-id``: the client's own when it sent a
 well-formed one (letters, digits, ``._:-``, up to 128), else a new
 ``req_…``. When the request ends (the last byte sent, or the client gone)
-one line is logged under ``sluice.access`` with the id, the key's name (never
-the key), the protocol, the model, the status, the token counts, the time to
-first token and the duration. A response whose client left before its end
-(a stream it stopped reading, a whole response it did not wait for) is
-recorded as 499, in the log and in ``sluice_requests``.
+its admission is released and one line is logged under ``sluice.access``
+with the id, the key's name (never the key), the protocol, the model, the
+status, the token counts, the time to first token and the duration. A
+response whose client left before its end (a stream it stopped reading, a
+whole response it did not wait for) is recorded as 499, in the log and in
+``sluice_requests``.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 from starlette.datastructures import Headers, MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from api.backends.base import Place
 from api.metrics import ServingMetrics
 from api.protocols.table import BY_PATH
 from api.streaming import StreamProcessor
@@ -40,6 +42,7 @@ class AccessRecord:
     model: str | None = None
     processor: StreamProcessor | None = None  # its usage, once the response ends
     first_token_at: float | None = None
+    place: Place | None = None  # its admission, released when the request ends
 
 
 def request_id_of(headers: Headers) -> str:
@@ -80,6 +83,8 @@ class AccessLog:
         try:
             await self.app(scope, receive, send_with_id)
         finally:
+            if record.place is not None:
+                record.place.release()
             outcome = status if ended else CLIENT_LEFT
             if record.protocol is not None:
                 self.metrics.count_request(record.protocol, outcome)

@@ -22,6 +22,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
 from api.access_log import AccessLog, AccessRecord
+from api.admission import Limits
 from api.auth import Authentication, KeyRing
 from api.backends.base import Backend
 from api.errors import ApiError, bad_request
@@ -81,7 +82,6 @@ def _request_channel(settings: Settings) -> RequestChannel | None:
     """With ``redis_url``: the one channel to the workers that requests and jobs share."""
     if not settings.redis_url:
         return None
-    from api.admission import Limits
     from api.backends.channel import RequestChannel
 
     return RequestChannel(settings.redis_url, Limits.of(settings))
@@ -121,7 +121,7 @@ def _embedded_backend(spec: ModelSpec, settings: Settings) -> Backend:
         max_num_seqs=settings.max_num_seqs,
         registry_file=str(settings.config) if settings.config else None,
     )
-    return EmbeddedBackend(spec, args)
+    return EmbeddedBackend(spec, args, limits=Limits.of(settings))
 
 
 # --- routes --------------------------------------------------------------------
@@ -131,11 +131,11 @@ def _generation_route(protocol: Protocol, serving: Serving) -> Callable[..., Awa
     async def generate(request: Request) -> Response:
         arrived = time.monotonic()
         request_id = new_request_id(protocol)
-        await serving.admit()
+        access: AccessRecord = request.state.access
+        access.place = await serving.admit()  # released when the request ends
         key = getattr(request.state, "api_key_record", None)
         prepared = await serving.prepare(protocol, await read_json(request), request_id, key)
         processor, events = serving.run(prepared, arrived)
-        access: AccessRecord = request.state.access
         access.model, access.processor = prepared.request.model, processor
         events = _noting_first_token(events, access)
         if prepared.request.stream:

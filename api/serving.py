@@ -10,7 +10,7 @@ import anyio
 from fastapi import FastAPI
 
 from api.auth import ApiKey
-from api.backends.base import Backend, ServedModel
+from api.backends.base import Backend, Place, ServedModel
 from api.errors import ApiError
 from api.metrics import ServingMetrics
 from api.output_parser import OutputParser
@@ -61,9 +61,12 @@ class Serving:
             self._context, self._served = PreparationContext(self.registry, models), served
         return self._context
 
-    async def admit(self) -> None:
-        """Before a request is prepared: the backend refuses work it has no room for (429/503)."""
-        await self.backend.admit()
+    async def admit(self) -> Place:
+        """Before a request is prepared: the backend refuses work it has no room for (429/503).
+
+        The caller releases the place once the request has ended.
+        """
+        return await self.backend.admit()
 
     async def off_loop(self, function: Callable[..., T], *args: Any) -> T:
         """Run CPU work (rendering, tokenizing) in the bounded threadpool."""

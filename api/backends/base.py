@@ -21,6 +21,17 @@ if TYPE_CHECKING:
     from prometheus_client.registry import Collector
 
 
+class Place:
+    """A request's place among those a backend admitted; ``release`` gives it back, once.
+
+    The default holds no place: a backend that bounds its work elsewhere (the
+    distributed one, in Redis) hands these out.
+    """
+
+    def release(self) -> None:
+        """Give the place back; idempotent."""
+
+
 @dataclass(frozen=True, slots=True)
 class ServedModel:
     """A model a backend can run, with what preparation needs to encode for it.
@@ -67,8 +78,13 @@ class Backend(Protocol):
 
     def models(self) -> list[ServedModel]: ...
 
-    async def admit(self) -> None:
-        """Refuse a request before its preparation (a 429/503 ``ApiError``); default: admit."""
+    async def admit(self) -> Place:
+        """Refuse a request before its preparation (a 429/503 ``ApiError``), or admit it.
+
+        The caller releases the admission when the request has ended. Default:
+        admit, holding no place.
+        """
+        return Place()
 
     def metrics_collector(self) -> Collector | None:
         """Gauges of this backend's own for ``/metrics``; default: none."""

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from redis.exceptions import RedisError
 
 from api.admission import Admission, FleetSnapshot, Limits, api_error
-from api.backends.base import Backend, BackendHealth, ServedModel
+from api.backends.base import Backend, BackendHealth, Place, ServedModel
 from api.backends.channel import RequestChannel
 from api.backends.fleet import FleetCollector, FleetWatcher
 from shared import keys
@@ -77,9 +77,13 @@ class DistributedBackend(Backend):
         await self._fleet.stop()
         await self._channel.stop()
 
-    async def admit(self) -> None:
-        """Admission for one request, before its preparation (429/503 ``ApiError``)."""
+    async def admit(self) -> Place:
+        """Admission for one request, before its preparation (429/503 ``ApiError``).
+
+        Its place is kept in Redis by the submission, not by the ``Place`` returned.
+        """
         await self._admission.admit()
+        return Place()
 
     def metrics_collector(self) -> FleetCollector:
         """Per-model queue and worker gauges."""

@@ -8,6 +8,12 @@ back to the event loop with ``call_soon_threadsafe`` into one ``asyncio.Queue``
 per request; the event loop never touches the engine. Anything the engine
 raises becomes an ``Error`` event for the requests it concerns, so a client
 never waits forever.
+
+Admission and deadlines are distributed mode's (``api.admission.Limits``):
+at most ``max_inflight`` requests admitted and not ended (a 429 before any
+preparation), and a request the engine has not started by its queue
+deadline, or without a first token or an end by theirs, ends with that
+deadline's ``Error`` and leaves the engine.
 """
 
 from __future__ import annotations
@@ -15,15 +21,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING
 
-from api.backends.base import Backend, BackendHealth, ServedModel
+from api.admission import Limits, api_error, rate_limited_message
+from api.backends.base import Backend, BackendHealth, Place, ServedModel
 from engine.config import EngineArgs
-from shared.events import Error, Finish, InferenceEvent
+from shared.events import Error, Finish, InferenceEvent, Ready, Text
 from shared.heap import freeze_startup_heap
 from shared.registry import ModelSpec
-from shared.wire import PreparedRequest
+from shared.wire import Deadlines, PreparedRequest
 
 if TYPE_CHECKING:
     from engine.engine_thread import EngineThread
@@ -74,8 +82,11 @@ class EmbeddedBackend(Backend):
         spec: ModelSpec,
         engine_args: EngineArgs | None = None,
         engine_factory: EngineFactory | None = None,
+        limits: Limits | None = None,
     ) -> None:
         self._spec = spec
+        self._limits = limits or Limits()
+        self._admitted = 0  # admitted and not yet ended
         self._factory = engine_factory or _default_factory(engine_args or engine_args_for(spec))
         self._host: EngineThread | None = None
         self._loading: asyncio.Task[None] | None = None
@@ -105,6 +116,14 @@ class EmbeddedBackend(Backend):
     def models(self) -> list[ServedModel]:
         return [self._served] if self._served is not None else []
 
+    async def admit(self) -> Place:
+        """A place among the ``max_inflight`` requests admitted and not ended, or a 429."""
+        bound = self._limits.max_inflight
+        if self._admitted >= bound:
+            raise api_error("rate_limited", rate_limited_message(bound))
+        self._admitted += 1
+        return _EmbeddedPlace(self)
+
     async def infer(self, request: PreparedRequest) -> AsyncIterator[InferenceEvent]:
         """Yield the request's events; leaving early aborts it in the engine."""
         request_id = request.request_id
@@ -114,16 +133,27 @@ class EmbeddedBackend(Backend):
         queue: asyncio.Queue[InferenceEvent] = asyncio.Queue()
         self._streams[request_id] = queue
         self._host.call(lambda engine: self._add(engine, request))
-        finished = False
+        deadlines = self._limits.deadlines(request.created or time.time())
+        started = first_token = finished = False
         try:
             while not finished:
-                event = await queue.get()
+                kind, deadline = _next_deadline(deadlines, started, first_token)
+                try:
+                    event = await asyncio.wait_for(queue.get(), max(deadline - time.time(), 0))
+                except TimeoutError:
+                    yield Error(request_id, _DEADLINE_MESSAGES[kind](self._limits), kind)
+                    return
+                started = started or isinstance(event, Ready)
+                first_token = first_token or (isinstance(event, Text) and bool(event.token_ids))
                 finished = isinstance(event, Finish | Error)
                 yield event
         finally:
             self._streams.pop(request_id, None)
             if not finished and self._host is not None:
                 self._host.call(lambda engine: engine.abort(request_id))
+
+    def _release(self) -> None:
+        self._admitted -= 1
 
     async def _load(self) -> None:
         from engine.engine_thread import EngineThread
@@ -192,3 +222,37 @@ class EmbeddedBackend(Backend):
             steps=stats.steps,
             generated_tokens=stats.tokens,
         )
+
+
+class _EmbeddedPlace(Place):
+    def __init__(self, backend: EmbeddedBackend) -> None:
+        self._backend: EmbeddedBackend | None = backend
+
+    def release(self) -> None:
+        if self._backend is not None:
+            self._backend._release()
+            self._backend = None
+
+
+_DEADLINE_MESSAGES: dict[str, Callable[[Limits], str]] = {
+    "queue_timeout": lambda limits: (
+        f"The engine did not start the request within {limits.queue_timeout_s:g}s "
+        "(it is busy); retry later."
+    ),
+    "first_token_timeout": lambda limits: (
+        f"No first token within {limits.first_token_timeout_s:g}s of the request's arrival."
+    ),
+    "total_timeout": lambda limits: (
+        f"The generation did not end within {limits.total_timeout_s:g}s of its arrival."
+    ),
+}
+
+
+def _next_deadline(deadlines: Deadlines, started: bool, first_token: bool) -> tuple[str, float]:
+    """The deadline the next event must beat, and the error kind if it does not."""
+    waiting = [("total_timeout", deadlines.total)]
+    if not first_token:
+        waiting.append(("first_token_timeout", deadlines.first_token))
+    if not started:
+        waiting.append(("queue_timeout", deadlines.queue))
+    return min(((kind, at) for kind, at in waiting if at is not None), key=lambda item: item[1])

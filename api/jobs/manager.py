@@ -207,7 +207,9 @@ class JobManager:
         """The synchronous route's preparation, with the job's response (and request) id."""
         response_id = protocol.id_prefix + job_hex
         if admit:
-            await self.serving.admit()
+            # The admission check only: a job holds no connection, and the engine or the
+            # queue holds its place once it runs.
+            (await self.serving.admit()).release()
         return await self.serving.prepare(protocol, body, response_id)
 
     async def _generate(self, record: JobRecord, prepared: Prepared) -> AsyncIterator:
