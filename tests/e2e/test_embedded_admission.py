@@ -1,0 +1,85 @@
+"""Embedded admission and deadlines: a bound on admitted requests, and deadlines that fire.
+
+The server runs one sequence at a time with ``--max-inflight 4``: a burst of
+40 gets four through and 36 quick 429s; a request the engine cannot start in
+time gets the queue deadline's 503, and one that runs too long the total
+deadline's 504, and both leave the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from tests.servers import running_server
+
+pytestmark = pytest.mark.slow
+
+QUEUE_TIMEOUT_S = 8
+TOTAL_TIMEOUT_S = 12
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    args = [
+        "--max-model-len", "2048", "--max-num-seqs", "1", "--max-inflight", "4",
+        "--queue-timeout", str(QUEUE_TIMEOUT_S), "--total-timeout", str(TOTAL_TIMEOUT_S),
+    ]  # fmt: skip
+    with running_server(args, tmp_path_factory.mktemp("admission")) as base_url:
+        yield base_url
+
+
+def _body(max_tokens: int, **extra: object) -> dict:
+    messages = [{"role": "user", "content": "Tell me a long story."}]
+    return {"model": "default", "messages": messages, "max_tokens": max_tokens, **extra}
+
+
+def test_a_burst_beyond_max_inflight_is_refused_quickly(server: str, capsys):
+    async def burst() -> list[tuple[int, float, httpx.Response]]:
+        async with httpx.AsyncClient(base_url=server, timeout=120) as client:
+
+            async def one() -> tuple[int, float, httpx.Response]:
+                started = time.monotonic()
+                reply = await client.post("/v1/chat/completions", json=_body(4, temperature=0))
+                return reply.status_code, time.monotonic() - started, reply
+
+            return await asyncio.gather(*(one() for _ in range(40)))
+
+    results = asyncio.run(burst())
+    served = [r for r in results if r[0] == 200]
+    refused = [r for r in results if r[0] == 429]
+    assert len(served) == 4 and len(refused) == 36, [r[0] for r in results]
+    assert all(r[2].headers["retry-after"] for r in refused)
+    assert refused[0][2].json()["error"]["code"] == "rate_limit_exceeded"
+    p50 = statistics.median(seconds for _, seconds, _ in refused)
+    with capsys.disabled():
+        print(f"\n--max-inflight 4, a burst of 40: 36 refused, p50 {p50 * 1000:.0f} ms")
+    assert p50 < 2.0
+
+
+def test_the_queue_and_total_deadlines_fire_and_free_the_engine(server: str):
+    async def both() -> tuple[httpx.Response, httpx.Response, float]:
+        async with (
+            httpx.AsyncClient(base_url=server, timeout=120) as first,
+            httpx.AsyncClient(base_url=server, timeout=120) as second,
+        ):
+            body = _body(1900, ignore_eos=True)
+            long = asyncio.create_task(first.post("/v1/chat/completions", json=body))
+            await asyncio.sleep(1.0)  # the long one holds the only sequence
+            started = time.monotonic()
+            queued = await second.post("/v1/chat/completions", json=_body(4))
+            return await long, queued, time.monotonic() - started
+
+    long, queued, waited = asyncio.run(both())
+    assert queued.status_code == 503 and queued.headers["retry-after"], queued.text
+    assert f"did not start the request within {QUEUE_TIMEOUT_S}s" in queued.text
+    assert waited >= QUEUE_TIMEOUT_S - 1.5  # not before its deadline; a busy machine adds more
+    assert long.status_code == 504, long.text
+    assert long.json()["error"]["type"] == "timeout_error"
+    after = httpx.post(f"{server}/v1/chat/completions", json=_body(2), timeout=60)
+    assert after.status_code == 200  # the engine was freed of both
