@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, TypeVar
 import anyio
 from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
@@ -74,6 +75,14 @@ def create_app(settings: Settings | None = None, backend: Backend | None = None)
     keys = KeyRing.configured(settings.api_keys, settings.api_keys_file)
     log.info("%s", keys.describe())
     app.add_middleware(Authentication, keys=keys, metrics_token=settings.metrics_token)
+    if settings.allowed_origins:  # outside authentication: a preflight carries no key
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(settings.allowed_origins),
+            allow_methods=["GET", "POST", "DELETE"],
+            allow_headers=["*"],
+            expose_headers=["x-request-id", IGNORED_FIELDS_HEADER, "retry-after"],
+        )
     app.add_middleware(AccessLog, metrics=serving.metrics)  # outermost: sees every answer
     return app
 

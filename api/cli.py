@@ -104,6 +104,8 @@ def _serve(args: argparse.Namespace) -> int:
         api_keys=tuple(args.api_key or ()) + _environment_key(),
         api_keys_file=Path(args.api_keys) if args.api_keys else None,
         metrics_token=args.metrics_token,
+        log_format=args.log_format,
+        allowed_origins=tuple(args.allowed_origins or ()),
     )
     try:
         load_models(settings)  # a bad --model or --config fails here, with a clear message
@@ -202,6 +204,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--metrics-token", metavar="TOKEN", help="GET /metrics needs this bearer token"
+    )
+    serve.add_argument("--log-format", default="text", choices=["text", "json"])
+    serve.add_argument(
+        "--allowed-origins",
+        action="append",
+        metavar="ORIGIN",
+        help="allow browser clients from this origin (repeatable; * for any); CORS is off without",
     )
     serve.set_defaults(run=_serve)
 

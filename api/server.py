@@ -22,10 +22,18 @@ def run(settings: Settings) -> None:
     # the tokenizer spreads over the cores (about 0.7x the single-core latency
     # on 2 cores); this process never forks after that, so its threads are safe.
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
-    # The project's own lines (the engine's start line among them) beside uvicorn's.
-    logs.configure("INFO")
+    # One format for the project's lines and uvicorn's (log_config=None: uvicorn's loggers
+    # reach the root's handler); requests are logged once, by api.access_log.
+    logs.configure("INFO", settings.log_format)
     app = create_app(settings)
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level="info")
+    uvicorn.run(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level="info",
+        log_config=None,
+        access_log=False,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

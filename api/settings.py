@@ -34,6 +34,8 @@ class Settings:
     api_keys: tuple[str, ...] = ()
     api_keys_file: Path | None = None
     metrics_token: str | None = None
+    log_format: str = "text"  # or "json": one object per line, for log shippers
+    allowed_origins: tuple[str, ...] = ()  # CORS for browser clients; none: CORS off
 
 
 def load_models(settings: Settings) -> tuple[ModelRegistry, ModelSpec]:

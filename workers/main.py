@@ -78,6 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="on SIGTERM, seconds running generations get to finish before being handed back",
     )
     parser.add_argument("--loglevel", default="INFO")
+    parser.add_argument("--log-format", default="text", choices=logs.LOG_FORMATS)
     return parser
 
 
@@ -85,7 +86,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
-    logs.configure(args.loglevel)
+    logs.configure(args.loglevel, args.log_format)
     try:
         registry = ModelRegistry.from_toml(args.config) if args.config else default_registry()
         spec = registry.resolve(args.model)

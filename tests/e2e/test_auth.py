@@ -8,6 +8,7 @@ token for ``/metrics``.
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -26,6 +27,7 @@ ALICE = "sk-alice-4567"
 BOB = "sk-bob-89ab"
 ELSEWHERE = "sk-elsewhere-cdef"
 METRICS_TOKEN = "metrics-secret"
+ORIGIN = "https://app.example"
 HI = [{"role": "user", "content": "Hi"}]
 
 
@@ -45,6 +47,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     args = [
         "--max-model-len", "1024", "--max-num-seqs", "2",
         "--api-key", PLAIN, "--api-keys", str(keys_file), "--metrics-token", METRICS_TOKEN,
+        "--allowed-origins", ORIGIN, "--log-format", "json",
     ]  # fmt: skip
     with running_server(args, directory) as base_url:
         yield base_url
@@ -129,6 +132,26 @@ def test_keys_are_never_in_the_log(server: str, tmp_path_factory: pytest.TempPat
     text = "".join(path.read_text() for path in log)
     assert "API key(s) configured" in text
     assert not any(key in text for key in (PLAIN, ALICE, BOB, ELSEWHERE, METRICS_TOKEN))
+    access = [json.loads(line) for line in text.splitlines() if '"sluice.access"' in line]
+    assert any("key=alice" in line["message"] for line in access)  # --log-format json
+
+
+def test_browsers_from_an_allowed_origin_pass_the_preflight(server: str):
+    preflight = httpx.options(
+        f"{server}/v1/chat/completions",
+        headers={
+            "Origin": ORIGIN,
+            "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization, content-type",
+        },
+    )
+    assert preflight.status_code == 200
+    assert preflight.headers["access-control-allow-origin"] == ORIGIN
+    other = httpx.options(
+        f"{server}/v1/chat/completions",
+        headers={"Origin": "https://evil.example", "Access-Control-Request-Method": "POST"},
+    )
+    assert "access-control-allow-origin" not in other.headers
 
 
 def test_an_open_server_says_so():
