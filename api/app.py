@@ -59,6 +59,7 @@ def create_app(settings: Settings | None = None, backend: Backend | None = None)
         registry,
         backend or _default_backend(spec, settings, channel),
         settings.preparation_threads,
+        settings.max_body_bytes,
     )
     app = FastAPI(title="Sluice", lifespan=serving.lifespan)
     app.state.serving = serving
@@ -143,7 +144,9 @@ def _generation_route(protocol: Protocol, serving: Serving) -> Callable[..., Awa
         access: AccessRecord = request.state.access
         access.place = await serving.admit()  # released when the request ends
         key = getattr(request.state, "api_key_record", None)
-        prepared = await serving.prepare(protocol, await read_json(request), request_id, key)
+        prepared = await serving.prepare(
+            protocol, await read_json(request, serving.max_body_bytes), request_id, key
+        )
         processor, events = serving.run(prepared, arrived)
         access.model, access.processor = prepared.request.model, processor
         events = _noting_first_token(events, access)
@@ -188,7 +191,7 @@ async def _json_response(body: Awaitable[dict]) -> Response:
 
 def _count_tokens_route(serving: Serving) -> Callable[..., Awaitable[Response]]:
     async def count_tokens(request: Request) -> Response:
-        parsed = messages.parse_count_tokens(await read_json(request))
+        parsed = messages.parse_count_tokens(await read_json(request, serving.max_body_bytes))
         encoded = await serving.off_loop(encode_request, parsed, serving.context())
         return JSONResponse(messages.count_tokens_body(len(encoded.token_ids)))
 
@@ -198,7 +201,7 @@ def _count_tokens_route(serving: Serving) -> Callable[..., Awaitable[Response]]:
 def _tokenize_route(serving: Serving) -> Callable[..., Awaitable[Response]]:
     async def tokenize(request: Request) -> Response:
         """A Chat Completions body → the exact prompt and token ids the model would get."""
-        parsed = chat_completions.PROTOCOL.parse(await read_json(request))
+        parsed = chat_completions.PROTOCOL.parse(await read_json(request, serving.max_body_bytes))
         encoded = await serving.off_loop(encode_request, parsed, serving.context())
         return JSONResponse(
             {

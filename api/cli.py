@@ -105,6 +105,7 @@ def _serve(args: argparse.Namespace) -> int:
         api_keys_file=Path(args.api_keys) if args.api_keys else None,
         metrics_token=args.metrics_token,
         log_format=args.log_format,
+        max_body_bytes=args.max_body_bytes,
         allowed_origins=tuple(args.allowed_origins or ()),
     )
     try:
@@ -206,6 +207,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--metrics-token", metavar="TOKEN", help="GET /metrics needs this bearer token"
     )
     serve.add_argument("--log-format", default="text", choices=["text", "json"])
+    serve.add_argument(
+        "--max-body-bytes",
+        type=_at_least_one,
+        default=32 * 2**20,
+        metavar="N",
+        help="refuse a request body larger than N bytes with a 413 (default 32 MiB)",
+    )
     serve.add_argument(
         "--allowed-origins",
         action="append",

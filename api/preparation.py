@@ -99,6 +99,7 @@ def prepare(
     request = protocol.parse(body)  # 400 naming the field
     encoded = encode_request(request, ctx)  # 404 unknown model, 400 bad conversation
     model, prompt_ids = encoded.model, encoded.token_ids
+    _require_reasoning_support(request, model.spec)
     thinking = thinking_mode(request.conversation, model.spec)
     max_tokens = resolve_max_tokens(
         request.max_tokens,
@@ -124,6 +125,7 @@ def prepare(
         prompt_token_ids=prompt_ids,
         sampling=sampling,
         parsing=parsing_options(encoded, thinking),
+        priority=request.priority or 0,
         created=time.time(),
     )
     return Prepared(protocol, request, context, wire, model)
@@ -200,15 +202,29 @@ def render_conversation(conversation: Conversation, model: ServedModel) -> Rende
         raise ApiError(500, str(exc), "api_error") from exc
 
 
+def can_think(spec: ModelSpec) -> bool:
+    return spec.prompt_format == "qwen3" or "thinking" in spec.capabilities
+
+
+def _require_reasoning_support(request: GenerationRequest, spec: ModelSpec) -> None:
+    """Asking a model that cannot reason to reason, or how hard, is a 400, not ignored."""
+    conversation = request.conversation
+    asked = conversation.thinking is True or conversation.reasoning_effort is not None
+    if asked and not can_think(spec):
+        raise bad_request(
+            f"{request.thinking_param}: model {spec.name!r} does not support reasoning",
+            request.thinking_param,
+            "unsupported_parameter",
+        )
+
+
 def thinking_mode(conversation: Conversation, spec: ModelSpec) -> bool:
     """Whether the model will reason first.
 
     Only models that can think do; for them "unset" means yes (Qwen3's
-    default), and an explicit ``thinking: false`` turns it off. Asking a model
-    that cannot think to think is ignored rather than refused.
+    default), and an explicit ``thinking: false`` turns it off.
     """
-    can_think = spec.prompt_format == "qwen3" or "thinking" in spec.capabilities
-    return can_think and conversation.thinking is not False
+    return can_think(spec) and conversation.thinking is not False
 
 
 def resolve_max_tokens(
@@ -271,6 +287,7 @@ def sampling_params(request: GenerationRequest, max_tokens: int) -> SamplingPara
             min_tokens=request.min_tokens,
             ignore_eos=request.ignore_eos,
             logit_bias=dict(request.logit_bias),
+            skip_special_tokens=request.skip_special_tokens,
             logprobs=request.logprobs,
         )
     except ValueError as exc:  # SamplingParams names the field first

@@ -16,6 +16,7 @@ from api.metrics import ServingMetrics
 from api.output_parser import OutputParser
 from api.preparation import PreparationContext, Prepared, prepare
 from api.protocols.base import Protocol
+from api.request_body import DEFAULT_MAX_BODY_BYTES
 from api.streaming import StreamProcessor
 from shared.events import InferenceEvent
 from shared.registry import ModelRegistry
@@ -26,9 +27,16 @@ T = TypeVar("T")
 class Serving:
     """The backend behind every route, with preparation bounded to ``preparation_threads``."""
 
-    def __init__(self, registry: ModelRegistry, backend: Backend, preparation_threads: int) -> None:
+    def __init__(
+        self,
+        registry: ModelRegistry,
+        backend: Backend,
+        preparation_threads: int,
+        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    ) -> None:
         self.registry = registry
         self.backend = backend
+        self.max_body_bytes = max_body_bytes  # what read_json reads of a request body, at most
         self.limiter = anyio.CapacityLimiter(preparation_threads)
         self.metrics = ServingMetrics(backend.health)
         collector = backend.metrics_collector()
@@ -79,7 +87,10 @@ class Serving:
         request_id: str,
         key: ApiKey | None = None,
     ) -> Prepared:
-        """The prepared request, under ``key``'s models and priority when there is one."""
+        """The prepared request, under ``key``'s models and priority when there is one.
+
+        A key's priority is its requests' default and the most urgent (lowest) they may ask for.
+        """
         prepared = await self.off_loop(prepare, protocol, body, self.context(), request_id)
         if key is not None:
             model = prepared.model.spec.name
@@ -92,7 +103,7 @@ class Serving:
                     "model",
                     "model_not_found",
                 )
-            prepared.wire.priority = key.priority
+            prepared.wire.priority = max(prepared.wire.priority, key.priority)
         return prepared
 
     def run(

@@ -47,6 +47,9 @@ class GenerationRequest:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     stop: list[str] = field(default_factory=list)
+    skip_special_tokens: bool = True
+    priority: int | None = None  # lower runs first; bounded below by the API key's
+    thinking_param: str = "thinking"  # the field that asked for reasoning, to cite in errors
     stop_token_ids: list[int] = field(default_factory=list)
     min_tokens: int = 0
     ignore_eos: bool = False

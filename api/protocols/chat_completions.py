@@ -34,6 +34,7 @@ from api.output_parser import (
     ToolCallArgsDelta,
     ToolCallStart,
 )
+from api.protocols import unsupported
 from api.protocols.base import (
     FinishKind,
     GenerationRequest,
@@ -61,6 +62,7 @@ from api.protocols.openai_common import (
     token_logprob,
     validated,
 )
+from api.protocols.unsupported import refuse
 from api.protocols.vllm_extensions import (
     read_logit_bias,
     read_structured_outputs,
@@ -116,6 +118,14 @@ def parse(body: Any) -> GenerationRequest:
     apply_effort(conversation, read_effort(fields, "reasoning_effort"))
     _apply_thinking(fields, conversation)
     _apply_template_kwargs(fields, conversation)
+    thinking_param = next(
+        (
+            name
+            for name in ("chat_template_kwargs", "thinking", "reasoning_effort")
+            if fields.has(name)
+        ),
+        "thinking",
+    )
     max_tokens, max_tokens_param = _max_tokens(fields)
     stream = bool(fields.boolean("stream"))
     include_usage = _include_usage(fields)  # read either way, so a malformed value is a 400
@@ -134,6 +144,9 @@ def parse(body: Any) -> GenerationRequest:
         frequency_penalty=fields.number("frequency_penalty", -2, 2) or 0.0,
         repetition_penalty=fields.number("repetition_penalty", 0, low_open=True) or 1.0,
         stop=read_stop(fields),
+        skip_special_tokens=fields.boolean("skip_special_tokens") is not False,
+        thinking_param=thinking_param,
+        priority=fields.integer("priority"),
         stop_token_ids=read_token_ids(fields, "stop_token_ids"),
         min_tokens=fields.integer("min_tokens", low=0) or 0,
         ignore_eos=bool(fields.boolean("ignore_eos")),
@@ -153,6 +166,7 @@ def parse(body: Any) -> GenerationRequest:
 
 def _reject_unsupported(fields: Fields) -> None:
     """Fields whose meaning we cannot honour get a 400 rather than being ignored."""
+    fields.read.update(refuse(fields.body, unsupported.CHAT_COMPLETIONS))
     n = fields.integer("n", low=1)
     if n is not None and n > 1:
         raise bad_request(f"n > 1 is not supported, got {n}", "n")

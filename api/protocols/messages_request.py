@@ -28,6 +28,7 @@ import json
 from typing import Any
 
 from api.errors import bad_request
+from api.protocols import unsupported
 from api.protocols.base import GenerationRequest
 from api.protocols.messages_schema import (
     AssistantTurn,
@@ -50,6 +51,7 @@ from api.protocols.messages_schema import (
     UserTurn,
     validated,
 )
+from api.protocols.unsupported import refuse
 from api.protocols.vllm_extensions import read_structured_outputs
 from shared.conversation import (
     AssistantMessage,
@@ -82,6 +84,7 @@ def parse(body: dict[str, Any]) -> GenerationRequest:
         )
     user_id = request.metadata.user_id if request.metadata else None
     known = {info.alias or name for name, info in CreateBody.model_fields.items()}
+    known |= refuse(body, unsupported.MESSAGES)
     return GenerationRequest(
         model=request.model,
         conversation=_conversation(request),
@@ -92,6 +95,7 @@ def parse(body: dict[str, Any]) -> GenerationRequest:
         top_k=request.top_k,
         stop=list(request.stop_sequences),
         structured_outputs=read_structured_outputs(request.structured_outputs),
+        thinking_param="thinking" if request.thinking is not None else "output_config.effort",
         metadata={"user_id": user_id} if user_id is not None else {},
         ignored_fields=[name for name in body if name not in known],
     )

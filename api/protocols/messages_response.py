@@ -92,6 +92,8 @@ _ERROR_TYPE_BY_STATUS = {
 def error_body(error: ApiError) -> dict[str, Any]:
     """``{"type": "error", "error": {"type", "message"}}`` with an error type the SDK knows."""
     kind = error.type if error.type in ERROR_TYPES else _error_type(error.status)
+    if kind == "invalid_request_error":  # the OpenAI-style default: Anthropic names 401s, 413s
+        kind = _error_type(error.status)
     return {"type": "error", "error": {"type": kind, "message": error.message}}
 
 
@@ -105,12 +107,13 @@ def tool_use_id(call_id: str) -> str:
     return "toolu_" + call_id.removeprefix("call_")
 
 
-def usage_body(usage: Usage) -> dict[str, int]:
+def usage_body(usage: Usage) -> dict[str, int | str]:
     return {
         "input_tokens": max(usage.prompt_tokens - usage.cached_tokens, 0),
         "output_tokens": usage.completion_tokens,
         "cache_creation_input_tokens": 0,
         "cache_read_input_tokens": usage.cached_tokens,
+        "service_tier": "standard",  # the one tier served
     }
 
 

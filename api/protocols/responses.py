@@ -34,6 +34,7 @@ from api.output_parser import (
     ToolCallEnd,
     ToolCallStart,
 )
+from api.protocols import unsupported
 from api.protocols.base import (
     FinishKind,
     GenerationRequest,
@@ -60,6 +61,7 @@ from api.protocols.openai_common import (
     token_logprob,
     validated,
 )
+from api.protocols.unsupported import refuse
 from api.protocols.vllm_extensions import read_structured_outputs
 from shared.conversation import (
     RESPONSE_FORMAT_TYPES,
@@ -117,6 +119,7 @@ def parse(body: Any) -> GenerationRequest:
         temperature=fields.number("temperature", 0, 2),
         top_p=fields.number("top_p", 0, 1, low_open=True),
         logprobs=_logprobs(fields),
+        thinking_param="reasoning.effort",
         structured_outputs=read_structured_outputs(fields.get("structured_outputs")),
         metadata=read_metadata(fields),
         echo={
@@ -132,7 +135,11 @@ def parse(body: Any) -> GenerationRequest:
 
 
 def _reject_stored_state(fields: Fields) -> None:
-    """Responses are not stored, so a reference to an earlier one cannot be resolved."""
+    """Responses are not stored, so a reference to an earlier one cannot be resolved.
+
+    Other fields it cannot honour are refused too (``api.protocols.unsupported``).
+    """
+    fields.read.update(refuse(fields.body, unsupported.RESPONSES))
     fields.boolean("store")  # accepted (and echoed as false): nothing is kept either way
     for name in ("previous_response_id", "conversation"):
         if fields.has(name):
@@ -319,6 +326,13 @@ def _text_format(fields: Fields) -> ResponseFormat:
 def _logprobs(fields: Fields) -> int | None:
     """Logprobs when ``include`` asks for them or ``top_logprobs`` is set."""
     include = fields.array("include") or []
+    for value in include:
+        if value != LOGPROBS_INCLUDE:
+            raise bad_request(
+                f"include value {show(value)} is not supported; only {LOGPROBS_INCLUDE!r} is",
+                "include",
+                "unsupported_parameter",
+            )
     top = fields.integer("top_logprobs", 0, MAX_TOP_LOGPROBS)
     if top is None and LOGPROBS_INCLUDE not in include:
         return None

@@ -465,6 +465,7 @@ def test_text_only():
         "output_tokens": 9,
         "cache_creation_input_tokens": 0,
         "cache_read_input_tokens": 4,
+        "service_tier": "standard",
     }
 
 
