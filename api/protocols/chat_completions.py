@@ -424,11 +424,14 @@ class ChatCompletionBuilder(ResponseBuilder):
             "finish_reason": self._finish_reason,
             "stop_reason": self._stop_reason,
         }
-        return {
+        body = {
             **self._head("chat.completion"),
             "choices": [choice],
             "usage": chat_usage(self._usage),
         }
+        if self.request.metadata:
+            body["metadata"] = self.request.metadata
+        return body
 
     def stream_error(self, error: ApiError) -> list[SSEChunk]:
         """A data-only ``{"error": ...}`` chunk: the SDK raises it as an ``APIError``."""

@@ -128,6 +128,8 @@ def parse(body: Any) -> GenerationRequest:
             "parallel_tool_calls": fields.boolean("parallel_tool_calls") is not False,
             "reasoning": {"effort": effort, "summary": None},
             "user": fields.string("user"),
+            "prompt_cache_key": fields.string("prompt_cache_key"),
+            "safety_identifier": fields.string("safety_identifier"),
         },
     )
     request.ignored_fields = fields.unread()
@@ -433,7 +435,9 @@ class ResponsesBuilder(ResponseBuilder):
             "output": copy.deepcopy(self._output),
             "parallel_tool_calls": echo.get("parallel_tool_calls", True),
             "previous_response_id": None,
+            "prompt_cache_key": echo.get("prompt_cache_key"),
             "reasoning": echo.get("reasoning", {"effort": None, "summary": None}),
+            "safety_identifier": echo.get("safety_identifier"),
             "store": False,
             "temperature": request.temperature,
             "text": {"format": _format_echo(request.conversation.response_format)},

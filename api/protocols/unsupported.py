@@ -71,8 +71,8 @@ CHAT_COMPLETIONS: dict[str, Harmless] = {
     "spaces_between_special_tokens": _is(True),
     "stream_interval": _is(1),
     "thinking_token_budget": None,
+    "truncation_side": None,  # named first: it only means something with the next
     "truncate_prompt_tokens": None,
-    "truncation_side": None,
     "use_beam_search": _OFF,
     "vllm_xargs": None,
     "watermarking": _OFF,

@@ -83,3 +83,27 @@ def test_the_queue_and_total_deadlines_fire_and_free_the_engine(server: str):
     assert long.json()["error"]["type"] == "timeout_error"
     after = httpx.post(f"{server}/v1/chat/completions", json=_body(2), timeout=60)
     assert after.status_code == 200  # the engine was freed of both
+
+
+def test_a_high_priority_request_overtakes_queued_low_priority_ones(server: str):
+    """One sequence at a time: behind a running request, the urgent one goes first."""
+
+    async def race() -> list[str]:
+        finished: list[str] = []
+        async with httpx.AsyncClient(base_url=server, timeout=120) as client:
+
+            async def send(name: str, max_tokens: int, priority: int) -> None:
+                body = _body(max_tokens, ignore_eos=True, priority=priority)
+                reply = await client.post("/v1/chat/completions", json=body)
+                assert reply.status_code == 200, reply.text
+                finished.append(name)
+
+            running = asyncio.create_task(send("running", 24, 0))
+            await asyncio.sleep(0.5)  # it holds the only sequence
+            low = [asyncio.create_task(send(f"low{i}", 4, 10)) for i in range(2)]
+            await asyncio.sleep(0.3)  # the low ones queue first
+            await send("high", 4, -10)
+            await asyncio.gather(running, *low)
+        return finished
+
+    assert asyncio.run(race())[:2] == ["running", "high"]
