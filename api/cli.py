@@ -155,28 +155,28 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=30.0,
         metavar="S",
-        help="--redis: 503 if no worker starts a request within S seconds",
+        help="503 if no worker (or the embedded engine) starts a request within S seconds",
     )
     serve.add_argument(
         "--first-token-timeout",
         type=float,
         default=60.0,
         metavar="S",
-        help="--redis: 504 without a first token after S seconds",
+        help="504 without a first token after S seconds",
     )
     serve.add_argument(
         "--total-timeout",
         type=_generation_time,
         default=600.0,
         metavar="S",
-        help="--redis: 504 if a generation runs longer than S seconds",
+        help="504 if a generation runs longer than S seconds",
     )
     serve.add_argument(
         "--max-inflight",
         type=_at_least_one,  # 0 would not mean "unbounded": it would refuse every request
         default=256,
         metavar="N",
-        help="--redis: 429 beyond N queued + running requests per model",
+        help="429 beyond N queued + running requests per model",
     )
     serve.add_argument(
         "--job-retention",
