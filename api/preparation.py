@@ -9,6 +9,7 @@ blocking code; the route runs it in a bounded threadpool.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import re
 import secrets
@@ -16,6 +17,8 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
+
+from tokenizers import Tokenizer
 
 from api.backends.base import ServedModel
 from api.errors import ApiError, bad_request
@@ -136,11 +139,35 @@ def encode_request(request: GenerationRequest, ctx: PreparationContext) -> Encod
     model = resolve_model(request.model, ctx)
     _require_image_support(request.conversation, model.spec)
     rendered = render_conversation(request.conversation, model)
+    _refuse_if_surely_too_long(rendered, model)
     try:
         token_ids = encode_prompt(rendered, model.tokenizer)
     except PromptEncodingError as exc:  # the renderer or the tokenizer is at fault, not the client
         raise ApiError(500, str(exc), "api_error") from exc
     return Encoded(request, model, rendered, token_ids)
+
+
+def _refuse_if_surely_too_long(rendered: RenderedPrompt, model: ServedModel) -> None:
+    """A 400 before tokenizing, for a prompt whose length alone rules out the context.
+
+    No token is longer than the vocabulary's longest entry, so the prompt has
+    at least ``len(prompt) / longest`` tokens: a body of megabytes is refused
+    in microseconds instead of being tokenized whole.
+    """
+    at_least = len(rendered.prompt) // _longest_token(model.tokenizer.tokenizer)
+    if at_least >= model.context_length:
+        raise bad_request(
+            f"This model's maximum context length is {model.context_length} tokens. However, "
+            f"your messages resulted in at least {at_least} tokens. Please reduce the length "
+            "of the messages.",
+            "messages",
+            "context_length_exceeded",
+        )
+
+
+@functools.cache
+def _longest_token(tokenizer: Tokenizer) -> int:
+    return max((len(token) for token in tokenizer.get_vocab()), default=1) or 1
 
 
 def _require_image_support(conversation: Conversation, spec: ModelSpec) -> None:

@@ -406,3 +406,10 @@ def test_tool_choice_none_ends_the_answer_at_a_calls_markup(ctx: PreparationCont
     prepared = prepare(MINIMAL, body, ctx)
     assert prepared.wire.sampling.stop == ["END", HERMES_TOOL_CALL.open]
     assert prepared.wire.parsing.stop == ["END"] and prepared.wire.parsing.tool_calls is None
+
+
+def test_a_prompt_too_long_by_its_length_alone_is_refused_before_encoding(ctx: PreparationContext):
+    huge = "word " * 2_000_000  # ten million characters: far past 512 tokens of any length
+    error = _error(prepare, MINIMAL, {"model": "default", "messages": [huge]}, ctx)
+    assert (error.status, error.param, error.code) == (400, "messages", "context_length_exceeded")
+    assert "at least" in error.message
