@@ -13,11 +13,13 @@ whole response it did not wait for) is recorded as 499, in the log and in
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import re
 import secrets
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from starlette.datastructures import Headers, MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -25,6 +27,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from api.backends.base import Place
 from api.metrics import ServingMetrics
 from api.protocols.table import BY_PATH
+
+if TYPE_CHECKING:
+    from api.serving import RateLimitTicket
 from api.streaming import StreamProcessor
 
 log = logging.getLogger("sluice.access")
@@ -43,6 +48,7 @@ class AccessRecord:
     processor: StreamProcessor | None = None  # its usage, once the response ends
     first_token_at: float | None = None
     place: Place | None = None  # its admission, released when the request ends
+    rate_limits: RateLimitTicket | None = None  # its key's share, given back when it ends
 
 
 def request_id_of(headers: Headers) -> str:
@@ -85,6 +91,10 @@ class AccessLog:
         finally:
             if record.place is not None:
                 record.place.release()
+            if record.rate_limits is not None:
+                usage = record.processor.usage if record.processor is not None else None
+                used = usage.total_tokens if usage is not None else 0
+                await asyncio.shield(record.rate_limits.release(used))
             outcome = status if ended else CLIENT_LEFT
             if record.protocol is not None:
                 self.metrics.count_request(record.protocol, outcome)

@@ -33,6 +33,7 @@ from api.preparation import Prepared, encode_request, new_request_id
 from api.protocols import chat_completions, messages
 from api.protocols.base import Protocol
 from api.protocols.table import PROTOCOLS, error_shape
+from api.rate_limits import MemoryRateLimiter, RateLimiter, RedisRateLimiter
 from api.request_body import read_json
 from api.serving import Serving
 from api.settings import Settings, load_models
@@ -60,6 +61,7 @@ def create_app(settings: Settings | None = None, backend: Backend | None = None)
         backend or _default_backend(spec, settings, channel),
         settings.preparation_threads,
         settings.max_body_bytes,
+        _rate_limiter(channel),
     )
     app = FastAPI(title="Sluice", lifespan=serving.lifespan)
     app.state.serving = serving
@@ -108,6 +110,11 @@ def _default_backend(
     return _embedded_backend(spec, settings)
 
 
+def _rate_limiter(channel: RequestChannel | None) -> RateLimiter:
+    """Keys' buckets in Redis, shared by the replicas, with workers; else in this process."""
+    return RedisRateLimiter(channel.redis) if channel is not None else MemoryRateLimiter()
+
+
 def _job_store(settings: Settings) -> JobStore:
     """Redis with workers (shared by replicas, kept across restarts), else this process's memory.
 
@@ -147,6 +154,7 @@ def _generation_route(protocol: Protocol, serving: Serving) -> Callable[..., Awa
         prepared = await serving.prepare(
             protocol, await read_json(request, serving.max_body_bytes), request_id, key
         )
+        access.rate_limits = await serving.limit(key, prepared)  # 429 beyond the key's limits
         processor, events = serving.run(prepared, arrived)
         access.model, access.processor = prepared.request.model, processor
         events = _noting_first_token(events, access)
@@ -156,6 +164,8 @@ def _generation_route(protocol: Protocol, serving: Serving) -> Callable[..., Awa
             answer = _json_response(collect(processor, events))
         response = await _unless_client_leaves(request, answer) or Response(status_code=499)
         _report_ignored(prepared, response)
+        if access.rate_limits is not None:
+            response.headers.update(access.rate_limits.headers)
         return response
 
     generate.__name__ = f"create_{protocol.name.replace('.', '_')}"

@@ -7,6 +7,9 @@ of named keys stored as SHA-256 hashes (``--api-keys``)::
     sha256 = "9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08"
     priority = -1            # optional: lower runs first (the engine's order)
     models = ["default"]     # optional: the models this key may use
+    requests_per_minute = 60 # optional limits (api/rate_limits.py)
+    tokens_per_minute = 100000
+    max_concurrent = 4
 
 A client sends its key as ``Authorization: Bearer <key>`` (the openai SDK) or
 ``x-api-key: <key>`` (the anthropic SDK). Keys are compared as SHA-256 digests
@@ -33,12 +36,14 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from api.errors import ApiError
 from api.protocols.table import error_shape
+from api.rate_limits import KeyLimits
 
 log = logging.getLogger(__name__)
 
 OPEN_PATHS = frozenset({"/health", "/ready"})
 METRICS_PATH = "/metrics"
-_KEY_FIELDS = frozenset({"sha256", "priority", "models"})
+_LIMIT_FIELDS = ("requests_per_minute", "tokens_per_minute", "max_concurrent")
+_KEY_FIELDS = frozenset({"sha256", "priority", "models", *_LIMIT_FIELDS})
 _HEX = frozenset("0123456789abcdef")
 
 
@@ -54,6 +59,7 @@ class ApiKey:
     digest: bytes
     priority: int = 0
     models: frozenset[str] | None = None  # None: every model
+    limits: KeyLimits = KeyLimits()
 
     def allows(self, model: str) -> bool:
         return self.models is None or model in self.models
@@ -129,11 +135,20 @@ def _named_key(path: Path, name: str, entry: Any) -> ApiKey:
         not isinstance(models, list) or not all(isinstance(m, str) and m for m in models)
     ):
         raise KeyFileError(f"{where}: models must be a list of model names")
+    limits = {}
+    for field in _LIMIT_FIELDS:
+        value = entry.get(field)
+        if value is not None and (
+            not isinstance(value, int) or isinstance(value, bool) or value < 1
+        ):
+            raise KeyFileError(f"{where}: {field} must be a positive integer, got {value!r}")
+        limits[field] = value
     return ApiKey(
         name,
         bytes.fromhex(digest),
         priority,
         frozenset(models) if models is not None else None,
+        KeyLimits(**limits),
     )
 
 

@@ -16,6 +16,7 @@ from api.metrics import ServingMetrics
 from api.output_parser import OutputParser
 from api.preparation import PreparationContext, Prepared, prepare
 from api.protocols.base import Protocol
+from api.rate_limits import MemoryRateLimiter, RateLimiter
 from api.request_body import DEFAULT_MAX_BODY_BYTES
 from api.streaming import StreamProcessor
 from shared.events import InferenceEvent
@@ -33,9 +34,11 @@ class Serving:
         backend: Backend,
         preparation_threads: int,
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+        rate_limiter: RateLimiter | None = None,
     ) -> None:
         self.registry = registry
         self.backend = backend
+        self.rate_limiter = rate_limiter or MemoryRateLimiter()
         self.max_body_bytes = max_body_bytes  # what read_json reads of a request body, at most
         self.limiter = anyio.CapacityLimiter(preparation_threads)
         self.metrics = ServingMetrics(backend.health)
@@ -106,6 +109,24 @@ class Serving:
             prepared.wire.priority = max(prepared.wire.priority, key.priority)
         return prepared
 
+    async def limit(self, key: ApiKey | None, prepared: Prepared) -> RateLimitTicket | None:
+        """Take the key's share for a prepared request, or a 429 with the rate-limit headers.
+
+        The reservation is its prompt tokens and resolved ``max_tokens``; the
+        ticket gives back what the request did not use when it ends.
+        """
+        if key is None or not key.limits.any:
+            return None
+        wire = prepared.wire
+        reserved = len(wire.prompt_token_ids) + wire.sampling.max_tokens
+        verdict = await self.rate_limiter.acquire(key.name, key.limits, reserved)
+        headers = verdict.headers(prepared.protocol.anthropic_rate_limit_headers)
+        if not verdict.allowed:
+            raise ApiError(
+                429, verdict.reason, "rate_limit_exceeded", None, "rate_limit_exceeded", headers
+            )
+        return RateLimitTicket(self.rate_limiter, key, reserved, headers)
+
     def run(
         self, prepared: Prepared, arrived: float
     ) -> tuple[StreamProcessor, AsyncIterator[InferenceEvent]]:
@@ -120,3 +141,14 @@ class Serving:
         )
         events = self.metrics.track(prepared.protocol.name, self.backend.infer(wire), arrived)
         return processor, events
+
+
+class RateLimitTicket:
+    """A request's share of its key's limits: ``headers`` to answer with, ``release`` at its end."""
+
+    def __init__(self, limiter: RateLimiter, key: ApiKey, reserved: int, headers: dict) -> None:
+        self._limiter, self._key, self._reserved = limiter, key, reserved
+        self.headers = headers
+
+    async def release(self, used_tokens: int) -> None:
+        await self._limiter.release(self._key.name, self._key.limits, self._reserved - used_tokens)

@@ -109,6 +109,16 @@ def inflight(model: str) -> str:
     return f"{PREFIX}:inflight:{model}"
 
 
+def rate_bucket(key_name: str, kind: str) -> str:
+    """Hash of an API key's ``requests`` or ``tokens`` bucket: its level and when it was read."""
+    return f"{PREFIX}:rate:{key_name}:{kind}"
+
+
+def rate_running(key_name: str) -> str:
+    """How many of an API key's requests are running now."""
+    return f"{PREFIX}:rate:{key_name}:running"
+
+
 JOB_INDEX = f"{PREFIX}:jobs"  # sorted set of async job ids by creation time
 JOB_ACTIVE = f"{PREFIX}:jobs:active"  # set of async jobs not yet finished
 

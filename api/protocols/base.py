@@ -147,3 +147,4 @@ class Protocol:
     builder: Callable[[GenerationRequest, ResponseContext], ResponseBuilder]
     error_body: Callable[[ApiError], dict[str, Any]]
     done_marker: str | None = None  # Chat Completions ends its stream with "[DONE]"
+    anthropic_rate_limit_headers: bool = False  # anthropic-ratelimit-* instead of x-ratelimit-*

@@ -21,6 +21,7 @@ PROTOCOL = Protocol(
     parse=parse,
     builder=MessagesResponseBuilder,
     error_body=error_body,
+    anthropic_rate_limit_headers=True,
 )
 
 

@@ -26,6 +26,9 @@ PLAIN = "sk-plain-0123"
 ALICE = "sk-alice-4567"
 BOB = "sk-bob-89ab"
 ELSEWHERE = "sk-elsewhere-cdef"
+SLOW = "sk-slow-0001"
+THRIFTY = "sk-thrifty-0002"
+SINGLE = "sk-single-0003"
 METRICS_TOKEN = "metrics-secret"
 ORIGIN = "https://app.example"
 HI = [{"role": "user", "content": "Hi"}]
@@ -42,7 +45,10 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     keys_file.write_text(
         f'[keys.alice]\nsha256 = "{_digest(ALICE)}"\npriority = -1\n\n'
         f'[keys.bob]\nsha256 = "{_digest(BOB)}"\n\n'
-        f'[keys.elsewhere]\nsha256 = "{_digest(ELSEWHERE)}"\nmodels = ["another-model"]\n'
+        f'[keys.elsewhere]\nsha256 = "{_digest(ELSEWHERE)}"\nmodels = ["another-model"]\n\n'
+        f'[keys.slow]\nsha256 = "{_digest(SLOW)}"\nrequests_per_minute = 6\n\n'
+        f'[keys.thrifty]\nsha256 = "{_digest(THRIFTY)}"\ntokens_per_minute = 1000\n\n'
+        f'[keys.single]\nsha256 = "{_digest(SINGLE)}"\nmax_concurrent = 1\n'
     )
     args = [
         "--max-model-len", "1024", "--max-num-seqs", "2",
@@ -156,3 +162,58 @@ def test_browsers_from_an_allowed_origin_pass_the_preflight(server: str):
 
 def test_an_open_server_says_so():
     assert "no API key configured" in KeyRing().describe()
+
+
+def test_a_burst_over_the_request_limit_is_a_429_and_the_sdk_retries_after_it(server: str):
+    client = _openai(server, SLOW)
+    remaining = []
+    for _ in range(6):
+        reply = client.chat.completions.with_raw_response.create(
+            model="default", messages=HI, max_tokens=1
+        )
+        remaining.append(int(reply.headers["x-ratelimit-remaining-requests"]))
+    assert remaining == [5, 4, 3, 2, 1, 0]
+    with pytest.raises(openai.RateLimitError) as raised:
+        client.chat.completions.create(model="default", messages=HI, max_tokens=1)
+    headers = raised.value.response.headers
+    assert 1 <= int(headers["retry-after"]) <= 10 and headers["x-ratelimit-limit-requests"] == "6"
+    patient = openai.OpenAI(base_url=f"{server}/v1", api_key=SLOW, max_retries=2, timeout=60)
+    assert patient.chat.completions.create(model="default", messages=HI, max_tokens=1).choices
+    message = _anthropic(server, SLOW)
+    with pytest.raises(anthropic.RateLimitError) as refused:
+        message.messages.create(model="default", max_tokens=1, messages=HI)
+    assert refused.value.response.headers["anthropic-ratelimit-requests-limit"] == "6"
+
+
+def test_the_token_limit_counts_what_was_used_once_the_request_ends(server: str):
+    client = _openai(server, THRIFTY)
+    short = [{"role": "user", "content": "Answer with one word: is water wet?"}]
+    first = client.chat.completions.with_raw_response.create(
+        model="default", messages=short, max_tokens=500, temperature=0
+    )
+    used = first.parse().usage.total_tokens
+    assert used < 100  # it stopped early: most of its 500-token reservation was not used
+    # Were the reservation kept, 1000 - 530 would not hold a second one.
+    second = client.chat.completions.with_raw_response.create(
+        model="default", messages=short, max_tokens=500, temperature=0
+    )
+    assert second.status_code == 200
+    assert int(second.headers["x-ratelimit-remaining-tokens"]) < 1000 - 500
+
+
+def test_requests_at_once_beyond_the_key_s_limit_are_refused(server: str):
+    client = _openai(server, SINGLE)
+    long = {"role": "user", "content": "Tell me a long story."}
+    with client.chat.completions.with_streaming_response.create(
+        model="default",
+        messages=[long],
+        max_tokens=300,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    ) as running:
+        lines = running.iter_lines()  # kept: a dropped iterator closes the stream
+        next(lines)
+        with pytest.raises(openai.RateLimitError):
+            client.chat.completions.create(model="default", messages=HI, max_tokens=1)
+    deadline_ok = client.chat.completions.create(model="default", messages=HI, max_tokens=1)
+    assert deadline_ok.choices  # its place came back when the stream ended

@@ -1,0 +1,232 @@
+"""Per-key rate limits: requests and tokens per minute, and requests at once.
+
+Each per-minute limit is a bucket that holds at most a minute's allowance and
+refills continuously at that rate, so a client refused now is told to the
+millisecond when it may retry (``Retry-After``) instead of waiting for a
+window to turn over. A request takes one request and its token reservation
+(prompt tokens plus the resolved ``max_tokens``) at admission, and gives back
+what it did not use when it ends; it holds one of the key's concurrent places
+until then. In embedded mode the buckets live in this process; with Redis one
+script per admission checks and takes from all three at once, so any number
+of API replicas share a key's limits exactly.
+
+Refusals and admissions carry the headers clients read: OpenAI's
+``x-ratelimit-{limit,remaining,reset}-{requests,tokens}`` and, on
+``/v1/messages``, Anthropic's ``anthropic-ratelimit-{requests,tokens}-*``.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from importlib import resources
+from typing import TYPE_CHECKING, Protocol
+
+from shared import keys
+
+if TYPE_CHECKING:
+    from redis.asyncio import Redis
+
+MINUTE_S = 60.0
+CONCURRENCY_TTL_S = 3600  # a concurrent place whose release was lost frees itself after this
+
+
+@dataclass(frozen=True, slots=True)
+class KeyLimits:
+    """A key's limits; None is unlimited."""
+
+    requests_per_minute: int | None = None
+    tokens_per_minute: int | None = None
+    max_concurrent: int | None = None
+
+    @property
+    def any(self) -> bool:
+        return any(
+            v is not None
+            for v in (self.requests_per_minute, self.tokens_per_minute, self.max_concurrent)
+        )
+
+
+@dataclass(slots=True)
+class Verdict:
+    """One admission's outcome, with what is left of each limit (None: no such limit)."""
+
+    allowed: bool
+    retry_after_s: float = 0.0
+    limits: KeyLimits = field(default_factory=KeyLimits)
+    remaining_requests: float | None = None
+    remaining_tokens: float | None = None
+    reason: str = ""
+
+    def headers(self, anthropic: bool) -> dict[str, str]:
+        """The rate-limit headers of the protocol's family."""
+        out: dict[str, str] = {}
+        now = time.time()
+        for kind, limit, remaining in (
+            ("requests", self.limits.requests_per_minute, self.remaining_requests),
+            ("tokens", self.limits.tokens_per_minute, self.remaining_tokens),
+        ):
+            if limit is None or remaining is None:
+                continue
+            left = max(int(remaining), 0)
+            full_in = (limit - max(remaining, 0.0)) * MINUTE_S / limit  # until the bucket is full
+            if anthropic:
+                out[f"anthropic-ratelimit-{kind}-limit"] = str(limit)
+                out[f"anthropic-ratelimit-{kind}-remaining"] = str(left)
+                reset = datetime.fromtimestamp(now + full_in, UTC)
+                out[f"anthropic-ratelimit-{kind}-reset"] = reset.isoformat(timespec="seconds")
+            else:
+                out[f"x-ratelimit-limit-{kind}"] = str(limit)
+                out[f"x-ratelimit-remaining-{kind}"] = str(left)
+                out[f"x-ratelimit-reset-{kind}"] = _duration(full_in)
+        if not self.allowed:
+            out["retry-after"] = str(max(math.ceil(self.retry_after_s), 1))
+            out["retry-after-ms"] = str(max(math.ceil(self.retry_after_s * 1000), 1))
+        return out
+
+
+class RateLimiter(Protocol):
+    async def acquire(self, key: str, limits: KeyLimits, tokens: int) -> Verdict:
+        """Take one request, ``tokens`` tokens and a concurrent place, or refuse."""
+        ...
+
+    async def release(self, key: str, limits: KeyLimits, unused_tokens: int) -> None:
+        """The request ended: give back its place and the tokens it reserved but did not use."""
+        ...
+
+
+class MemoryRateLimiter:
+    """This process's buckets (embedded mode)."""
+
+    def __init__(self) -> None:
+        self._buckets: dict[tuple[str, str], tuple[float, float]] = {}  # level, at
+        self._running: dict[str, int] = {}
+
+    async def acquire(self, key: str, limits: KeyLimits, tokens: int) -> Verdict:
+        now = time.monotonic()
+        requests = self._level(key, "requests", limits.requests_per_minute, now)
+        token_level = self._level(key, "tokens", limits.tokens_per_minute, now)
+        running = self._running.get(key, 0)
+        verdict = _judge(limits, requests, token_level, running, tokens)
+        if verdict.allowed:  # take, and report what is left after
+            if requests is not None:
+                verdict.remaining_requests = requests - 1
+                self._buckets[(key, "requests")] = (requests - 1, now)
+            if token_level is not None:
+                verdict.remaining_tokens = token_level - tokens
+                self._buckets[(key, "tokens")] = (token_level - tokens, now)
+            self._running[key] = running + 1
+        return verdict
+
+    async def release(self, key: str, limits: KeyLimits, unused_tokens: int) -> None:
+        self._running[key] = max(self._running.get(key, 0) - 1, 0)
+        if limits.tokens_per_minute is not None and unused_tokens > 0:
+            now = time.monotonic()
+            level = self._level(key, "tokens", limits.tokens_per_minute, now)
+            assert level is not None
+            self._buckets[(key, "tokens")] = (
+                min(level + unused_tokens, limits.tokens_per_minute),
+                now,
+            )
+
+    def _level(self, key: str, kind: str, limit: int | None, now: float) -> float | None:
+        if limit is None:
+            return None
+        level, at = self._buckets.get((key, kind), (float(limit), now))
+        return min(level + (now - at) * limit / MINUTE_S, float(limit))
+
+
+class RedisRateLimiter:
+    """Buckets in Redis, shared by every API replica; one script per admission."""
+
+    def __init__(self, redis: Redis) -> None:
+        self._redis = redis
+        self._acquire = redis.register_script(_script("rate_acquire.lua"))
+        self._release = redis.register_script(_script("rate_release.lua"))
+
+    async def acquire(self, key: str, limits: KeyLimits, tokens: int) -> Verdict:
+        allowed, requests, token_level, retry_after, reason = await self._acquire(
+            keys=_keys(key),
+            args=[
+                _arg(limits.requests_per_minute),
+                _arg(limits.tokens_per_minute),
+                _arg(limits.max_concurrent),
+                tokens,
+                MINUTE_S,
+                CONCURRENCY_TTL_S,
+            ],
+        )
+        return Verdict(
+            bool(int(allowed)),
+            float(retry_after),
+            limits,
+            None if limits.requests_per_minute is None else float(requests),
+            None if limits.tokens_per_minute is None else float(token_level),
+            reason.decode() if isinstance(reason, bytes) else str(reason),
+        )
+
+    async def release(self, key: str, limits: KeyLimits, unused_tokens: int) -> None:
+        await self._release(
+            keys=_keys(key),
+            args=[_arg(limits.tokens_per_minute), max(unused_tokens, 0), MINUTE_S],
+        )
+
+
+def _judge(
+    limits: KeyLimits,
+    requests: float | None,
+    tokens_level: float | None,
+    running: int,
+    tokens: int,
+) -> Verdict:
+    """The verdict on levels already refilled to now; the Redis script mirrors it."""
+    verdict = Verdict(True, 0.0, limits, requests, tokens_level)
+    if limits.tokens_per_minute is not None and tokens > limits.tokens_per_minute:
+        verdict.allowed, verdict.retry_after_s = False, MINUTE_S
+        verdict.reason = (
+            f"this request needs {tokens} tokens (prompt and max_tokens), more than the key's "
+            f"{limits.tokens_per_minute} tokens per minute; lower max_tokens"
+        )
+        return verdict
+    waits: list[tuple[float, str]] = []
+    if requests is not None and limits.requests_per_minute is not None and requests < 1:
+        rate = limits.requests_per_minute / MINUTE_S
+        waits.append(((1 - requests) / rate, f"{limits.requests_per_minute} requests per minute"))
+    if tokens_level is not None and limits.tokens_per_minute is not None and tokens_level < tokens:
+        rate = limits.tokens_per_minute / MINUTE_S
+        waits.append(
+            ((tokens - tokens_level) / rate, f"{limits.tokens_per_minute} tokens per minute")
+        )
+    if limits.max_concurrent is not None and running >= limits.max_concurrent:
+        waits.append((1.0, f"{limits.max_concurrent} requests at once"))
+    if waits:
+        wait, what = max(waits)
+        verdict.allowed, verdict.retry_after_s = False, wait
+        verdict.reason = f"rate limit reached: this key may make {what}"
+    return verdict
+
+
+def _keys(key: str) -> list[str]:
+    return [
+        keys.rate_bucket(key, "requests"),
+        keys.rate_bucket(key, "tokens"),
+        keys.rate_running(key),
+    ]
+
+
+def _arg(limit: int | None) -> int:
+    return -1 if limit is None else limit
+
+
+def _script(name: str) -> str:
+    return resources.files("api").joinpath("scripts", name).read_text()
+
+
+def _duration(seconds: float) -> str:
+    """OpenAI's spelling of a reset time: ``1m30s``, ``2.5s``, ``120ms``."""
+    if seconds < 1:
+        return f"{max(int(seconds * 1000), 0)}ms"
+    minutes, rest = divmod(seconds, 60)
+    return f"{int(minutes)}m{rest:.0f}s" if minutes else f"{rest:.3g}s"
