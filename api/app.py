@@ -34,7 +34,6 @@ from api.protocols import chat_completions, messages
 from api.protocols.base import Protocol
 from api.protocols.table import PROTOCOLS, error_shape
 from api.rate_limits import MemoryRateLimiter, RateLimiter, RedisRateLimiter
-from api.request_body import read_json
 from api.serving import Serving
 from api.settings import Settings, load_models
 from api.streaming import collect, event_source
@@ -62,6 +61,7 @@ def create_app(settings: Settings | None = None, backend: Backend | None = None)
         settings.preparation_threads,
         settings.max_body_bytes,
         _rate_limiter(channel),
+        settings.body_timeout_s,
     )
     app = FastAPI(title="Sluice", lifespan=serving.lifespan)
     app.state.serving = serving
@@ -149,11 +149,10 @@ def _generation_route(protocol: Protocol, serving: Serving) -> Callable[..., Awa
         arrived = time.monotonic()
         request_id = new_request_id(protocol)
         access: AccessRecord = request.state.access
+        body = await serving.read_json(request)  # first: a slow upload holds no place
         access.place = await serving.admit()  # released when the request ends
         key = getattr(request.state, "api_key_record", None)
-        prepared = await serving.prepare(
-            protocol, await read_json(request, serving.max_body_bytes), request_id, key
-        )
+        prepared = await serving.prepare(protocol, body, request_id, key)
         access.rate_limits = await serving.limit(key, prepared)  # 429 beyond the key's limits
         processor, events = serving.run(prepared, arrived)
         access.model, access.processor = prepared.request.model, processor
@@ -201,7 +200,7 @@ async def _json_response(body: Awaitable[dict]) -> Response:
 
 def _count_tokens_route(serving: Serving) -> Callable[..., Awaitable[Response]]:
     async def count_tokens(request: Request) -> Response:
-        parsed = messages.parse_count_tokens(await read_json(request, serving.max_body_bytes))
+        parsed = messages.parse_count_tokens(await serving.read_json(request))
         encoded = await serving.off_loop(encode_request, parsed, serving.context())
         return JSONResponse(messages.count_tokens_body(len(encoded.token_ids)))
 
@@ -211,7 +210,7 @@ def _count_tokens_route(serving: Serving) -> Callable[..., Awaitable[Response]]:
 def _tokenize_route(serving: Serving) -> Callable[..., Awaitable[Response]]:
     async def tokenize(request: Request) -> Response:
         """A Chat Completions body → the exact prompt and token ids the model would get."""
-        parsed = chat_completions.PROTOCOL.parse(await read_json(request, serving.max_body_bytes))
+        parsed = chat_completions.PROTOCOL.parse(await serving.read_json(request))
         encoded = await serving.off_loop(encode_request, parsed, serving.context())
         return JSONResponse(
             {

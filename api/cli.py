@@ -106,6 +106,7 @@ def _serve(args: argparse.Namespace) -> int:
         metrics_token=args.metrics_token,
         log_format=args.log_format,
         max_body_bytes=args.max_body_bytes,
+        body_timeout_s=args.body_timeout,
         allowed_origins=tuple(args.allowed_origins or ()),
     )
     try:
@@ -213,6 +214,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=32 * 2**20,
         metavar="N",
         help="refuse a request body larger than N bytes with a 413 (default 32 MiB)",
+    )
+    serve.add_argument(
+        "--body-timeout",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="answer 408 to a request whose body has not arrived S seconds after it began",
     )
     serve.add_argument(
         "--allowed-origins",

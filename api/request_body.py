@@ -18,6 +18,7 @@ skipped, UTF-16 and UTF-32 are refused.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import re
@@ -31,52 +32,71 @@ from fastapi import Request
 from api.errors import ApiError, bad_request
 
 DEFAULT_MAX_BODY_BYTES = 32 * 2**20
+DEFAULT_BODY_TIMEOUT_S = 30.0
 MAX_JSON_DEPTH = 64
 
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
 async def read_json(
-    request: Request, max_bytes: int = DEFAULT_MAX_BODY_BYTES, max_depth: int = MAX_JSON_DEPTH
+    request: Request,
+    max_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    max_depth: int = MAX_JSON_DEPTH,
+    timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
 ) -> dict[str, Any]:
     """The body as a JSON object; a 400 for anything else, a 413 past ``max_bytes``."""
-    body = await read_json_value(request, max_bytes, max_depth)
+    body = await read_json_value(request, max_bytes, max_depth, timeout_s)
     if not isinstance(body, dict):
         raise bad_request(f"The request body must be a JSON object, got {type(body).__name__}")
     return body
 
 
 async def read_json_value(
-    request: Request, max_bytes: int = DEFAULT_MAX_BODY_BYTES, max_depth: int = MAX_JSON_DEPTH
+    request: Request,
+    max_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    max_depth: int = MAX_JSON_DEPTH,
+    timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
 ) -> Any:
     """The body as any JSON value (an array of jobs, say), with ``read_json``'s checks."""
     content_type = request.headers.get("content-type", "")
     media_type = content_type.split(";", 1)[0].strip().lower()
     if media_type and media_type != "application/json" and not media_type.endswith("+json"):
         raise bad_request(f"Content-Type must be application/json, got {content_type!r}")
-    return parse_json(await read_body(request, max_bytes), max_depth)
+    return parse_json(await read_body(request, max_bytes, timeout_s), max_depth)
 
 
-async def read_body(request: Request, max_bytes: int = DEFAULT_MAX_BODY_BYTES) -> bytes:
+async def read_body(
+    request: Request,
+    max_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
+) -> bytes:
     """The raw body, at most ``max_bytes`` of it; a 413 before reading more than one chunk past.
 
     A declared ``Content-Length`` over the limit is refused before anything is
-    read. The bytes read are kept on the request, so a later ``request.body()``
-    returns them rather than failing on a consumed stream.
+    read. A body that has not all arrived ``timeout_s`` after the route began
+    reading it is a 408: a client that sends slowly holds no place for long.
     """
     declared = _declared_length(request)
     if declared is not None and declared > max_bytes:
         raise _too_large(f"is {declared} bytes (its Content-Length)", max_bytes)
     chunks: list[bytes] = []
     size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > max_bytes:
-            raise _too_large(f"has passed {max_bytes} bytes", max_bytes)
-        chunks.append(chunk)
-    body = b"".join(chunks)
-    request._body = body
-    return body
+    try:
+        async with asyncio.timeout(timeout_s):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > max_bytes:
+                    raise _too_large(f"has passed {max_bytes} bytes", max_bytes)
+                chunks.append(chunk)
+    except TimeoutError:
+        raise ApiError(
+            408,
+            f"The request body did not arrive within {timeout_s:g}s ({size} bytes came).",
+            "invalid_request_error",
+            code="request_timeout",
+            headers={"Connection": "close"},
+        ) from None
+    return b"".join(chunks)
 
 
 def _declared_length(request: Request) -> int | None:

@@ -7,7 +7,7 @@ from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
 import anyio
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 
 from api.auth import ApiKey
 from api.backends.base import Backend, Place, ServedModel
@@ -17,7 +17,12 @@ from api.output_parser import OutputParser
 from api.preparation import PreparationContext, Prepared, prepare
 from api.protocols.base import Protocol
 from api.rate_limits import MemoryRateLimiter, RateLimiter
-from api.request_body import DEFAULT_MAX_BODY_BYTES
+from api.request_body import (
+    DEFAULT_BODY_TIMEOUT_S,
+    DEFAULT_MAX_BODY_BYTES,
+    read_json,
+    read_json_value,
+)
 from api.streaming import StreamProcessor
 from shared.events import InferenceEvent
 from shared.registry import ModelRegistry
@@ -35,11 +40,13 @@ class Serving:
         preparation_threads: int,
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
         rate_limiter: RateLimiter | None = None,
+        body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
     ) -> None:
         self.registry = registry
         self.backend = backend
         self.rate_limiter = rate_limiter or MemoryRateLimiter()
-        self.max_body_bytes = max_body_bytes  # what read_json reads of a request body, at most
+        self.max_body_bytes = max_body_bytes  # what a request body may hold, at most
+        self.body_timeout_s = body_timeout_s  # how long it may take to arrive
         self.limiter = anyio.CapacityLimiter(preparation_threads)
         self.metrics = ServingMetrics(backend.health)
         collector = backend.metrics_collector()
@@ -71,6 +78,11 @@ class Serving:
             models = {model.spec.name: model for model in served}
             self._context, self._served = PreparationContext(self.registry, models), served
         return self._context
+
+    async def read_json(self, request: Request, value: bool = False) -> Any:
+        """The request's JSON body (an object; any value with ``value``) within the limits."""
+        read = read_json_value if value else read_json
+        return await read(request, self.max_body_bytes, timeout_s=self.body_timeout_s)
 
     async def admit(self) -> Place:
         """Before a request is prepared: the backend refuses work it has no room for (429/503).

@@ -33,7 +33,6 @@ from api.jobs.records import JobRecord, JobStatus, StoredChunk, read_metadata
 from api.jobs.store import JobStore
 from api.protocols.base import Protocol
 from api.protocols.table import BY_PATH
-from api.request_body import read_json, read_json_value
 
 if TYPE_CHECKING:
     from api.backends.channel import RequestChannel
@@ -58,12 +57,12 @@ def jobs_router(
 
     @router.post("")
     async def submit_job(request: Request) -> Response:
-        job = _job_request(await read_json(request, serving.max_body_bytes), protocols, "")
+        job = _job_request(await serving.read_json(request), protocols, "")
         return await _submitted(manager, [job], _owner(request), batch=False)
 
     @router.post("/batch")
     async def submit_jobs(request: Request) -> Response:
-        items = await _batch_items(request, settings.max_batch_jobs, serving.max_body_bytes)
+        items = _batch_items(await serving.read_json(request, value=True), settings.max_batch_jobs)
         jobs = [_job_request(item, protocols, f"jobs[{i}].") for i, item in enumerate(items)]
         return await _submitted(manager, jobs, _owner(request), batch=True)
 
@@ -137,9 +136,8 @@ def _job_request(item: Any, protocols: dict[str, Protocol], where: str) -> JobRe
     return JobRequest(protocols[endpoint], body, metadata)
 
 
-async def _batch_items(request: Request, most: int, max_bytes: int) -> list[Any]:
+def _batch_items(body: Any, most: int) -> list[Any]:
     """A bare JSON array of jobs, or ``{"jobs": [...]}``; between 1 and ``most`` of them."""
-    body = await read_json_value(request, max_bytes)
     items = body.get("jobs") if isinstance(body, dict) else body
     if not isinstance(items, list) or not 1 <= len(items) <= most:
         count = len(items) if isinstance(items, list) else type(items).__name__

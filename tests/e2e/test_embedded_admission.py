@@ -22,6 +22,7 @@ pytestmark = pytest.mark.slow
 
 QUEUE_TIMEOUT_S = 8
 TOTAL_TIMEOUT_S = 12
+BODY_TIMEOUT_S = 2
 
 
 @pytest.fixture(scope="module")
@@ -29,6 +30,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     args = [
         "--max-model-len", "2048", "--max-num-seqs", "1", "--max-inflight", "4",
         "--queue-timeout", str(QUEUE_TIMEOUT_S), "--total-timeout", str(TOTAL_TIMEOUT_S),
+        "--body-timeout", str(BODY_TIMEOUT_S),
     ]  # fmt: skip
     with running_server(args, tmp_path_factory.mktemp("admission")) as base_url:
         yield base_url
@@ -107,3 +109,34 @@ def test_a_high_priority_request_overtakes_queued_low_priority_ones(server: str)
         return finished
 
     assert asyncio.run(race())[:2] == ["running", "high"]
+
+
+def test_clients_that_never_finish_their_body_get_408_and_do_not_hold_up_others(server: str):
+    host, port = server.removeprefix("http://").split(":")
+    head = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: 1000\r\n\r\n"
+    )
+
+    async def slow() -> tuple[bytes, float]:
+        started = time.monotonic()
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(head + b'{"model": "default", "messages": [')
+        await writer.drain()
+        answer = await asyncio.wait_for(reader.read(4096), 30)
+        writer.close()
+        return answer, time.monotonic() - started
+
+    async def scene() -> tuple[list[tuple[bytes, float]], int, float]:
+        stalled = [asyncio.create_task(slow()) for _ in range(40)]
+        await asyncio.sleep(0.5)
+        started = time.monotonic()
+        async with httpx.AsyncClient(base_url=server, timeout=60) as client:
+            normal = await client.post("/v1/chat/completions", json=_body(2))
+        return await asyncio.gather(*stalled), normal.status_code, time.monotonic() - started
+
+    stalled, normal_status, normal_s = asyncio.run(scene())
+    assert normal_status == 200 and normal_s < BODY_TIMEOUT_S  # not behind the stalled ones
+    for answer, seconds in stalled:
+        assert answer.startswith(b"HTTP/1.1 408"), answer[:80]
+        assert BODY_TIMEOUT_S - 0.5 <= seconds < BODY_TIMEOUT_S + 5
