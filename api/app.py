@@ -36,6 +36,7 @@ from api.protocols.table import PROTOCOLS, error_shape
 from api.rate_limits import MemoryRateLimiter, RateLimiter, RedisRateLimiter
 from api.serving import Serving
 from api.settings import Settings, load_models
+from api.stall_guard import StallGuard
 from api.streaming import collect, event_source
 from shared.events import InferenceEvent, Text
 from shared.registry import ModelSpec
@@ -86,6 +87,7 @@ def create_app(settings: Settings | None = None, backend: Backend | None = None)
             allow_headers=["*"],
             expose_headers=["x-request-id", IGNORED_FIELDS_HEADER, "retry-after"],
         )
+    app.add_middleware(StallGuard, timeout_s=settings.stall_timeout_s)
     app.add_middleware(AccessLog, metrics=serving.metrics)  # outermost: sees every answer
     return app
 

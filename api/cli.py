@@ -107,6 +107,7 @@ def _serve(args: argparse.Namespace) -> int:
         log_format=args.log_format,
         max_body_bytes=args.max_body_bytes,
         body_timeout_s=args.body_timeout,
+        stall_timeout_s=args.stall_timeout,
         allowed_origins=tuple(args.allowed_origins or ()),
     )
     try:
@@ -221,6 +222,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=30.0,
         metavar="S",
         help="answer 408 to a request whose body has not arrived S seconds after it began",
+    )
+    serve.add_argument(
+        "--stall-timeout",
+        type=float,
+        default=60.0,
+        metavar="S",
+        help="end a response whose client has taken nothing of it for S seconds",
     )
     serve.add_argument(
         "--allowed-origins",

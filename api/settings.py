@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from api.request_body import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES
+from api.stall_guard import DEFAULT_STALL_TIMEOUT_S
 from shared.registry import ModelRegistry, ModelSpec, default_registry
 
 
@@ -24,6 +25,7 @@ class Settings:
     preparation_threads: int = 8  # concurrent preparations; more wait their turn
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # a larger request body is a 413
     body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S  # a body slower to arrive is a 408
+    stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S  # a client not reading this long is dropped
     # Distributed mode (workers behind Redis) when set; see api/admission.py for the policy.
     redis_url: str | None = None
     queue_timeout_s: float = 30.0  # a worker must start the request by then: 503
