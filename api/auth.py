@@ -77,7 +77,7 @@ class KeyRing:
     @classmethod
     def configured(cls, plain: Iterable[str], keys_file: Path | None) -> KeyRing:
         """Plain keys (flags, environment) and the named keys of ``keys_file``."""
-        keys = [_plain_key(key) for key in dict.fromkeys(plain) if key]
+        keys = [plain_key(key) for key in dict.fromkeys(plain) if key]
         if keys_file is not None:
             keys += read_keys_file(keys_file)
         return cls(keys)
@@ -152,7 +152,7 @@ def _named_key(path: Path, name: str, entry: Any) -> ApiKey:
     )
 
 
-def _plain_key(key: str) -> ApiKey:
+def plain_key(key: str) -> ApiKey:
     digest = hashlib.sha256(key.encode()).digest()
     return ApiKey("key-" + digest.hex()[:12], digest)
 
