@@ -36,7 +36,7 @@ from shared.constraints import (
     schema_is_enforceable,
     tool_call_grammar,
 )
-from shared.conversation import Conversation, ConversationError, has_images
+from shared.conversation import Conversation, ConversationError, ImagePart, has_images
 from shared.prompting import PromptFormatError, RenderedPrompt, render
 from shared.registry import ModelRegistry, ModelSpec, UnknownModel
 from shared.sampling import SamplingParams, StructuredOutputs
@@ -44,6 +44,12 @@ from shared.tokenization import PromptEncodingError, encode_prompt
 from shared.wire import ParsingOptions, PreparedRequest
 
 DEFAULT_MAX_TOKENS = 8192
+# What one request may hold, beyond which it is refused before any rendering.
+MAX_MESSAGES = 4096
+MAX_CONTENT_PARTS = 512
+MAX_TOOLS = 512
+MAX_IMAGES = 64
+MAX_IMAGE_BYTES = 20 * 2**20
 THINKING_MAX_TOKENS = 65536
 MAX_EFFORT_MAX_TOKENS = 131072
 
@@ -134,8 +140,36 @@ def prepare(
     return Prepared(protocol, request, context, wire, model)
 
 
+def check_request_limits(conversation: Conversation) -> None:
+    """A 400 naming the limit for a request with more of something than any model needs."""
+    parts = [getattr(message, "content", []) for message in conversation.messages]
+    images = [part for content in parts for part in content if isinstance(part, ImagePart)]
+    image_bytes = sum(len(image.source.data or "") * 3 // 4 for image in images)
+    for what, count, most in (
+        ("messages", len(conversation.messages), MAX_MESSAGES),
+        ("tools", len(conversation.tools), MAX_TOOLS),
+        ("images", len(images), MAX_IMAGES),
+        ("bytes of inline images", image_bytes, MAX_IMAGE_BYTES),
+    ):
+        if count > most:
+            raise bad_request(
+                f"a request may hold at most {most} {what}, this one has {count}",
+                what.split()[-1],
+                "limit_exceeded",
+            )
+    for index, content in enumerate(parts):
+        if len(content) > MAX_CONTENT_PARTS:
+            raise bad_request(
+                f"a message may hold at most {MAX_CONTENT_PARTS} content parts, "
+                f"message {index} has {len(content)}",
+                "messages",
+                "limit_exceeded",
+            )
+
+
 def encode_request(request: GenerationRequest, ctx: PreparationContext) -> Encoded:
     """Resolve the model, render the conversation in its format and encode it safely."""
+    check_request_limits(request.conversation)  # 400 naming the limit
     model = resolve_model(request.model, ctx)
     _require_image_support(request.conversation, model.spec)
     rendered = render_conversation(request.conversation, model)

@@ -413,3 +413,18 @@ def test_a_prompt_too_long_by_its_length_alone_is_refused_before_encoding(ctx: P
     error = _error(prepare, MINIMAL, {"model": "default", "messages": [huge]}, ctx)
     assert (error.status, error.param, error.code) == (400, "messages", "context_length_exceeded")
     assert "at least" in error.message
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"messages": ["hi"] * 4097}, "messages"),
+        ({"tools": [f"f{i}" for i in range(513)], "tool_choice": "auto"}, "tools"),
+    ],
+)
+def test_a_request_past_a_count_limit_is_a_400_naming_it(
+    ctx: PreparationContext, body: dict, param: str
+):
+    error = _error(prepare, MINIMAL, {"model": "default", **body}, ctx)
+    assert (error.status, error.param, error.code) == (400, param, "limit_exceeded")
+    assert "at most" in error.message
