@@ -45,6 +45,7 @@ class AccessRecord:
 
     protocol: str | None = None
     model: str | None = None
+    response_id: str | None = None  # the generation's id: the one the workers' lines name
     processor: StreamProcessor | None = None  # its usage, once the response ends
     first_token_at: float | None = None
     place: Place | None = None  # its admission, released when the request ends
@@ -109,11 +110,12 @@ class AccessLog:
             else "-"
         )
         log.info(
-            "%s %s %s key=%s protocol=%s model=%s status=%d prompt_tokens=%s "
+            "%s %s %s response=%s key=%s protocol=%s model=%s status=%d prompt_tokens=%s "
             "completion_tokens=%s ttft_ms=%s duration_ms=%.0f",
             state["request_id"],
             scope["method"],
             scope["path"],
+            record.response_id or "-",
             state.get("api_key") or "-",
             record.protocol or "-",
             record.model or "-",

@@ -158,6 +158,7 @@ def _generation_route(protocol: Protocol, serving: Serving) -> Callable[..., Awa
         access.rate_limits = await serving.limit(key, prepared)  # 429 beyond the key's limits
         processor, events = serving.run(prepared, arrived)
         access.model, access.processor = prepared.request.model, processor
+        access.response_id = prepared.context.request_id
         events = _noting_first_token(events, access)
         if prepared.request.stream:
             answer: Awaitable[Response] = event_source(processor, events, protocol.done_marker)
