@@ -9,6 +9,7 @@ shape of the protocol whose path was called, with the status it deserves.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -47,6 +48,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 # Names the request fields that were ignored because no reader of the protocol knows them.
 IGNORED_FIELDS_HEADER = "sluice-ignored-fields"
+MAX_IGNORED_HEADER = 1000
 
 T = TypeVar("T")
 
@@ -191,7 +193,8 @@ def _report_ignored(prepared: Prepared, response: Response) -> None:
     """Fields no protocol reader knows are ignored, and said to be: in a header and the log."""
     ignored = prepared.request.ignored_fields
     if ignored:
-        names = ", ".join(ignored)
+        # JSON string escapes keep any name a valid header value; a long list is cut.
+        names = ", ".join(json.dumps(name)[1:-1] for name in ignored)[:MAX_IGNORED_HEADER]
         log.warning("%s: ignored unknown fields: %s", prepared.context.request_id, names)
         response.headers[IGNORED_FIELDS_HEADER] = names
 

@@ -386,8 +386,9 @@ def constraint(encoded: Encoded, thinking: bool) -> StructuredOutputs | None:
         if thinking:
             grammar = after_reasoning(grammar, THINK.close)
         check(grammar, field, lltokenizer(model.tokenizer))
-    except ConstraintError as exc:
-        raise bad_request(str(exc), exc.field) from None
+    except ConstraintError as exc:  # named where the client wrote it, or the tool's schema
+        param = exc.field if exc.field.startswith("tools[") else field
+        raise bad_request(f"{param}: {exc.reason}", param) from None
     return StructuredOutputs(grammar=grammar)
 
 

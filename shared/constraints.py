@@ -42,6 +42,7 @@ class ConstraintError(ValueError):
     def __init__(self, field: str, message: str) -> None:
         super().__init__(f"{field}: {message}")
         self.field = field
+        self.reason = message
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,7 +74,20 @@ def lltokenizer(
 
 
 def grammar_of(spec: StructuredOutputs) -> str:
-    """The llguidance grammar (JSON text) for one structured-outputs spec."""
+    """The llguidance grammar (JSON text) for one structured-outputs spec.
+
+    ``ConstraintError`` for a spec llguidance cannot take in (an integer past
+    64 bits, a string no encoding holds).
+    """
+    try:
+        return _grammar_of(spec)
+    except (ValueError, TypeError, OverflowError) as exc:
+        if isinstance(exc, ConstraintError):
+            raise
+        raise ConstraintError("structured_outputs", str(exc)) from None
+
+
+def _grammar_of(spec: StructuredOutputs) -> str:
     if spec.grammar is not None:
         text = spec.grammar.strip()
         return text if text.startswith("{") else _from_lark(text)
@@ -142,7 +156,10 @@ def check(grammar: str, field: str, tokenizer: llguidance.LLTokenizer | None = N
 
 def schema_is_enforceable(schema: dict[str, Any]) -> bool:
     """Whether llguidance enforces every feature of a JSON schema."""
-    grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+    try:
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+    except (ValueError, TypeError, OverflowError):
+        return False
     failed, messages = _validated(grammar, None)
     return not failed and not messages
 
@@ -152,7 +169,10 @@ def _validated(
     grammar: str, tokenizer: llguidance.LLTokenizer | None
 ) -> tuple[bool, tuple[str, ...]]:
     """llguidance's verdict on a grammar, cached: clients send the same schema again and again."""
-    failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, tokenizer)
+    try:
+        failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, tokenizer)
+    except (ValueError, TypeError, OverflowError) as exc:
+        return True, (str(exc),)
     return failed, tuple(messages)
 
 

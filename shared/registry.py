@@ -190,11 +190,15 @@ class ModelRegistry:
 
 
 def _local_checkpoint(name: str) -> Path | None:
-    path = Path(name).expanduser()
-    if path.is_file() and path.suffix == ".gguf":
-        return path
-    if path.is_dir() and (path / "config.json").is_file():
-        return path
+    """``name`` as a checkpoint on this machine, or None (for any name a path cannot be)."""
+    try:
+        path = Path(name).expanduser()
+        if path.is_file() and path.suffix == ".gguf":
+            return path
+        if path.is_dir() and (path / "config.json").is_file():
+            return path
+    except (OSError, ValueError, RuntimeError):  # a NUL byte, an unknown ~user, a long name
+        return None
     return None
 
 

@@ -11,6 +11,7 @@ from typing import Any
 
 MAX_TOP_LOGPROBS = 20
 MAX_LOGIT_BIAS = 100.0
+GREEDY_BELOW = 1e-5  # as vLLM: a temperature this small samples the argmax anyway
 
 
 @dataclass(slots=True)
@@ -93,7 +94,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature <= 0.0
+        """Temperatures below ``GREEDY_BELOW`` are greedy: dividing by them overflows."""
+        return self.temperature < GREEDY_BELOW
 
     def validate(self) -> None:
         """Raise ValueError naming the field, the value and what is accepted."""

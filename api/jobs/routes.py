@@ -118,7 +118,7 @@ def _job_request(item: Any, protocols: dict[str, Protocol], where: str) -> JobRe
     if not isinstance(item, dict):
         raise bad_request(f"{where or 'the job'} must be an object, got {type(item).__name__}")
     endpoint = item.get("endpoint")
-    if endpoint not in protocols:
+    if not isinstance(endpoint, str) or endpoint not in protocols:
         accepted = ", ".join(repr(path) for path in protocols)
         raise bad_request(
             f"{where}endpoint must be one of {accepted}, got {endpoint!r}", f"{where}endpoint"
@@ -165,7 +165,7 @@ def _last_event_id(value: str | None) -> int:
     """The event to resume after: 0 (the beginning) when absent."""
     if value is None or value == "":
         return 0
-    if not value.isdigit():
+    if not (value.isascii() and value.isdigit() and len(value) <= 18):
         raise bad_request(
             f"Last-Event-ID must be an event id from this stream (a number), got {value!r}",
             "Last-Event-ID",

@@ -30,6 +30,7 @@ from shared.conversation import (
 
 # OpenAI reports -9999.0 for a token the model all but ruled out; JSON has no -inf.
 _FLOOR_LOGPROB = -9999.0
+_LARGEST = 1e300  # numbers beyond are refused rather than overflowing a float
 _MAX_SHOWN = 80
 _DATA_URL = re.compile(r"data:(?P<media>[^;,]*)(?P<params>(?:;[^;,]*)*),(?P<data>.*)", re.DOTALL)
 _LEADING_PATH = re.compile(r"[A-Za-z_][\w.\[\]]*")
@@ -130,7 +131,7 @@ class Fields:
         value = self.get(name)
         if value is None:
             return None
-        ok = _is_number(value) and math.isfinite(value)
+        ok = _is_number(value) and abs(value) <= _LARGEST and math.isfinite(value)
         ok = ok and (value > low if low_open else value >= low)
         if not ok or (high is not None and value > high):
             raise self.error(name, _number_range(low, high, low_open))
