@@ -81,8 +81,10 @@ def grammar_of(spec: StructuredOutputs) -> str:
     """
     try:
         return _grammar_of(spec)
-    except (ValueError, TypeError, OverflowError) as exc:
-        if isinstance(exc, ConstraintError):
+    except ConstraintError:
+        raise
+    except BaseException as exc:
+        if not _is_grammar_failure(exc):
             raise
         raise ConstraintError("structured_outputs", str(exc)) from None
 
@@ -158,7 +160,9 @@ def schema_is_enforceable(schema: dict[str, Any]) -> bool:
     """Whether llguidance enforces every feature of a JSON schema."""
     try:
         grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
-    except (ValueError, TypeError, OverflowError):
+    except BaseException as exc:
+        if not _is_grammar_failure(exc):
+            raise
         return False
     failed, messages = _validated(grammar, None)
     return not failed and not messages
@@ -171,9 +175,18 @@ def _validated(
     """llguidance's verdict on a grammar, cached: clients send the same schema again and again."""
     try:
         failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, tokenizer)
-    except (ValueError, TypeError, OverflowError) as exc:
-        return True, (str(exc),)
+    except BaseException as exc:  # a panic in llguidance's Rust arrives as a BaseException
+        if not _is_grammar_failure(exc):
+            raise
+        return True, (f"the grammar engine could not take this grammar: {exc}",)
     return failed, tuple(messages)
+
+
+def _is_grammar_failure(exc: BaseException) -> bool:
+    """An error of llguidance's about its input, rather than the process being stopped."""
+    return isinstance(exc, ValueError | TypeError | OverflowError) or (
+        type(exc).__name__ == "PanicException"
+    )
 
 
 def _schema_object(text: str) -> dict[str, Any]:
