@@ -226,7 +226,7 @@ schemas = st.recursive(
 ).filter(lambda schema: schema.get("type") == "object")
 
 
-@settings(max_examples=8, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=5, deadline=None, suppress_health_check=list(HealthCheck))
 @given(schema=schemas, seed=st.integers(0, 1000))
 def test_every_output_of_a_generated_schema_validates(
     make_engine: EngineFactory, schema: dict, seed: int
