@@ -14,10 +14,9 @@ from typing import Any
 
 from api.errors import bad_request
 from api.protocols.openai_common import Fields, show
-from shared.sampling import StructuredOutputs
+from shared.sampling import MAX_LOGIT_BIAS, StructuredOutputs
 
 STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
-MAX_LOGIT_BIAS = 100
 
 
 def read_structured_outputs(
