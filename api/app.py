@@ -61,10 +61,8 @@ def create_app(settings: Settings | None = None, backend: Backend | None = None)
     serving = Serving(
         registry,
         backend or _default_backend(spec, settings, channel),
-        settings.preparation_threads,
-        settings.max_body_bytes,
+        settings,
         _rate_limiter(channel),
-        settings.body_timeout_s,
     )
     app = FastAPI(title="Sluice", lifespan=serving.lifespan)
     app.state.serving = serving

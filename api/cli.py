@@ -107,6 +107,11 @@ def _serve(args: argparse.Namespace) -> int:
         log_format=args.log_format,
         max_body_bytes=args.max_body_bytes,
         body_timeout_s=args.body_timeout,
+        header_timeout_s=args.header_timeout,
+        max_header_bytes=args.max_header_bytes,
+        keep_alive_timeout_s=args.keep_alive_timeout,
+        prepare_timeout_s=args.prepare_timeout,
+        max_preparing=args.max_preparing,
         stall_timeout_s=args.stall_timeout,
         allowed_origins=tuple(args.allowed_origins or ()),
     )
@@ -222,6 +227,41 @@ def build_parser() -> argparse.ArgumentParser:
         default=30.0,
         metavar="S",
         help="answer 408 to a request whose body has not arrived S seconds after it began",
+    )
+    serve.add_argument(
+        "--header-timeout",
+        type=float,
+        default=10.0,
+        metavar="S",
+        help="answer 408 to a request whose headers are not in S seconds after its first byte",
+    )
+    serve.add_argument(
+        "--max-header-bytes",
+        type=_at_least_one,
+        default=64 * 1024,
+        metavar="N",
+        help="answer 431 to a request whose request line and headers pass N bytes",
+    )
+    serve.add_argument(
+        "--keep-alive-timeout",
+        type=float,
+        default=5.0,
+        metavar="S",
+        help="close a kept-alive connection idle for S seconds",
+    )
+    serve.add_argument(
+        "--prepare-timeout",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="503 if preparing a request (waiting for a thread included) takes over S seconds",
+    )
+    serve.add_argument(
+        "--max-preparing",
+        type=_at_least_one,
+        default=256,
+        metavar="N",
+        help="503 when N requests already wait for a preparation thread",
     )
     serve.add_argument(
         "--stall-timeout",

@@ -12,6 +12,7 @@ import sys
 import uvicorn
 
 from api.app import create_app
+from api.connection_limits import GuardedHttpProtocol
 from api.settings import Settings
 from shared import logs
 
@@ -33,6 +34,8 @@ def run(settings: Settings) -> None:
         log_level="info",
         log_config=None,
         access_log=False,
+        http=GuardedHttpProtocol.configured(settings.header_timeout_s, settings.max_header_bytes),
+        timeout_keep_alive=settings.keep_alive_timeout_s,
     )
 
 

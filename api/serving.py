@@ -6,7 +6,6 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
-import anyio
 from fastapi import FastAPI, Request
 
 from api.auth import ApiKey
@@ -15,14 +14,11 @@ from api.errors import ApiError
 from api.metrics import ServingMetrics
 from api.output_parser import OutputParser
 from api.preparation import PreparationContext, Prepared, prepare
+from api.preparation_pool import PreparationPool
 from api.protocols.base import Protocol
 from api.rate_limits import MemoryRateLimiter, RateLimiter
-from api.request_body import (
-    DEFAULT_BODY_TIMEOUT_S,
-    DEFAULT_MAX_BODY_BYTES,
-    read_json,
-    read_json_value,
-)
+from api.request_body import read_json, read_json_value
+from api.settings import Settings
 from api.streaming import StreamProcessor
 from shared.events import InferenceEvent
 from shared.registry import ModelRegistry
@@ -31,23 +27,23 @@ T = TypeVar("T")
 
 
 class Serving:
-    """The backend behind every route, with preparation bounded to ``preparation_threads``."""
+    """The backend behind every route, with preparation in a bounded pool (``settings``)."""
 
     def __init__(
         self,
         registry: ModelRegistry,
         backend: Backend,
-        preparation_threads: int,
-        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+        settings: Settings,
         rate_limiter: RateLimiter | None = None,
-        body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
     ) -> None:
         self.registry = registry
         self.backend = backend
         self.rate_limiter = rate_limiter or MemoryRateLimiter()
-        self.max_body_bytes = max_body_bytes  # what a request body may hold, at most
-        self.body_timeout_s = body_timeout_s  # how long it may take to arrive
-        self.limiter = anyio.CapacityLimiter(preparation_threads)
+        self.max_body_bytes = settings.max_body_bytes  # what a request body may hold, at most
+        self.body_timeout_s = settings.body_timeout_s  # how long it may take to arrive
+        self.pool = PreparationPool(
+            settings.preparation_threads, settings.max_preparing, settings.prepare_timeout_s
+        )
         self.metrics = ServingMetrics(backend.health)
         collector = backend.metrics_collector()
         if collector is not None:
@@ -61,6 +57,7 @@ class Serving:
         try:
             yield
         finally:
+            self.pool.close()
             await self.backend.stop()
 
     def context(self) -> PreparationContext:
@@ -92,8 +89,8 @@ class Serving:
         return await self.backend.admit()
 
     async def off_loop(self, function: Callable[..., T], *args: Any) -> T:
-        """Run CPU work (rendering, tokenizing) in the bounded threadpool."""
-        return await anyio.to_thread.run_sync(function, *args, limiter=self.limiter)
+        """Run CPU work (rendering, tokenizing) in the bounded pool, under the prepare timeout."""
+        return await self.pool.run(function, *args)
 
     async def prepare(
         self,

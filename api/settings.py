@@ -5,6 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from api.connection_limits import (
+    DEFAULT_HEADER_TIMEOUT_S,
+    DEFAULT_KEEP_ALIVE_TIMEOUT_S,
+    DEFAULT_MAX_HEADER_BYTES,
+)
+from api.preparation_pool import DEFAULT_MAX_WAITING, DEFAULT_PREPARE_TIMEOUT_S
 from api.request_body import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES
 from api.stall_guard import DEFAULT_STALL_TIMEOUT_S
 from shared.registry import ModelRegistry, ModelSpec, default_registry
@@ -23,6 +29,11 @@ class Settings:
     max_model_len: int | None = None
     max_num_seqs: int = 64
     preparation_threads: int = 8  # concurrent preparations; more wait their turn
+    max_preparing: int = DEFAULT_MAX_WAITING  # preparations waiting for a thread before a 503
+    prepare_timeout_s: float = DEFAULT_PREPARE_TIMEOUT_S  # one preparation step, waiting included
+    header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S  # headers slower to arrive: a 408
+    max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES  # a larger request head is a 431
+    keep_alive_timeout_s: float = DEFAULT_KEEP_ALIVE_TIMEOUT_S  # an idle connection is closed
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # a larger request body is a 413
     body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S  # a body slower to arrive is a 408
     stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S  # a client not reading this long is dropped

@@ -18,6 +18,7 @@ SUPPORTED: dict[str, str] = {  # package -> the minor version its internals were
     "kombu": "5.7",
     "jinja2": "3.1",
     "torch": "2.13",
+    "uvicorn": "0.54",
 }
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -10,6 +11,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
@@ -62,3 +64,27 @@ def _wait_ready(base_url: str, process: subprocess.Popen, log_path: Path) -> Non
             pass
         time.sleep(0.5)
     pytest.fail(f"the server was not ready after {STARTUP_TIMEOUT_S}s:\n{log_path.read_text()}")
+
+
+def server_pid(base_url: str) -> int | None:
+    """The server process's id, found by the port in its command line (Linux only)."""
+    port = str(urlsplit(base_url).port)
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            words = cmdline.read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"api.server" in words and f"--port\0{port}".encode() in b"\0".join(words):
+            return int(cmdline.parent.name)
+    return None
+
+
+def rss_mib(pid: int | None) -> float | None:
+    if pid is None:
+        return None
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return None
+    found = re.search(r"VmRSS:\s+(\d+) kB", status)
+    return int(found.group(1)) / 1024 if found else None

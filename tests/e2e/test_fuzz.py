@@ -29,14 +29,15 @@ import re
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
-from urllib.parse import quote, quote_from_bytes, urlsplit
+from urllib.parse import quote, quote_from_bytes
 
 import httpx
 import pytest
 from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
+
+from tests.servers import rss_mib, server_pid
 
 pytestmark = pytest.mark.slow
 
@@ -527,30 +528,6 @@ def prepared(
 
 
 # --- fixtures -----------------------------------------------------------------------
-
-
-def server_pid(base_url: str) -> int | None:
-    """The server process's id, found by the port in its command line (Linux only)."""
-    port = str(urlsplit(base_url).port)
-    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
-        try:
-            words = cmdline.read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if b"api.server" in words and f"--port\0{port}".encode() in b"\0".join(words):
-            return int(cmdline.parent.name)
-    return None
-
-
-def rss_mib(pid: int | None) -> float | None:
-    if pid is None:
-        return None
-    try:
-        status = Path(f"/proc/{pid}/status").read_text()
-    except OSError:
-        return None
-    found = re.search(r"VmRSS:\s+(\d+) kB", status)
-    return int(found.group(1)) / 1024 if found else None
 
 
 @pytest.fixture(scope="module")
