@@ -6,9 +6,11 @@ millisecond when it may retry (``Retry-After``) instead of waiting for a
 window to turn over. A request takes one request and its token reservation
 (prompt tokens plus the resolved ``max_tokens``) at admission, and gives back
 what it did not use when it ends; it holds one of the key's concurrent places
-until then. In embedded mode the buckets live in this process; with Redis one
-script per admission checks and takes from all three at once, so any number
-of API replicas share a key's limits exactly.
+until then. Under limits without ``max_concurrent`` nothing counts places: an
+async job, which holds no connection, is limited that way. In embedded mode
+the buckets live in this process; with Redis one script per admission checks
+and takes from all three at once, so any number of API replicas share a key's
+limits exactly.
 
 Refusals and admissions carry the headers clients read: OpenAI's
 ``x-ratelimit-{limit,remaining,reset}-{requests,tokens}`` and, on
@@ -117,11 +119,13 @@ class MemoryRateLimiter:
             if token_level is not None:
                 verdict.remaining_tokens = token_level - tokens
                 self._buckets[(key, "tokens")] = (token_level - tokens, now)
-            self._running[key] = running + 1
+            if limits.max_concurrent is not None:
+                self._running[key] = running + 1
         return verdict
 
     async def release(self, key: str, limits: KeyLimits, unused_tokens: int) -> None:
-        self._running[key] = max(self._running.get(key, 0) - 1, 0)
+        if limits.max_concurrent is not None:
+            self._running[key] = max(self._running.get(key, 0) - 1, 0)
         if limits.tokens_per_minute is not None and unused_tokens > 0:
             now = time.monotonic()
             level = self._level(key, "tokens", limits.tokens_per_minute, now)
@@ -170,7 +174,12 @@ class RedisRateLimiter:
     async def release(self, key: str, limits: KeyLimits, unused_tokens: int) -> None:
         await self._release(
             keys=_keys(key),
-            args=[_arg(limits.tokens_per_minute), max(unused_tokens, 0), MINUTE_S],
+            args=[
+                _arg(limits.tokens_per_minute),
+                max(unused_tokens, 0),
+                MINUTE_S,
+                _arg(limits.max_concurrent),
+            ],
         )
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
@@ -16,7 +17,7 @@ from api.output_parser import OutputParser
 from api.preparation import PreparationContext, Prepared, prepare
 from api.preparation_pool import PreparationPool
 from api.protocols.base import Protocol
-from api.rate_limits import MemoryRateLimiter, RateLimiter
+from api.rate_limits import KeyLimits, MemoryRateLimiter, RateLimiter
 from api.request_body import read_json, read_json_value
 from api.settings import Settings
 from api.streaming import StreamProcessor
@@ -118,23 +119,27 @@ class Serving:
             prepared.wire.priority = max(prepared.wire.priority, key.priority)
         return prepared
 
-    async def limit(self, key: ApiKey | None, prepared: Prepared) -> RateLimitTicket | None:
+    async def limit(
+        self, key: ApiKey | None, prepared: Prepared, *, holds_place: bool = True
+    ) -> RateLimitTicket | None:
         """Take the key's share for a prepared request, or a 429 with the rate-limit headers.
 
         The reservation is its prompt tokens and resolved ``max_tokens``; the
-        ticket gives back what the request did not use when it ends.
+        ticket gives back what the request did not use when it ends. An async
+        job (``holds_place`` false) takes requests and tokens but no concurrent place.
         """
         if key is None or not key.limits.any:
             return None
+        limits = key.limits if holds_place else replace(key.limits, max_concurrent=None)
         wire = prepared.wire
         reserved = len(wire.prompt_token_ids) + wire.sampling.max_tokens
-        verdict = await self.rate_limiter.acquire(key.name, key.limits, reserved)
+        verdict = await self.rate_limiter.acquire(key.name, limits, reserved)
         headers = verdict.headers(prepared.protocol.anthropic_rate_limit_headers)
         if not verdict.allowed:
             raise ApiError(
                 429, verdict.reason, "rate_limit_exceeded", None, "rate_limit_exceeded", headers
             )
-        return RateLimitTicket(self.rate_limiter, key, reserved, headers)
+        return RateLimitTicket(self.rate_limiter, key.name, limits, reserved, headers)
 
     def run(
         self, prepared: Prepared, arrived: float
@@ -155,9 +160,12 @@ class Serving:
 class RateLimitTicket:
     """A request's share of its key's limits: ``headers`` to answer with, ``release`` at its end."""
 
-    def __init__(self, limiter: RateLimiter, key: ApiKey, reserved: int, headers: dict) -> None:
-        self._limiter, self._key, self._reserved = limiter, key, reserved
+    def __init__(
+        self, limiter: RateLimiter, key: str, limits: KeyLimits, reserved: int, headers: dict
+    ) -> None:
+        self._limiter, self._key, self._limits = limiter, key, limits
+        self.reserved = reserved  # tokens taken at admission
         self.headers = headers
 
     async def release(self, used_tokens: int) -> None:
-        await self._limiter.release(self._key.name, self._key.limits, self._reserved - used_tokens)
+        await self._limiter.release(self._key, self._limits, self.reserved - used_tokens)

@@ -47,8 +47,9 @@ from shared.events import Error
 from shared.wire import QueuedRequest
 
 if TYPE_CHECKING:
+    from api.auth import ApiKey
     from api.backends.channel import RequestChannel
-    from api.serving import Serving
+    from api.serving import RateLimitTicket, Serving
 
 log = logging.getLogger(__name__)
 
@@ -113,26 +114,45 @@ class JobManager:
 
     # --- what the routes call ------------------------------------------------------
 
-    async def submit(self, jobs: list[JobRequest], owner: str | None) -> list[JobRecord]:
-        """Prepare every body first (one refused body queues nothing), then start them all."""
+    async def submit(self, jobs: list[JobRequest], key: ApiKey | None) -> list[JobRecord]:
+        """Prepare every body and take its share of ``key``'s limits first (one refused body
+        queues nothing), then start them all. The jobs belong to ``key``.
+        """
         prepared = []
         for index, job in enumerate(jobs):
             job_hex = new_job_hex()
             try:
-                prepared.append((job_hex, await self._prepare(job.protocol, job.body, job_hex)))
+                ready = await self._prepare(job.protocol, job.body, job_hex, key=key)
             except ApiError as exc:
                 raise SubmitError(job.protocol, exc, index) from exc
+            prepared.append((job_hex, ready))
+        tickets = await self._limit(jobs, [ready for _, ready in prepared], key)
+        owner = key.name if key is not None else None
         records = []
         for index, (job, (job_hex, ready)) in enumerate(zip(jobs, prepared, strict=True)):
             record = self._new_record(job, job_hex, ready, owner)
             try:
                 events = await self._generate(record, ready)
             except ApiError as exc:  # the queue refused it: nothing runs, nothing is kept
+                await _release_unused(tickets[index:])
                 raise SubmitError(job.protocol, exc, index) from exc
             await self.store.create(record, self.holder)
-            self._launch(self._runner(record, ready, events))
+            self._launch(self._runner(record, ready, events), tickets[index])
             records.append(record)
         return records
+
+    async def _limit(
+        self, jobs: list[JobRequest], prepared: list[Prepared], key: ApiKey | None
+    ) -> list[RateLimitTicket | None]:
+        """Each job's share of the key's requests and tokens per minute, or none at all (429)."""
+        tickets: list[RateLimitTicket | None] = []
+        for index, (job, ready) in enumerate(zip(jobs, prepared, strict=True)):
+            try:
+                tickets.append(await self.serving.limit(key, ready, holds_place=False))
+            except ApiError as exc:
+                await _release_unused(tickets)
+                raise SubmitError(job.protocol, exc, index) from exc
+        return tickets
 
     async def get(self, job_id: str, owner: str | None) -> JobRecord:
         """The job (or its tombstone), adopting it first if its runner is gone; else 404."""
@@ -202,15 +222,24 @@ class JobManager:
     # --- running and adopting --------------------------------------------------------
 
     async def _prepare(
-        self, protocol: Protocol, body: dict, job_hex: str, *, admit: bool = True
+        self,
+        protocol: Protocol,
+        body: dict,
+        job_hex: str,
+        *,
+        admit: bool = True,
+        key: ApiKey | None = None,
     ) -> Prepared:
-        """The synchronous route's preparation, with the job's response (and request) id."""
+        """The synchronous route's preparation, with the job's response (and request) id.
+
+        ``key`` bounds the models and priority as on the synchronous route.
+        """
         response_id = protocol.id_prefix + job_hex
         if admit:
             # The admission check only: a job holds no connection, and the engine or the
             # queue holds its place once it runs.
             (await self.serving.admit()).release()
-        return await self.serving.prepare(protocol, body, response_id)
+        return await self.serving.prepare(protocol, body, response_id, key)
 
     async def _generate(self, record: JobRecord, prepared: Prepared) -> AsyncIterator:
         """Start the generation: on the workers (a 503 if it cannot be queued), or here."""
@@ -258,8 +287,19 @@ class JobManager:
             kept=kept,
         )
 
-    def _launch(self, runner: JobRunner) -> None:
-        task = asyncio.create_task(runner.run(), name=f"sluice-{runner.job_id}")
+    def _launch(self, runner: JobRunner, ticket: RateLimitTicket | None = None) -> None:
+        """Run the job; its key's unused tokens go back when it ends (``ticket``)."""
+
+        async def run() -> None:
+            try:
+                await runner.run()
+            finally:
+                if ticket is not None:
+                    # A job that went on elsewhere (detached) keeps its whole reservation.
+                    used = ticket.reserved if runner.detached else runner.used_tokens
+                    await asyncio.shield(ticket.release(used))
+
+        task = asyncio.create_task(run(), name=f"sluice-{runner.job_id}")
         self._runners[runner.job_id] = (runner, task)
 
         def forget(done: asyncio.Task[None]) -> None:
@@ -353,6 +393,13 @@ class JobManager:
             f"kept {kept} after submission, then answered as expired for {tombstone} more)."
         )
         return ApiError(404, message, "not_found_error", "job_id", "job_not_found")
+
+
+async def _release_unused(tickets: list[RateLimitTicket | None]) -> None:
+    """Give back the shares of jobs that were refused before they ran."""
+    for ticket in tickets:
+        if ticket is not None:
+            await ticket.release(0)
 
 
 def _duration(seconds: float) -> str:

@@ -15,7 +15,10 @@
 Errors that are not about a job body (unknown job, bad envelope) answer in
 OpenAI's shape, like every path outside the protocol table. Jobs belong to
 the API key that submitted them once authentication sets
-``request.state.api_key``; until then every job is everyone's.
+``request.state.api_key``; until then every job is everyone's. A job is held
+to its key's models, priority, requests and tokens per minute (a 429 when
+over; in a batch, one refused job queues nothing), but takes none of the key's
+places at once: it holds no connection, and the server's queue bounds it.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from api.protocols.base import Protocol
 from api.protocols.table import BY_PATH
 
 if TYPE_CHECKING:
+    from api.auth import ApiKey
     from api.backends.channel import RequestChannel
     from api.serving import Serving
     from api.settings import Settings
@@ -58,13 +62,13 @@ def jobs_router(
     @router.post("")
     async def submit_job(request: Request) -> Response:
         job = _job_request(await serving.read_json(request), protocols, "")
-        return await _submitted(manager, [job], _owner(request), batch=False)
+        return await _submitted(manager, [job], _key(request), batch=False)
 
     @router.post("/batch")
     async def submit_jobs(request: Request) -> Response:
         items = _batch_items(await serving.read_json(request, value=True), settings.max_batch_jobs)
         jobs = [_job_request(item, protocols, f"jobs[{i}].") for i, item in enumerate(items)]
-        return await _submitted(manager, jobs, _owner(request), batch=True)
+        return await _submitted(manager, jobs, _key(request), batch=True)
 
     @router.get("")
     async def list_jobs(
@@ -95,11 +99,11 @@ def jobs_router(
 
 
 async def _submitted(
-    manager: JobManager, jobs: list[JobRequest], owner: str | None, *, batch: bool
+    manager: JobManager, jobs: list[JobRequest], key: ApiKey | None, *, batch: bool
 ) -> Response:
     """202 with the jobs, or the refused body's error in its protocol's shape."""
     try:
-        records = await manager.submit(jobs, owner)
+        records = await manager.submit(jobs, key)
     except SubmitError as exc:
         error = exc.error
         if batch:
@@ -187,6 +191,11 @@ def _page(records: list[JobRecord], more: bool) -> dict[str, Any]:
 async def _sse(chunks: AsyncIterator[tuple[int, StoredChunk]]) -> AsyncIterator[ServerSentEvent]:
     async for index, chunk in chunks:
         yield ServerSentEvent(data=chunk.data, event=chunk.event, id=str(index))
+
+
+def _key(request: Request) -> ApiKey | None:
+    """The caller's API key (its limits, models and priority); None when keys are off."""
+    return getattr(request.state, "api_key_record", None)
 
 
 def _owner(request: Request) -> str | None:

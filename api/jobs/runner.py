@@ -164,6 +164,11 @@ class JobRunner:
         if self._scope is not None:
             self._scope.cancel()
 
+    @property
+    def used_tokens(self) -> int:
+        """The prompt and completion tokens of the generation so far."""
+        return self._processor.usage.total_tokens
+
     def detach(self) -> None:
         """Stop writing and leave the generation running, for another runner to adopt."""
         self.detached = True

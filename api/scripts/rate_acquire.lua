@@ -1,7 +1,7 @@
 -- One admission against a key's limits, atomically (api/rate_limits.py mirrors it in memory).
 -- KEYS: the requests bucket, the tokens bucket (hashes: level, at), the running counter.
--- ARGV: requests per minute, tokens per minute, at once (-1: no limit), this request's
---       tokens, the bucket period in seconds, the running counter's TTL.
+-- ARGV: requests per minute, tokens per minute, at once (-1: no limit, and no place is
+--       held), this request's tokens, the bucket period in seconds, the running counter's TTL.
 -- Returns {allowed, requests left, tokens left, retry after (s), reason}; levels as strings.
 local rpm, tpm, most = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
 local tokens, period, ttl = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
@@ -49,6 +49,8 @@ local function take(key, value, amount)
 end
 requests = take(KEYS[1], requests, 1)
 token_level = take(KEYS[2], token_level, tokens)
-redis.call('INCR', KEYS[3])
-redis.call('EXPIRE', KEYS[3], ttl)
+if most >= 0 then
+  redis.call('INCR', KEYS[3])
+  redis.call('EXPIRE', KEYS[3], ttl)
+end
 return {1, show(requests), show(token_level), '0', ''}

@@ -54,6 +54,29 @@ async def test_memory_and_redis_give_the_same_verdicts():
 
 
 @pytest.mark.anyio
+async def test_an_admission_without_a_concurrency_limit_holds_no_place():
+    """An async job takes requests and tokens but none of the key's places at once."""
+    held = KeyLimits(requests_per_minute=10, max_concurrent=1)
+    placeless = KeyLimits(requests_per_minute=10)
+    redis = Redis.from_url(REDIS_URL)
+    try:
+        for limiter in (MemoryRateLimiter(), RedisRateLimiter(redis)):
+            key = _key()
+            assert (await limiter.acquire(key, placeless, 0)).allowed
+            assert (await limiter.acquire(key, held, 0)).allowed  # the job took no place
+            refused = await limiter.acquire(key, held, 0)
+            assert not refused.allowed and "1 requests at once" in refused.reason
+            await limiter.release(key, placeless, 0)  # the job ends: the request keeps its place
+            assert not (await limiter.acquire(key, held, 0)).allowed
+            await limiter.release(key, held, 0)
+            verdict = await limiter.acquire(key, held, 0)
+            assert verdict.allowed  # three taken of ten; the refusals took none
+            assert verdict.remaining_requests == pytest.approx(7, abs=0.05)
+    finally:
+        await redis.aclose()
+
+
+@pytest.mark.anyio
 async def test_two_replicas_share_one_limit_exactly():
     limits = KeyLimits(requests_per_minute=10)
     first, second = Redis.from_url(REDIS_URL), Redis.from_url(REDIS_URL)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -29,6 +30,7 @@ ELSEWHERE = "sk-elsewhere-cdef"
 SLOW = "sk-slow-0001"
 THRIFTY = "sk-thrifty-0002"
 SINGLE = "sk-single-0003"
+BATCHER = "sk-batcher-0004"
 METRICS_TOKEN = "metrics-secret"
 ORIGIN = "https://app.example"
 HI = [{"role": "user", "content": "Hi"}]
@@ -48,7 +50,9 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         f'[keys.elsewhere]\nsha256 = "{_digest(ELSEWHERE)}"\nmodels = ["another-model"]\n\n'
         f'[keys.slow]\nsha256 = "{_digest(SLOW)}"\nrequests_per_minute = 6\n\n'
         f'[keys.thrifty]\nsha256 = "{_digest(THRIFTY)}"\ntokens_per_minute = 1000\n\n'
-        f'[keys.single]\nsha256 = "{_digest(SINGLE)}"\nmax_concurrent = 1\n'
+        f'[keys.single]\nsha256 = "{_digest(SINGLE)}"\nmax_concurrent = 1\n\n'
+        f'[keys.batcher]\nsha256 = "{_digest(BATCHER)}"\nrequests_per_minute = 3\n'
+        "tokens_per_minute = 800\nmax_concurrent = 1\n"
     )
     args = [
         "--max-model-len", "1024", "--max-num-seqs", "2",
@@ -217,3 +221,37 @@ def test_requests_at_once_beyond_the_key_s_limit_are_refused(server: str):
             client.chat.completions.create(model="default", messages=HI, max_tokens=1)
     deadline_ok = client.chat.completions.create(model="default", messages=HI, max_tokens=1)
     assert deadline_ok.choices  # its place came back when the stream ended
+
+
+def test_async_jobs_count_against_the_key_s_requests_and_tokens_but_hold_no_place(server: str):
+    headers = {"Authorization": f"Bearer {BATCHER}"}
+    short = [{"role": "user", "content": "Answer with one word: is water wet?"}]
+    body = {"model": "default", "messages": short, "max_tokens": 300, "temperature": 0}
+    job = {"endpoint": "/v1/chat/completions", "body": body}
+    with httpx.Client(base_url=server, headers=headers, timeout=60) as batcher:
+        # Two at once, beyond the key's one place: a job holds no connection.
+        batch = batcher.post("/v1/jobs/batch", json=[job, job])
+        assert batch.status_code == 202, batch.text
+        ids = [item["id"] for item in batch.json()["data"]]
+        for job_id in ids:
+            for _ in range(300):
+                record = batcher.get(f"/v1/jobs/{job_id}").json()
+                if record["status"] == "completed":
+                    break
+                time.sleep(0.1)
+            assert record["status"] == "completed", record
+            assert record["usage"]["total_tokens"] < 100  # of its ~330 reserved
+        # Their unused tokens came back: a third ~330 would not fit in 800 - 2 * 330 otherwise.
+        third = batcher.post("/v1/jobs", json=job)
+        assert third.status_code == 202, third.text
+        # A fourth is one request past three a minute: a 429 with the headers, nothing queued.
+        fourth = batcher.post("/v1/jobs/batch", json=[job])
+        assert fourth.status_code == 429, fourth.text
+        assert fourth.headers["x-ratelimit-limit-requests"] == "3"
+        assert int(fourth.headers["retry-after"]) >= 1
+        assert len(batcher.get("/v1/jobs").json()["data"]) == 3
+    with httpx.Client(base_url=server, timeout=60) as other:
+        elsewhere = other.post(
+            "/v1/jobs", json=job, headers={"Authorization": f"Bearer {ELSEWHERE}"}
+        )
+        assert elsewhere.status_code == 404  # a job is held to its key's models too

@@ -16,7 +16,6 @@ from typing import Any
 
 import httpx
 import pytest
-from fastapi import FastAPI, Request
 from fastapi.testclient import TestClient
 
 from api.app import create_app
@@ -218,8 +217,7 @@ def test_retention_ends_with_expired_then_not_found() -> None:
 
 
 def test_jobs_belong_to_the_key_that_submitted_them_once_keys_exist() -> None:
-    app = create_app(Settings(), backend=PacedBackend())
-    _authenticate_by_header(app)
+    app = create_app(Settings(api_keys=("sk-mine", "sk-other")), backend=PacedBackend())
     with TestClient(app) as client:
         mine = {"x-api-key": "sk-mine"}
         job = client.post(
@@ -230,15 +228,6 @@ def test_jobs_belong_to_the_key_that_submitted_them_once_keys_exist() -> None:
         assert client.get(f"/v1/jobs/{job['id']}", headers=other).status_code == 404
         assert client.delete(f"/v1/jobs/{job['id']}", headers=other).status_code == 404
         assert client.get("/v1/jobs", headers=other).json()["data"] == []
-
-
-def _authenticate_by_header(app: FastAPI) -> None:
-    """What authentication will do: record the caller's key on the request."""
-
-    @app.middleware("http")
-    async def api_key(request: Request, call_next):  # noqa: ANN001, ANN202
-        request.state.api_key = request.headers.get("x-api-key")
-        return await call_next(request)
 
 
 def _json(data: str) -> Any:
