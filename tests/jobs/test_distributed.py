@@ -10,6 +10,7 @@ result, ``[DONE]`` last.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import signal
 import sys
@@ -26,6 +27,7 @@ from tests.jobs.conftest import sse_events, stable
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 API_OPTIONS = ("--queue-timeout", "60", "--first-token-timeout", "90", "--total-timeout", "120")
+ALICE, BOB, METERED = "sk-alice-01", "sk-bob-02", "sk-metered-03"
 BODY = {
     "model": "default",
     "messages": [{"role": "user", "content": "Count from 1 to 300, separated by commas."}],
@@ -55,10 +57,11 @@ def worker(jobs_redis: RedisServer, tmp_path_factory: pytest.TempPathFactory) ->
         fleet.stop_all()
 
 
-def start_api(redis: RedisServer, log_dir: Path) -> tuple[Child, str]:
+def start_api(redis: RedisServer, log_dir: Path, *options: str) -> tuple[Child, str]:
     port = free_port()
     command = [
-        sys.executable, "-m", "api.server", "--redis", redis.url, "--port", str(port), *API_OPTIONS
+        sys.executable, "-m", "api.server", "--redis", redis.url, "--port", str(port),
+        *API_OPTIONS, *options,
     ]  # fmt: skip
     child = Child.spawn(command, log_dir / f"api-{port}.log")
     base_url = f"http://127.0.0.1:{port}"
@@ -116,3 +119,60 @@ def _completed(base_url: str, job_id: str) -> dict | None:
     job = httpx.get(f"{base_url}/v1/jobs/{job_id}", timeout=10).json()
     assert job["status"] in ("queued", "running", "completed"), job
     return job if job["status"] == "completed" else None
+
+
+def test_keys_own_their_jobs_and_share_one_limit_across_two_replicas(
+    jobs_redis: RedisServer, worker: Fleet, tmp_path: Path
+) -> None:
+    """Two API processes, one Redis: a job is its key's on either, and a limit is one limit."""
+    digest = hashlib.sha256(METERED.encode()).hexdigest()
+    keys_file = tmp_path / "keys.toml"
+    keys_file.write_text(f'[keys.metered]\nsha256 = "{digest}"\nrequests_per_minute = 3\n')
+    options = ("--api-key", ALICE, "--api-key", BOB, "--api-keys", str(keys_file))
+    first, first_url = start_api(jobs_redis, tmp_path, *options)
+    second, second_url = start_api(jobs_redis, tmp_path, *options)
+    try:
+        alice = [_client(url, ALICE) for url in (first_url, second_url)]
+        bob = [_client(url, BOB) for url in (first_url, second_url)]
+        body = {**BODY, "max_tokens": 4}
+        submitted = alice[0].post(
+            "/v1/jobs", json={"endpoint": "/v1/chat/completions", "body": body}
+        )
+        assert submitted.status_code == 202, submitted.text
+        job_id = submitted.json()["id"]
+        done = wait_until(
+            lambda: alice[1].get(f"/v1/jobs/{job_id}").json()["status"] == "completed",
+            90,
+            "the job to complete, read through the other replica",
+            0.2,
+        )
+        assert done
+        for replica in (0, 1):
+            assert job_id in [job["id"] for job in alice[replica].get("/v1/jobs").json()["data"]]
+            assert job_id not in [job["id"] for job in bob[replica].get("/v1/jobs").json()["data"]]
+            for answer in (
+                bob[replica].get(f"/v1/jobs/{job_id}"),
+                bob[replica].get(f"/v1/jobs/{job_id}/events"),
+                bob[replica].delete(f"/v1/jobs/{job_id}"),
+            ):
+                assert answer.status_code == 404, answer.text
+            assert (
+                httpx.get(f"{(first_url, second_url)[replica]}/v1/jobs/{job_id}").status_code == 401
+            )
+        assert alice[1].get(f"/v1/jobs/{job_id}/events").text.rstrip().endswith("data: [DONE]")
+        # Three requests a minute for the metered key, whichever replica each one reaches.
+        metered = [_client(url, METERED) for url in (first_url, second_url)]
+        one = {**BODY, "max_tokens": 1}
+        statuses = [
+            metered[i % 2].post("/v1/chat/completions", json=one).status_code for i in range(6)
+        ]
+        assert sorted(statuses) == [200, 200, 200, 429, 429, 429], statuses
+        for client in (*alice, *bob, *metered):
+            client.close()
+    finally:
+        first.stop()
+        second.stop()
+
+
+def _client(base_url: str, key: str) -> httpx.Client:
+    return httpx.Client(base_url=base_url, headers={"Authorization": f"Bearer {key}"}, timeout=60)
