@@ -120,6 +120,7 @@ def run_job(context: TaskContext, payload: str) -> None:
         if (request_id := queued_request_id(payload)) is not None:
             _fail(context, request_id, f"the worker cannot read this job: {exc}")
         raise Reject(str(exc), requeue=False) from exc
+    began = time.monotonic()
     try:
         outcome = _run(context, job)
     except (redis.ConnectionError, redis.TimeoutError) as exc:
@@ -129,6 +130,7 @@ def run_job(context: TaskContext, payload: str) -> None:
         log.exception("job %s failed", job.request.request_id)
         _fail(context, job.request.request_id, f"the worker failed: {exc}")
         raise
+    log.info("%s: %s after %.3f s", job.request.request_id, outcome.value, time.monotonic() - began)
     if outcome in REQUEUED:
         log.info("handing %s back to the queue (%s)", job.request.request_id, outcome.value)
         requeue_first(context.client, job, outcome.value)
@@ -159,6 +161,13 @@ def _run(context: TaskContext, job: QueuedRequest) -> Outcome:
         context.publisher.publish([Batch(request.request_id, start.attempt, 1, [answer])])
         return Outcome.FINISHED
     resume = Resume(history.token_ids, history.chars) if history.started else None
+    log.info(
+        "%s: attempt %d, %d prompt tokens%s",
+        request.request_id,
+        start.attempt,
+        len(request.prompt_token_ids),
+        f", resuming after {len(history.token_ids)} tokens" if resume else "",
+    )
     run = Run(request, start.attempt, resume, job.origin)
     context.host.submit(run)  # a cancel heard since the flag was read still reaches it
     outcome = run.wait()

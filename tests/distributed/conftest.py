@@ -136,6 +136,7 @@ class Fleet:
     redis: RedisServer
     log_dir: Path
     size: int = 2
+    loglevel: str = "WARNING"
     workers: dict[str, Worker] = field(default_factory=dict)
     _started: int = 0
 
@@ -146,7 +147,7 @@ class Fleet:
             sys.executable, "-m", "workers.main", "--redis", self.redis.url,
             "--model", "default", "--worker-id", worker_id,
             "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", str(WORKER_SEQS),
-            "--loglevel", "WARNING", *options,
+            "--loglevel", self.loglevel, *options,
         ]  # fmt: skip
         worker = Worker(worker_id, Child.spawn(command, self.log_dir / f"{worker_id}.log"))
         self.workers[worker_id] = worker

@@ -48,7 +48,7 @@ def jobs_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer
 
 @pytest.fixture(scope="module")
 def worker(jobs_redis: RedisServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
-    fleet = Fleet(jobs_redis, tmp_path_factory.mktemp("jobs-workers"), size=1)
+    fleet = Fleet(jobs_redis, tmp_path_factory.mktemp("jobs-workers"), size=1, loglevel="INFO")
     fleet.top_up()
     try:
         fleet.wait_live()
@@ -160,6 +160,9 @@ def test_keys_own_their_jobs_and_share_one_limit_across_two_replicas(
                 httpx.get(f"{(first_url, second_url)[replica]}/v1/jobs/{job_id}").status_code == 401
             )
         assert alice[1].get(f"/v1/jobs/{job_id}/events").text.rstrip().endswith("data: [DONE]")
+        response_id = "chatcmpl-" + job_id.removeprefix("job_")  # the request id, everywhere
+        (log,) = [worker.child.log_path.read_text() for worker in worker.workers.values()]
+        assert f"{response_id}: attempt 1, " in log and f"{response_id}: finished after " in log
         # Three requests a minute for the metered key, whichever replica each one reaches.
         metered = [_client(url, METERED) for url in (first_url, second_url)]
         one = {**BODY, "max_tokens": 1}
