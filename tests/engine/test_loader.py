@@ -77,22 +77,9 @@ def test_default_gguf_streams_lazily_in_requested_dtype(default_gguf):
 
 
 @pytest.fixture(scope="module")
-def transformers_state_dict(default_gguf: Path) -> dict[str, torch.Tensor]:
-    """What transformers makes of the same GGUF (it also undoes llama.cpp's Q/K permutation)."""
-    transformers = pytest.importorskip("transformers")
-    import transformers.modeling_utils as modeling_utils
-
-    # transformers only checks that accelerate is importable before a GGUF load;
-    # nothing on the CPU path uses it, and it is not a dependency here.
-    patch = pytest.MonkeyPatch()
-    patch.setattr(modeling_utils, "is_accelerate_available", lambda: True)
-    try:
-        model = transformers.AutoModelForCausalLM.from_pretrained(
-            default_gguf.parent, gguf_file=default_gguf.name, dtype=torch.float32
-        )
-    finally:
-        patch.undo()
-    return model.state_dict()
+def transformers_state_dict(transformers_default) -> dict[str, torch.Tensor]:
+    """What transformers makes of the same GGUF."""
+    return transformers_default.state_dict()
 
 
 @pytest.mark.slow

@@ -18,7 +18,6 @@ from engine.attention import BatchLayout, KVCache, make_backend
 from engine.config import ModelConfig
 from engine.loader import load_checkpoint
 from engine.model.llama import LlamaForCausalLM
-from shared.registry import default_registry
 
 BLOCK = 16
 
@@ -142,14 +141,11 @@ PROMPTS = [
 
 
 @pytest.mark.slow
-def test_default_model_greedy_matches_transformers() -> None:
+def test_default_model_greedy_matches_transformers(transformers_default) -> None:
     llm = LLM("default", max_num_seqs=8)
     prompt_ids = [llm.tokenizer.tokenizer.encode(p).ids for p in PROMPTS]
     ours = llm.generate(prompt_ids, SamplingParams(max_tokens=64, min_tokens=64, temperature=0))
-    gguf = Path(default_registry().resolve("default").weights)
-    reference = transformers.AutoModelForCausalLM.from_pretrained(
-        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
-    ).eval()
+    reference = transformers_default
     eos = reference.generation_config.eos_token_id
     for ids, output in zip(prompt_ids, ours, strict=True):
         # Greedy decoding is a function of the prefix, so one teacher-forced
