@@ -59,8 +59,9 @@ class PreparationPool:
         future: Future[T] = self._executor.submit(context.run, function, *args)
         future.add_done_callback(self._finished)
         try:
-            # wait_for cancels the wrapper on timeout, which cancels a step still queued.
-            return await asyncio.wait_for(asyncio.wrap_future(future), self.timeout_s)
+            # On timeout the wrapper is cancelled, which cancels a step still queued.
+            async with asyncio.timeout(self.timeout_s):
+                return await asyncio.wrap_future(future)
         except TimeoutError:
             raise _overloaded(
                 f"Preparing the request took longer than {self.timeout_s:g}s "

@@ -218,10 +218,10 @@ def spec_from_entry(name: str, entry: Any, base: Path) -> ModelSpec:
         weights=weights,
         tokenizer=_path_field(name, entry, "tokenizer", base, required=False),
         aliases=tuple(_string_list(name, entry, "aliases")),
-        prompt_format=_prompt_format(name, entry),
+        prompt_format=_choice(name, entry, "prompt_format", PROMPT_FORMATS, "jinja"),
         context_length=_context_length(name, entry),
         capabilities=_capabilities(name, entry),
-        tool_parser=_tool_parser(name, entry),
+        tool_parser=_choice(name, entry, "tool_parser", TOOL_CALL_SYNTAXES, "hermes"),
         default_system_prompt=_optional_string(name, entry, "default_system_prompt"),
     )
 
@@ -271,12 +271,14 @@ def _optional_string(name: str, entry: dict[str, Any], key: str) -> str | None:
     return value
 
 
-def _prompt_format(name: str, entry: dict[str, Any]) -> str:
-    value = entry.get("prompt_format", "jinja")
-    if value not in PROMPT_FORMATS:
+def _choice(
+    name: str, entry: dict[str, Any], key: str, accepted: tuple[str, ...], default: str
+) -> Any:
+    """The field ``key``: one of ``accepted``, ``default`` when absent."""
+    value = entry.get(key, default)
+    if value not in accepted:
         raise InvalidModelEntry(
-            f"model {name!r}: field 'prompt_format' is {value!r}; "
-            f"accepted: {', '.join(PROMPT_FORMATS)}"
+            f"model {name!r}: field {key!r} is {value!r}; accepted: {', '.join(accepted)}"
         )
     return value
 
@@ -300,16 +302,6 @@ def _capabilities(name: str, entry: dict[str, Any]) -> frozenset[str]:
             f"accepted: {', '.join(sorted(CAPABILITIES))}"
         )
     return frozenset(values)
-
-
-def _tool_parser(name: str, entry: dict[str, Any]) -> ToolCallSyntax:
-    value = entry.get("tool_parser", "hermes")
-    if value not in TOOL_CALL_SYNTAXES:
-        raise InvalidModelEntry(
-            f"model {name!r}: field 'tool_parser' is {value!r}; "
-            f"accepted: {', '.join(TOOL_CALL_SYNTAXES)}"
-        )
-    return value
 
 
 def default_registry() -> ModelRegistry:
