@@ -156,7 +156,7 @@ def _generation_route(protocol: Protocol, serving: Serving) -> Callable[..., Awa
         key = getattr(request.state, "api_key_record", None)
         prepared = await serving.prepare(protocol, body, request_id, key)
         access.rate_limits = await serving.limit(key, prepared)  # 429 beyond the key's limits
-        processor, events = serving.run(prepared, arrived)
+        processor, events = serving.run(prepared, arrived, access.rate_limits)
         access.model, access.processor = prepared.request.model, processor
         access.response_id = prepared.context.request_id
         events = _noting_first_token(events, access)

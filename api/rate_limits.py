@@ -10,7 +10,10 @@ until then. Under limits without ``max_concurrent`` nothing counts places: an
 async job, which holds no connection, is limited that way. In embedded mode
 the buckets live in this process; with Redis one script per admission checks
 and takes from all three at once, so any number of API replicas share a key's
-limits exactly.
+limits exactly. A request's share (``KeyShare``) is taken by the script that
+queues it (``api.backends.request_queue``), which runs the same checks
+(``rate_limit.lua``), so it costs no round trip of its own; an async job's is
+taken on its own before its batch is queued.
 
 Refusals and admissions carry the headers clients read: OpenAI's
 ``x-ratelimit-{limit,remaining,reset}-{requests,tokens}`` and, on
@@ -26,6 +29,7 @@ from datetime import UTC, datetime
 from importlib import resources
 from typing import TYPE_CHECKING, Protocol
 
+from api.errors import ApiError
 from shared import keys
 
 if TYPE_CHECKING:
@@ -143,33 +147,20 @@ class MemoryRateLimiter:
 
 
 class RedisRateLimiter:
-    """Buckets in Redis, shared by every API replica; one script per admission."""
+    """Buckets in Redis, shared by every API replica; one script per admission.
+
+    The request queue's submit script runs the same checks (``RATE_LIMIT_LUA``)
+    for a request whose share rides on its submission.
+    """
 
     def __init__(self, redis: Redis) -> None:
         self._redis = redis
-        self._acquire = redis.register_script(_script("rate_acquire.lua"))
+        self._acquire = redis.register_script(RATE_LIMIT_LUA + _script("rate_acquire.lua"))
         self._release = redis.register_script(_script("rate_release.lua"))
 
     async def acquire(self, key: str, limits: KeyLimits, tokens: int) -> Verdict:
-        allowed, requests, token_level, retry_after, reason = await self._acquire(
-            keys=_keys(key),
-            args=[
-                _arg(limits.requests_per_minute),
-                _arg(limits.tokens_per_minute),
-                _arg(limits.max_concurrent),
-                tokens,
-                MINUTE_S,
-                CONCURRENCY_TTL_S,
-            ],
-        )
-        return Verdict(
-            bool(int(allowed)),
-            float(retry_after),
-            limits,
-            None if limits.requests_per_minute is None else float(requests),
-            None if limits.tokens_per_minute is None else float(token_level),
-            reason.decode() if isinstance(reason, bytes) else str(reason),
-        )
+        share = KeyShare(key, limits, tokens)
+        return share.verdict(await self._acquire(keys=share.script_keys, args=share.script_args))
 
     async def release(self, key: str, limits: KeyLimits, unused_tokens: int) -> None:
         await self._release(
@@ -181,6 +172,80 @@ class RedisRateLimiter:
                 _arg(limits.max_concurrent),
             ],
         )
+
+
+@dataclass(frozen=True, slots=True)
+class KeyShare:
+    """What one request takes of its key's limits: a request, ``tokens`` tokens and, under a
+    ``max_concurrent`` limit, a place; as the Redis scripts (``rate_acquire``) read it.
+    """
+
+    key: str
+    limits: KeyLimits
+    tokens: int
+
+    @property
+    def script_keys(self) -> list[str]:
+        return _keys(self.key)
+
+    @property
+    def script_args(self) -> list[int | float]:
+        limits = self.limits
+        return [
+            _arg(limits.requests_per_minute),
+            _arg(limits.tokens_per_minute),
+            _arg(limits.max_concurrent),
+            self.tokens,
+            MINUTE_S,
+            CONCURRENCY_TTL_S,
+        ]
+
+    def verdict(self, reply: list) -> Verdict:
+        """The verdict in ``rate_acquire``'s reply: allowed, requests, tokens, retry, reason."""
+        allowed, requests, token_level, retry_after, reason = reply
+        limits = self.limits
+        return Verdict(
+            bool(int(allowed)),
+            float(retry_after),
+            limits,
+            None if limits.requests_per_minute is None else float(requests),
+            None if limits.tokens_per_minute is None else float(token_level),
+            reason.decode() if isinstance(reason, bytes) else str(reason),
+        )
+
+
+class RateLimitTicket:
+    """A request's share of its key's limits: taken at admission, the unused part given back
+    at its end (``release``), and the headers to answer with (``headers``).
+    """
+
+    def __init__(self, limiter: RateLimiter, share: KeyShare, anthropic: bool) -> None:
+        self._limiter, self._anthropic = limiter, anthropic
+        self.share = share
+        self.headers: dict[str, str] = {}
+        self.taken = False  # a share never taken (refused, or never submitted) is not given back
+
+    @property
+    def reserved(self) -> int:
+        """Tokens taken at admission: the prompt and the resolved ``max_tokens``."""
+        return self.share.tokens
+
+    def take(self, verdict: Verdict) -> None:
+        """Record the admission's verdict: a 429 with the rate-limit headers if it refused."""
+        self.headers = verdict.headers(self._anthropic)
+        self.taken = verdict.allowed
+        if not verdict.allowed:
+            raise ApiError(
+                429, verdict.reason, "rate_limit_exceeded", None, "rate_limit_exceeded",
+                self.headers,
+            )  # fmt: skip
+
+    async def release(self, used_tokens: int) -> None:
+        if not self.taken:
+            return
+        self.taken = False
+        share = self.share
+        await self._limiter.release(share.key, share.limits, share.tokens - used_tokens)
 
 
 def _judge(
@@ -231,6 +296,9 @@ def _arg(limit: int | None) -> int:
 
 def _script(name: str) -> str:
     return resources.files("api").joinpath("scripts", name).read_text()
+
+
+RATE_LIMIT_LUA = _script("rate_limit.lua")  # defines rate_acquire() for the scripts that admit
 
 
 def _duration(seconds: float) -> str:

@@ -17,7 +17,7 @@ from api.output_parser import OutputParser
 from api.preparation import PreparationContext, Prepared, prepare
 from api.preparation_pool import PreparationPool
 from api.protocols.base import Protocol
-from api.rate_limits import KeyLimits, MemoryRateLimiter, RateLimiter
+from api.rate_limits import KeyShare, MemoryRateLimiter, RateLimiter, RateLimitTicket
 from api.request_body import read_json, read_json_value
 from api.settings import Settings
 from api.streaming import StreamProcessor
@@ -122,29 +122,35 @@ class Serving:
     async def limit(
         self, key: ApiKey | None, prepared: Prepared, *, holds_place: bool = True
     ) -> RateLimitTicket | None:
-        """Take the key's share for a prepared request, or a 429 with the rate-limit headers.
+        """The key's share for a prepared request, taken now, or a 429 with the rate-limit headers.
 
         The reservation is its prompt tokens and resolved ``max_tokens``; the
         ticket gives back what the request did not use when it ends. An async
-        job (``holds_place`` false) takes requests and tokens but no concurrent place.
+        job (``holds_place`` false) takes requests and tokens but no concurrent
+        place. A backend that admits requests in Redis (``takes_shares``) takes
+        a request's share in the same script that admits it: the ticket comes
+        back untaken, for ``run`` to hand to it.
         """
         if key is None or not key.limits.any:
             return None
         limits = key.limits if holds_place else replace(key.limits, max_concurrent=None)
         wire = prepared.wire
-        reserved = len(wire.prompt_token_ids) + wire.sampling.max_tokens
-        verdict = await self.rate_limiter.acquire(key.name, limits, reserved)
-        headers = verdict.headers(prepared.protocol.anthropic_rate_limit_headers)
-        if not verdict.allowed:
-            raise ApiError(
-                429, verdict.reason, "rate_limit_exceeded", None, "rate_limit_exceeded", headers
-            )
-        return RateLimitTicket(self.rate_limiter, key.name, limits, reserved, headers)
+        share = KeyShare(key.name, limits, len(wire.prompt_token_ids) + wire.sampling.max_tokens)
+        ticket = RateLimitTicket(
+            self.rate_limiter, share, prepared.protocol.anthropic_rate_limit_headers
+        )
+        if not (holds_place and self.backend.takes_shares):
+            ticket.take(await self.rate_limiter.acquire(share.key, share.limits, share.tokens))
+        return ticket
 
     def run(
-        self, prepared: Prepared, arrived: float
+        self, prepared: Prepared, arrived: float, ticket: RateLimitTicket | None = None
     ) -> tuple[StreamProcessor, AsyncIterator[InferenceEvent]]:
-        """Start generating: the processor that reads the events, and the events."""
+        """Start generating: the processor that reads the events, and the events.
+
+        ``ticket``: the key's share from ``limit``, which the backend takes as it
+        admits the request when it takes shares (its first event raises the 429).
+        """
         request, wire = prepared.request, prepared.wire
         processor = StreamProcessor(
             prepared.protocol.builder(request, prepared.context),
@@ -153,19 +159,8 @@ class Serving:
             prompt_tokens=len(wire.prompt_token_ids),
             logprobs=request.logprobs is not None,
         )
-        events = self.metrics.track(prepared.protocol.name, self.backend.infer(wire), arrived)
+        backend = self.backend
+        # Only a backend that takes shares sees the ticket; for others it is taken already.
+        generation = backend.infer(wire, ticket) if backend.takes_shares else backend.infer(wire)
+        events = self.metrics.track(prepared.protocol.name, generation, arrived)
         return processor, events
-
-
-class RateLimitTicket:
-    """A request's share of its key's limits: ``headers`` to answer with, ``release`` at its end."""
-
-    def __init__(
-        self, limiter: RateLimiter, key: str, limits: KeyLimits, reserved: int, headers: dict
-    ) -> None:
-        self._limiter, self._key, self._limits = limiter, key, limits
-        self.reserved = reserved  # tokens taken at admission
-        self.headers = headers
-
-    async def release(self, used_tokens: int) -> None:
-        await self._limiter.release(self._key, self._limits, self.reserved - used_tokens)

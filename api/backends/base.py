@@ -20,6 +20,8 @@ from shared.wire import PreparedRequest
 if TYPE_CHECKING:
     from prometheus_client.registry import Collector
 
+    from api.rate_limits import RateLimitTicket
+
 
 class Place:
     """A request's place among those a backend admitted; ``release`` gives it back, once.
@@ -68,7 +70,14 @@ class Backend(Protocol):
     Backends subclass this class to inherit the defaults.
     """
 
-    def infer(self, request: PreparedRequest) -> AsyncIterator[InferenceEvent]: ...
+    # Whether ``infer`` takes a key's share of its rate limits (its ``ticket``) as it admits
+    # the request, in the same round trip; otherwise the share is taken before and ``infer``
+    # is called with the request alone.
+    takes_shares: bool = False
+
+    def infer(
+        self, request: PreparedRequest, ticket: RateLimitTicket | None = None
+    ) -> AsyncIterator[InferenceEvent]: ...
 
     async def start(self) -> None: ...
 

@@ -29,7 +29,7 @@ import secrets
 import socket
 import time
 from collections.abc import AsyncIterator
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from redis.asyncio import Redis
 from redis.asyncio.client import Pipeline
@@ -42,6 +42,9 @@ from shared import keys
 from shared.events import Error, Finish, InferenceEvent, Text
 from shared.task_message import TaskMessage
 from shared.wire import Deadlines, QueuedRequest
+
+if TYPE_CHECKING:
+    from api.rate_limits import RateLimitTicket
 
 log = logging.getLogger(__name__)
 
@@ -105,18 +108,22 @@ class RequestChannel:
 
     # --- one generation ------------------------------------------------------------------
 
-    def request(self, job: QueuedRequest, bound: int | None) -> AsyncIterator[InferenceEvent]:
+    def request(
+        self, job: QueuedRequest, bound: int | None, ticket: RateLimitTicket | None = None
+    ) -> AsyncIterator[InferenceEvent]:
         """Submit ``job`` (refused beyond ``bound`` outstanding) and yield its events to its end.
 
         The generation is attached: leaving early cancels it, whatever the reason.
+        ``ticket``: its key's share, taken in the submission's script; a refusal
+        raises the ticket's 429 before any event.
         """
         job = dataclasses.replace(job, request=with_seed(job.request))
-        return self._run(job, None, bound, attached=True)
+        return self._run(job, None, bound, ticket, attached=True)
 
     async def submit(self, job: QueuedRequest) -> tuple[QueuedRequest, TaskMessage | Error]:
         """Queue a detached ``job`` with no bound (a job accepted is queued), seeded as sent."""
         job = dataclasses.replace(job, request=with_seed(job.request))
-        return job, await self._submit(job, None, None)
+        return job, await self._submit(job, None, None, None)
 
     def follow(
         self, job: QueuedRequest, queued: TaskMessage | None = None
@@ -125,14 +132,20 @@ class RequestChannel:
 
         ``queued``: its message, withdrawn if the job ends before a worker took it.
         """
-        return self._run(job, queued, None, attached=False)
+        return self._run(job, queued, None, None, attached=False)
 
     async def cancel(self, request_id: str) -> None:
         """Ask the workers to stop ``request_id``; one that has not started it drops it."""
         await self._send_end(request_id, self._end(cancel=True, untaken=None, model=""))
 
     async def _run(
-        self, job: QueuedRequest, queued: TaskMessage | None, bound: int | None, *, attached: bool
+        self,
+        job: QueuedRequest,
+        queued: TaskMessage | None,
+        bound: int | None,
+        ticket: RateLimitTicket | None,
+        *,
+        attached: bool,
     ) -> AsyncIterator[InferenceEvent]:
         """One generation's events to its end; an attached one is submitted here first."""
         request_id = job.request.request_id
@@ -143,7 +156,7 @@ class RequestChannel:
         last: InferenceEvent | Error | None = None
         try:
             if attached:
-                submitted = await self._submit(job, bound, self.reader.take_interrupt())
+                submitted = await self._submit(job, bound, self.reader.take_interrupt(), ticket)
                 if isinstance(submitted, Error):
                     last = submitted
                     yield last
@@ -160,20 +173,31 @@ class RequestChannel:
                 self._spawn(self._send_end(request_id, end))
 
     async def _submit(
-        self, job: QueuedRequest, bound: int | None, interrupt: str | None
+        self,
+        job: QueuedRequest,
+        bound: int | None,
+        interrupt: str | None,
+        ticket: RateLimitTicket | None,
     ) -> TaskMessage | Error:
-        """Join the in-flight set and queue the job: its message, or the ``Error`` that ends it."""
+        """Join the in-flight set and queue the job: its message, or the ``Error`` that ends it.
+
+        With a ``ticket``, the same script takes its key's share first; the
+        ticket's 429 is raised if the key's limits refuse it.
+        """
         request_id, limits = job.request.request_id, self.limits
+        share = ticket.share if ticket is not None else None
         try:
             score = job.deadlines.total or time.time() + limits.total_timeout_s
-            queued = await self._queue.put(job, score, bound, interrupt)
+            submission = await self._queue.put(job, score, bound, interrupt, share)
         except (RedisError, OSError, TimeoutError) as exc:
             log.warning("submitting %s failed: %s", request_id, exc)
             message = "Could not queue the request: Redis is unreachable; retry later."
             return Error(request_id, message, "unavailable")
-        if queued is None:
+        if ticket is not None and submission.verdict is not None:
+            ticket.take(submission.verdict)  # raises the 429 when the key's limits refused
+        if submission.message is None:
             return Error(request_id, rate_limited_message(bound or 0), "rate_limited")
-        return queued
+        return submission.message
 
     async def _next_event(
         self, subscription: Subscription, deadlines: Deadlines, progress: _Progress

@@ -30,6 +30,7 @@ from shared.tokenizer_loader import LoadedTokenizer, load_tokenizer
 from shared.wire import PreparedRequest, QueuedRequest
 
 if TYPE_CHECKING:
+    from api.rate_limits import RateLimitTicket
     from api.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -137,11 +138,19 @@ class DistributedBackend(Backend):
         positive = [limit for limit in limits if limit > 0]
         return min(positive) if positive else 0
 
-    def infer(self, request: PreparedRequest) -> AsyncIterator[InferenceEvent]:
-        """The request's events; closing the iterator before its end cancels it on the worker."""
+    takes_shares = True  # the submit script takes a key's share as it admits the request
+
+    def infer(
+        self, request: PreparedRequest, ticket: RateLimitTicket | None = None
+    ) -> AsyncIterator[InferenceEvent]:
+        """The request's events; closing the iterator before its end cancels it on the worker.
+
+        ``ticket``'s share is taken by the script that queues the request; a
+        refusal raises its 429 before the first event.
+        """
         deadlines = self._limits.deadlines(time.time())
         job = QueuedRequest(request, deadlines, origin=self._channel.process_id)
-        return self._channel.request(job, self._limits.max_inflight)
+        return self._channel.request(job, self._limits.max_inflight, ticket)
 
     async def _count_outstanding(self) -> int:
         """The model's live in-flight entries, read now; a 503 if Redis is unreachable."""

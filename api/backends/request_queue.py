@@ -12,7 +12,10 @@ set and its queue only while the set counts fewer live entries than the
 bound, so API processes sharing the set cannot overshoot it together. The
 set is scored with the request's total deadline, after which an entry stops
 counting (``ZCOUNT now +inf``), so what a crashed process left behind is
-skipped and later pruned. Async jobs pass no bound. The message is Celery's
+skipped and later pruned. Async jobs pass no bound. A request of a key with
+rate limits passes its share (``api.rate_limits.KeyShare``): the same call
+checks and takes it after the bound and before queueing, so the key's limits
+cost no round trip of their own. The message is Celery's
 own (``shared.task_message``); the script pushes the wake token beside it
 and, when the caller passes it, its event reader's interrupt entry.
 """
@@ -23,41 +26,62 @@ import asyncio
 import dataclasses
 import random
 import time
+from typing import NamedTuple
 
 from redis.asyncio import Redis
 from redis.asyncio.client import Pipeline
 
 from api.backends.event_reader import INTERRUPT_TTL_S
+from api.rate_limits import RATE_LIMIT_LUA, KeyShare, Verdict
 from shared import keys
 from shared.task_message import TaskMessage, task_message
 from shared.wire import PreparedRequest, QueuedRequest
 
 SEND_TIMEOUT_S = 10.0
 
-SUBMIT_SCRIPT = """
--- KEYS: the model's in-flight set, the queue's list, its wake list, then the event reader's
--- interrupt stream if ARGV[7] is '1', then the job's origin key when it has one.
+SUBMIT_SCRIPT = (
+    RATE_LIMIT_LUA
+    + """
+-- KEYS: the model's in-flight set, the queue's list, its wake list; then, if ARGV[9] is '1',
+-- the key's rate-limit keys (rate_limit.lua); then the event reader's interrupt stream if
+-- ARGV[7] is '1'; then the job's origin key when it has one.
 -- ARGV: now, the bound (0: none), the job's in-flight score, its request id, its message,
--- the origin key's TTL, whether to interrupt the reader's read, the interrupt stream's TTL.
--- Returns 1 if queued, 0 if refused: the set already counted the bound.
-local origin = 4
+-- the origin key's TTL, whether to interrupt the reader's read, the interrupt stream's TTL,
+-- whether a key's share is taken, then rate_acquire's six arguments.
+-- Returns {1} if queued, {0} if refused by the bound (the set already counted it); with a
+-- share, {1 or -1 (refused by the key's limits), then rate_acquire's verdict}.
+local rated = ARGV[9] == '1'
+local next_key = rated and 7 or 4
 if ARGV[7] == '1' then  -- whether queued or refused: the reader reads this job's stream next
-  redis.call('XADD', KEYS[4], 'MAXLEN', 1, '*', 'w', '1')
-  redis.call('EXPIRE', KEYS[4], ARGV[8])
-  origin = 5
+  redis.call('XADD', KEYS[next_key], 'MAXLEN', 1, '*', 'w', '1')
+  redis.call('EXPIRE', KEYS[next_key], ARGV[8])
+  next_key = next_key + 1
 end
 local bound = tonumber(ARGV[2])
 if bound > 0 and redis.call('ZCOUNT', KEYS[1], ARGV[1], '+inf') >= bound then
-  return 0
+  return {0}
+end
+local verdict = nil
+if rated then
+  verdict = rate_acquire(KEYS[4], KEYS[5], KEYS[6], tonumber(ARGV[10]), tonumber(ARGV[11]),
+                         tonumber(ARGV[12]), tonumber(ARGV[13]), tonumber(ARGV[14]),
+                         tonumber(ARGV[15]))
+  if verdict[1] == 0 then
+    return {-1, verdict[2], verdict[3], verdict[4], verdict[5]}
+  end
 end
 redis.call('ZADD', KEYS[1], ARGV[3], ARGV[4])
 redis.call('LPUSH', KEYS[2], ARGV[5])
 redis.call('LPUSH', KEYS[3], '1')
-if KEYS[origin] then
-  redis.call('SET', KEYS[origin], '1', 'EX', ARGV[6])
+if KEYS[next_key] then
+  redis.call('SET', KEYS[next_key], '1', 'EX', ARGV[6])
 end
-return 1
+if verdict then
+  return {1, verdict[2], verdict[3], verdict[4], verdict[5]}
+end
+return {1}
 """
+)
 
 
 WITHDRAW_SCRIPT = """
@@ -69,6 +93,15 @@ end
 redis.call('RPOP', KEYS[2])
 return 1
 """
+
+
+class Submission(NamedTuple):
+    """A submission's outcome: the message queued (None: refused), and with a key's share its
+    verdict (refused by the key's limits when not ``allowed``).
+    """
+
+    message: TaskMessage | None
+    verdict: Verdict | None
 
 
 class RequestQueue:
@@ -83,11 +116,13 @@ class RequestQueue:
         inflight_score: float,
         bound: int | None = None,
         interrupt: str | None = None,
-    ) -> TaskMessage | None:
-        """Join the model's in-flight set and queue ``job``, unless the set counts ``bound``.
+        share: KeyShare | None = None,
+    ) -> Submission:
+        """Join the model's in-flight set and queue ``job``, unless the set counts ``bound``
+        or ``share``'s key has no room for it (its limits, checked and taken in the same call).
 
-        The message queued (what ``withdraw`` removes), or None when refused;
-        raises what Redis raised. Awaited in the caller's
+        The message queued (what ``withdraw`` removes), or None when refused,
+        and the share's verdict; raises what Redis raised. Awaited in the caller's
         own task (``asyncio.timeout``, not ``wait_for``, which would start a
         task of its own and send on the next turn). A caller cancelled while
         waiting for the reply may still have queued the job; its cleanup
@@ -104,15 +139,21 @@ class RequestQueue:
         request = job.request
         message = task_message(job)
         script_keys = [keys.inflight(request.model), message.key, message.wake]
+        if share is not None:
+            script_keys += share.script_keys
         if interrupt is not None:
             script_keys.append(interrupt)
         if job.origin is not None:
             script_keys.append(keys.api_process(job.origin))
         args = [time.time(), bound or 0, inflight_score, request.request_id, message.body]
         args += [keys.API_PROCESS_TTL_S, int(interrupt is not None), INTERRUPT_TTL_S]
+        args += [int(share is not None), *(share.script_args if share is not None else ())]
         async with asyncio.timeout(SEND_TIMEOUT_S):
-            queued = await self._script(keys=script_keys, args=args)
-        return message if queued else None
+            reply = await self._script(keys=script_keys, args=args)
+        outcome, verdict = int(reply[0]), None
+        if share is not None and len(reply) > 1:  # the key's limits were checked
+            verdict = share.verdict([max(outcome, 0), *reply[1:]])
+        return Submission(message if outcome == 1 else None, verdict)
 
 
 def withdraw(pipe: Pipeline, message: TaskMessage) -> None:

@@ -113,7 +113,7 @@ def test_a_job_queued_with_the_interrupt_returns_the_blocked_read(
             interrupt = reader.take_interrupt()
             assert interrupt is not None and reader.take_interrupt() is None  # one per blocked read
             job = QueuedRequest(request, Deadlines(total=now + 600), origin="wake-test-api")
-            queued = await RequestQueue(client).put(job, now + 600, bound, interrupt)
+            queued = (await RequestQueue(client).put(job, now + 600, bound, interrupt)).message
             assert (queued is None) == (bound == 1)
             started = time.monotonic()
             write(own_redis, "late", 1, Ready("late", 2, 0))

@@ -195,7 +195,8 @@ def test_jobs_on_every_priority_list_count_as_queued(metrics_api: str, server: R
                     f"prio-{index}", DEFAULT_MODEL, [1, 2, 3], params, created=now,
                     priority=priority,
                 )  # fmt: skip
-                assert await queue.put(QueuedRequest(request, Deadlines(total=now + 60)), now + 60)
+                queued = QueuedRequest(request, Deadlines(total=now + 60))
+                assert (await queue.put(queued, now + 60)).message
         finally:
             await client.aclose()
         lengths = [server.client.llen(name) for name in queue_lists(DEFAULT_MODEL)]

@@ -19,7 +19,8 @@ from celery import Celery
 from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from api.backends.request_queue import SEND_TIMEOUT_S, RequestQueue
+from api.backends.request_queue import SEND_TIMEOUT_S, RequestQueue, Submission
+from api.rate_limits import KeyLimits, KeyShare
 from shared import keys
 from shared.sampling import SamplingParams
 from shared.task_message import REQUEST_HEADER, request_header
@@ -112,7 +113,7 @@ def put_bounded(url: str, bound: int | None, *jobs: QueuedRequest) -> list[bool]
         results = await asyncio.gather(*puts)
         for client in clients:
             await client.aclose()
-        return [message is not None for message in results]
+        return [submission.message is not None for submission in results]
 
     return asyncio.run(main())
 
@@ -131,6 +132,49 @@ def test_two_processes_share_the_bound_without_overshoot(redis_server: RedisServ
     assert client.zcount(inflight, time.time(), "+inf") == 5
     assert accepted <= set(client.zrange(inflight, 0, -1))
     client.delete(keys.queue_name(MODEL), inflight)
+
+
+def test_a_key_s_share_is_taken_in_the_submission_after_the_bound(
+    redis_server: RedisServer,
+) -> None:
+    """Two processes, one key of three requests a minute and two at once, a bound of four."""
+    client, inflight = redis_server.client, keys.inflight(MODEL)
+    limits = KeyLimits(requests_per_minute=3, max_concurrent=2)
+    share = KeyShare(f"share-{time.time_ns()}", limits, 10)
+
+    async def main() -> list[Submission]:
+        clients = [Redis.from_url(redis_server.url, decode_responses=True) for _ in range(2)]
+        queues = [RequestQueue(c) for c in clients]
+        jobs = [job(f"shared-{i}") for i in range(5)]
+        # One after another, so the order of verdicts is known.
+        results = [await queues[i % 2].put(j, j.deadlines.total, 4, share=share)
+                   for i, j in enumerate(jobs)]  # fmt: skip
+        for c in clients:
+            await c.aclose()
+        return results
+
+    results = asyncio.run(main())
+    verdicts = [r.verdict for r in results]
+    assert [r.message is not None for r in results] == [True, True, False, False, False]
+    assert all(v is not None for v in verdicts)
+    assert [v.allowed for v in verdicts] == [True, True, False, False, False]  # type: ignore[union-attr]
+    assert "2 requests at once" in verdicts[2].reason  # type: ignore[union-attr]
+    assert verdicts[1].remaining_requests == pytest.approx(1, abs=0.05)  # type: ignore[union-attr]
+    assert client.zcard(inflight) == 2 and client.get(keys.rate_running(share.key)) == "2"
+    # The bound refuses before the key is asked: its share is not taken.
+    client.zadd(inflight, {f"running-{i}": time.time() + 600 for i in range(2)})
+    refused = asyncio.run(_put_one(redis_server.url, job("over-the-bound"), 4, share))
+    assert refused.message is None and refused.verdict is None
+    assert client.get(keys.rate_running(share.key)) == "2"
+    client.delete(keys.queue_name(MODEL), inflight)
+
+
+async def _put_one(url: str, one: QueuedRequest, bound: int, share: KeyShare) -> Submission:
+    client = Redis.from_url(url, decode_responses=True)
+    try:
+        return await RequestQueue(client).put(one, one.deadlines.total, bound, share=share)
+    finally:
+        await client.aclose()
 
 
 def test_without_a_bound_nothing_is_refused(redis_server: RedisServer) -> None:

@@ -166,10 +166,21 @@ def test_keys_own_their_jobs_and_share_one_limit_across_two_replicas(
         # Three requests a minute for the metered key, whichever replica each one reaches.
         metered = [_client(url, METERED) for url in (first_url, second_url)]
         one = {**BODY, "max_tokens": 1}
-        statuses = [
-            metered[i % 2].post("/v1/chat/completions", json=one).status_code for i in range(6)
+        replies = [metered[i % 2].post("/v1/chat/completions", json=one) for i in range(6)]
+        assert sorted(r.status_code for r in replies) == [200, 200, 200, 429, 429, 429]
+        served = [r for r in replies if r.status_code == 200]
+        assert sorted(r.headers["x-ratelimit-remaining-requests"] for r in served) == [
+            "0",
+            "1",
+            "2",
         ]
-        assert sorted(statuses) == [200, 200, 200, 429, 429, 429], statuses
+        refused = [r for r in replies if r.status_code == 429]
+        for reply in refused:
+            assert reply.headers["x-ratelimit-limit-requests"] == "3"
+            assert int(reply.headers["retry-after"]) >= 1
+            assert reply.json()["error"]["code"] == "rate_limit_exceeded"
+        streamed = metered[0].post("/v1/chat/completions", json={**one, "stream": True})
+        assert streamed.status_code == 429 and streamed.headers["retry-after"]
         for client in (*alice, *bob, *metered):
             client.close()
     finally:
