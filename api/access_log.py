@@ -29,7 +29,7 @@ from api.metrics import ServingMetrics
 from api.protocols.table import BY_PATH
 
 if TYPE_CHECKING:
-    from api.serving import RateLimitTicket
+    from api.rate_limits import RateLimitTicket
 from api.streaming import StreamProcessor
 
 log = logging.getLogger("sluice.access")

@@ -49,7 +49,8 @@ from shared.wire import QueuedRequest
 if TYPE_CHECKING:
     from api.auth import ApiKey
     from api.backends.channel import RequestChannel
-    from api.serving import RateLimitTicket, Serving
+    from api.rate_limits import RateLimitTicket
+    from api.serving import Serving
 
 log = logging.getLogger(__name__)
 
