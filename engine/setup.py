@@ -76,8 +76,12 @@ def load_engine_model(args: EngineArgs) -> LoadedModel:
     kv_cache = KVCache.allocate(
         cfg.num_layers, num_blocks, args.block_size, cfg.num_kv_heads, cfg.head_dim, dtype, device
     )
+    # A tokenizer in the weights' own GGUF is read through the reader the weights used.
+    same_file = Path(spec.tokenizer) == Path(spec.weights)
+    tokenizer = load_tokenizer(spec.tokenizer, checkpoint.gguf if same_file else None)
+    del checkpoint  # and its reader: the parsed header is ~160 MB of objects
     return LoadedModel(
-        tokenizer=load_tokenizer(spec.tokenizer),
+        tokenizer=tokenizer,
         model=model,
         attention=make_backend(kv_cache, device),
         device=device,

@@ -79,15 +79,30 @@ class LoadedTokenizer:
     add_bos_token: bool
 
 
-def load_tokenizer(path: str | Path) -> LoadedTokenizer:
-    """A ``.gguf`` file, or a directory with ``tokenizer.json`` (+ ``tokenizer_config.json``)."""
-    return _load_cached(Path(path).expanduser().resolve())
+_LOADED: dict[Path, LoadedTokenizer] = {}  # by path, at most MAX_LOADED: loaded once
+MAX_LOADED = 8
 
 
-@lru_cache(maxsize=8)
-def _load_cached(path: Path) -> LoadedTokenizer:
+def load_tokenizer(path: str | Path, reader: GGUFReader | None = None) -> LoadedTokenizer:
+    """A ``.gguf`` file, or a directory with ``tokenizer.json`` (+ ``tokenizer_config.json``).
+
+    ``reader``: the GGUF file already open (the weights' loader has it), so its
+    header is not parsed twice; gguf parses every metadata field on opening,
+    about 3 s for a 49k-token vocabulary.
+    """
+    resolved = Path(path).expanduser().resolve()
+    loaded = _LOADED.get(resolved)
+    if loaded is None:
+        loaded = _load(resolved, reader)
+        if len(_LOADED) >= MAX_LOADED:
+            del _LOADED[next(iter(_LOADED))]  # the oldest
+        _LOADED[resolved] = loaded
+    return loaded
+
+
+def _load(path: Path, reader: GGUFReader | None) -> LoadedTokenizer:
     if path.is_file() and path.suffix == ".gguf":
-        return _from_gguf(path)
+        return _from_gguf(path, reader or GGUFReader(path))
     if (path / "tokenizer.json").is_file():
         return _from_dir(path)
     raise FileNotFoundError(
@@ -98,8 +113,8 @@ def _load_cached(path: Path) -> LoadedTokenizer:
 # --- GGUF ------------------------------------------------------------------
 
 
-def _from_gguf(path: Path) -> LoadedTokenizer:
-    meta = _gguf_metadata(path)
+def _from_gguf(path: Path, reader: GGUFReader) -> LoadedTokenizer:
+    meta = _gguf_metadata(reader)
     kind = meta.get("tokenizer.ggml.model")
     if kind not in SUPPORTED_GGUF_TOKENIZERS:
         raise ValueError(
@@ -129,8 +144,7 @@ def _from_gguf(path: Path) -> LoadedTokenizer:
     )
 
 
-def _gguf_metadata(path: Path) -> dict[str, Any]:
-    reader = GGUFReader(path)
+def _gguf_metadata(reader: GGUFReader) -> dict[str, Any]:
     return {
         key: field.contents()
         for key, field in reader.fields.items()

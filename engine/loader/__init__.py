@@ -12,9 +12,12 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from gguf import GGUFReader
 
 
 @dataclass
@@ -28,6 +31,7 @@ class Checkpoint:
 
     config: dict[str, Any]
     tensors: Iterator[tuple[str, torch.Tensor]]
+    gguf: GGUFReader | None = None  # a GGUF file's open reader, for its tokenizer
 
 
 def load_checkpoint(path: str | Path, dtype: torch.dtype = torch.float32) -> Checkpoint:

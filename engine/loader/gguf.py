@@ -53,7 +53,7 @@ _ROPE_FREQS = "rope_freqs.weight"
 
 def load_gguf(path: Path, dtype: torch.dtype) -> Checkpoint:
     """Read the metadata and tensor table now; dequantize tensors as they are iterated."""
-    reader = GGUFReader(path)
+    reader = GGUFReader(path)  # kept in the checkpoint: the tokenizer reads the same header
     meta = _Metadata(reader)
     architecture = meta.get("general.architecture")
     if architecture not in SUPPORTED_GGUF_ARCHITECTURES:
@@ -64,7 +64,8 @@ def load_gguf(path: Path, dtype: torch.dtype) -> Checkpoint:
     config = _hf_config(meta, reader)
     ModelConfig.from_hf(config)
     names = {tensor.name: hf_name(tensor.name) for tensor in reader.tensors}
-    return Checkpoint(config=config, tensors=_iter_tensors(reader, names, config, dtype))
+    tensors = _iter_tensors(reader, names, config, dtype)
+    return Checkpoint(config=config, tensors=tensors, gguf=reader)
 
 
 def hf_name(gguf_name: str) -> str | None:
