@@ -1,8 +1,9 @@
 """Paged KV-cache bookkeeping with prefix caching.
 
 The cache is split into blocks of ``block_size`` token slots. A full block is
-identified by the hash of its tokens chained with its parent block's hash, so
-equal hashes mean equal prefixes. Blocks nobody references go to an LRU list
+identified by the hash of its tokens chained with its parent block's hash
+(``shared.prefix_hash``: the same in every process, and collision-resistant),
+so equal hashes mean equal prefixes. Blocks nobody references go to an LRU list
 but keep their hash: a later prompt with the same prefix revives them instead
 of recomputing. Fresh blocks are taken from the LRU front, dropping whatever
 cached prefix they held.
@@ -14,6 +15,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from engine.sequence import Sequence
+from shared.prefix_hash import chain_hash
 
 
 @dataclass(slots=True)
@@ -21,10 +23,6 @@ class Block:
     block_id: int
     ref_count: int = 0
     hash: int | None = None
-
-
-def chain_hash(parent: int | None, tokens: list[int]) -> int:
-    return hash((parent, tuple(tokens)))
 
 
 class BlockManager:

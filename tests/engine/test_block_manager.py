@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import pytest
 
-from engine.block_manager import BlockManager, chain_hash
+from engine.block_manager import BlockManager
 from engine.sequence import Sequence
+from shared.prefix_hash import chain_hash
 from shared.sampling import SamplingParams
 
 BS = 4  # block size: small, so that block boundaries are easy to see

@@ -1,0 +1,45 @@
+"""The identity of a prompt prefix, block by block: the same in every process and machine.
+
+The engine's prefix cache names each full block of ``block_size`` tokens by
+a hash of its tokens chained with its parent block's hash, so equal hashes
+mean equal prefixes. A request can only be placed where its prefix is
+cached if the API computes the same names as the engine, so the hash must
+not depend on the process: Python's ``hash`` of a tuple does (``None``'s
+hash is its address before Python 3.12), and it is 64 bits with no
+resistance to collisions, which a client could search for to be served
+another prompt's cached keys and values. A block's hash is therefore a
+128-bit BLAKE2b digest of the parent's digest and the tokens as
+little-endian unsigned 32-bit integers, read as an int.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+from array import array
+from collections.abc import Sequence
+
+DIGEST_BYTES = 16
+_ROOT = bytes(DIGEST_BYTES)  # the parent of a prompt's first block
+_LITTLE_ENDIAN = sys.byteorder == "little"
+
+
+def chain_hash(parent: int | None, tokens: Sequence[int]) -> int:
+    """The hash of a block of ``tokens`` whose preceding block hashed to ``parent``."""
+    packed = array("I", tokens)
+    if not _LITTLE_ENDIAN:
+        packed.byteswap()
+    prefix = _ROOT if parent is None else parent.to_bytes(DIGEST_BYTES, "little")
+    digest = hashlib.blake2b(prefix, digest_size=DIGEST_BYTES)
+    digest.update(packed.tobytes())
+    return int.from_bytes(digest.digest(), "little")
+
+
+def prefix_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
+    """The chain of a prompt's full blocks, as the engine's prefix cache names them."""
+    hashes: list[int] = []
+    parent: int | None = None
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = chain_hash(parent, token_ids[start : start + block_size])
+        hashes.append(parent)
+    return hashes

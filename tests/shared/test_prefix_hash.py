@@ -1,0 +1,74 @@
+"""The prefix hash chain: the same in every process, the engine's own, and exactly specified."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from engine.block_manager import BlockManager
+from engine.sequence import Sequence
+from shared.prefix_hash import chain_hash, prefix_hashes
+from shared.registry import default_registry
+from shared.sampling import SamplingParams
+from shared.tokenizer_loader import load_tokenizer
+
+ROOT = Path(__file__).resolve().parents[2]
+TOKENS = [1, 49151, 0, 7, 12345, 2**31, 42, 9, 8, 7, 6, 5, 4, 3, 2, 1, 100]  # 4 full blocks of 4
+
+
+def test_a_block_s_hash_is_blake2b_of_its_parent_and_its_tokens() -> None:
+    """Spelled out on its own: a 16-byte BLAKE2b of the parent's digest and little-endian u32s."""
+    first = hashlib.blake2b(bytes(16) + struct.pack("<4I", *TOKENS[:4]), digest_size=16)
+    second = hashlib.blake2b(first.digest() + struct.pack("<4I", *TOKENS[4:8]), digest_size=16)
+    chain = prefix_hashes(TOKENS, 4)
+    assert len(chain) == 4  # the 17th token is in no full block
+    assert chain[0] == int.from_bytes(first.digest(), "little")
+    assert chain[1] == int.from_bytes(second.digest(), "little")
+
+
+def test_the_chain_is_the_same_in_another_process_with_another_hash_seed() -> None:
+    script = f"from shared.prefix_hash import prefix_hashes; print(prefix_hashes({TOKENS}, 4))"
+    outputs = {
+        subprocess.run(
+            [sys.executable, "-c", script],
+            cwd=ROOT,
+            env={**os.environ, "PYTHONHASHSEED": seed},
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        for seed in ("1", "2")
+    }
+    assert outputs == {str(prefix_hashes(TOKENS, 4))}
+
+
+def test_equal_blocks_under_other_parents_hash_differently() -> None:
+    block = TOKENS[:4]
+    assert chain_hash(None, block) == chain_hash(None, list(block))
+    assert chain_hash(None, block) != chain_hash(chain_hash(None, block), block)
+    assert chain_hash(None, block) != chain_hash(None, block[::-1])
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_the_chain_is_the_engine_s_for_prompts_of_the_corpus(block_size: int) -> None:
+    """What the API would compute for a prompt is what the engine's prefix cache names."""
+    from bench.corpus import chats
+
+    tokenizer = load_tokenizer(default_registry().resolve("default").tokenizer).tokenizer
+    manager = BlockManager(num_blocks=4096, block_size=block_size)
+    for index, chat in enumerate(chats(40)):
+        text = "\n".join(str(message.get("content")) for message in chat.messages)
+        token_ids = tokenizer.encode(text).ids
+        seq = Sequence(f"chat-{index}", token_ids, SamplingParams())
+        seq.num_computed_tokens = manager.admit(seq)
+        manager.grow(seq, len(seq))
+        seq.num_computed_tokens = len(seq)
+        manager.commit(seq)
+        assert seq.block_hashes == prefix_hashes(token_ids, block_size)
+        manager.release(seq)
