@@ -7,12 +7,17 @@ so equal hashes mean equal prefixes. Blocks nobody references go to an LRU list
 but keep their hash: a later prompt with the same prefix revives them instead
 of recomputing. Fresh blocks are taken from the LRU front, dropping whatever
 cached prefix they held.
+
+Once ``track_changes`` is called, the manager also records which hashes became
+revivable and which were dropped since ``take_changes`` was last called: a
+worker publishes them as its cache summary, for the API to place requests
+where their prefix is cached.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.sequence import Sequence
 from shared.prefix_hash import chain_hash
@@ -25,14 +30,39 @@ class Block:
     hash: int | None = None
 
 
+@dataclass(slots=True)
+class CacheChanges:
+    """Hashes cached and dropped since the last ``take_changes``; the two sets are disjoint."""
+
+    added: set[int] = field(default_factory=set)
+    dropped: set[int] = field(default_factory=set)
+
+    def add(self, block_hash: int) -> None:
+        self.dropped.discard(block_hash)
+        self.added.add(block_hash)
+
+    def drop(self, block_hash: int) -> None:
+        self.added.discard(block_hash)
+        self.dropped.add(block_hash)
+
+    def __bool__(self) -> bool:
+        return bool(self.added or self.dropped)
+
+
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+    ):
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.cached: dict[int, int] = {}  # hash -> block id
+        self._changes: CacheChanges | None = None  # None: not tracking
 
     @property
     def num_free_blocks(self) -> int:
@@ -86,6 +116,8 @@ class BlockManager:
             if block_hash not in self.cached:
                 block.hash = block_hash
                 self.cached[block_hash] = block.block_id
+                if self._changes is not None:
+                    self._changes.add(block_hash)
 
     def release(self, seq: Sequence) -> None:
         """Drop the sequence's references; cached blocks stay revivable."""
@@ -96,6 +128,18 @@ class BlockManager:
                 self.free[block_id] = None
         seq.block_table.clear()
         seq.block_hashes.clear()
+
+    def track_changes(self) -> None:
+        """Record changes from now on, starting with every hash cached now as added."""
+        self._changes = CacheChanges(added=set(self.cached))
+
+    def take_changes(self) -> CacheChanges:
+        """What was cached and dropped since the last call (nothing unless tracking)."""
+        changes = self._changes
+        if not changes:
+            return CacheChanges()
+        self._changes = CacheChanges()
+        return changes
 
     def _reference(self, block_id: int) -> None:
         block = self.blocks[block_id]
@@ -108,6 +152,8 @@ class BlockManager:
         block = self.blocks[block_id]
         if block.hash is not None:
             del self.cached[block.hash]
+            if self._changes is not None:
+                self._changes.drop(block.hash)
             block.hash = None
         block.ref_count = 1
         return block_id

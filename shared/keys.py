@@ -33,6 +33,19 @@ def queue_name(model: str) -> str:
     return f"{PREFIX}.{model}"
 
 
+OWN_QUEUE_MARK = "@"  # between a model's queue name and a worker id: that worker's own queue
+
+
+def own_queue(model: str, worker_id: str) -> str:
+    """The queue of one worker of ``model``: the jobs placed there for its cached prefix.
+
+    The worker takes from it before the model's shared queue; what waits in
+    it past its hand-back time, or when the worker drains, leaves or dies,
+    goes to the head of the shared queue (``workers/broker/scripts``).
+    """
+    return f"{queue_name(model)}{OWN_QUEUE_MARK}{worker_id}"
+
+
 def queue_wake(queue: str) -> str:
     """A list holding one token per job put on ``queue``'s lists: what workers block on.
 
@@ -81,6 +94,19 @@ def workers_alive_since(model: str) -> str:
 def worker_loads(model: str) -> str:
     """A hash of the model's workers' load reports (JSON), by worker id, beside ``workers``."""
     return f"{PREFIX}:loads:{model}"
+
+
+CACHE_SUMMARY_PREFIX = f"{PREFIX}:cache:"
+
+
+def cache_summary(worker_id: str) -> str:
+    """A set of the prefix block hashes a worker's cache holds (16-byte digests).
+
+    Written by the worker as its cache changes, renewed by its heartbeat and
+    deleted when it leaves or is found dead; the API reads it to place
+    requests where their prefix is cached (``api.backends.placement``).
+    """
+    return f"{CACHE_SUMMARY_PREFIX}{worker_id}"
 
 
 TAKEN_PREFIX = f"{PREFIX}:taken:"

@@ -43,3 +43,8 @@ def prefix_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
         parent = chain_hash(parent, token_ids[start : start + block_size])
         hashes.append(parent)
     return hashes
+
+
+def digest(block_hash: int) -> bytes:
+    """A block hash as the 16 bytes a worker's cache summary holds (``keys.cache_summary``)."""
+    return block_hash.to_bytes(DIGEST_BYTES, "little")

@@ -29,12 +29,16 @@ CELERY_PRIORITIES = range(10)  # kombu's Redis transport: 0 is served first
 
 
 REQUEST_HEADER = "sluice_request"
-"""A header naming the job, for the script that takes it to start it (``workers.broker.taken``)."""
+"""A header naming the job, for the script that takes it to start it (``workers.broker.taken``),
+and, on a worker's own queue, when it goes back to the shared queue (``workers/broker/scripts``)."""
 
 
-def request_header(job: QueuedRequest) -> list[str]:
-    """``REQUEST_HEADER``'s value: the request id, and the origin (empty when none)."""
-    return [job.request.request_id, job.origin or ""]
+def request_header(job: QueuedRequest, hand_back_at: float | None = None) -> list[str | float]:
+    """``REQUEST_HEADER``'s value: the request id, the origin (empty when none) and, for a job
+    on a worker's own queue, the Unix time it is handed back to the shared queue if still there.
+    """
+    header: list[str | float] = [job.request.request_id, job.origin or ""]
+    return header if hand_back_at is None else [*header, hand_back_at]
 
 
 class TaskMessage(NamedTuple):
@@ -49,9 +53,16 @@ class TaskMessage(NamedTuple):
     wake: str
 
 
-def task_message(job: QueuedRequest) -> TaskMessage:
-    """The message of ``job``, for the list of its model's queue and priority."""
-    request, queue = job.request, keys.queue_name(job.request.model)
+def task_message(
+    job: QueuedRequest, queue: str | None = None, hand_back_at: float | None = None
+) -> TaskMessage:
+    """The message of ``job``, for the list of its priority on ``queue``.
+
+    ``queue``: the model's shared queue unless a worker's own
+    (``keys.own_queue``), which then needs ``hand_back_at``.
+    """
+    request = job.request
+    queue = queue or keys.queue_name(request.model)
     expires = datetime.fromtimestamp(job.deadlines.queue, UTC) if job.deadlines.queue else None
     headers, properties, body, _ = _builder().amqp.as_task_v2(
         str(uuid.uuid4()),
@@ -66,7 +77,7 @@ def task_message(job: QueuedRequest) -> TaskMessage:
         "body": base64.b64encode(json.dumps(body).encode()).decode(),
         "content-encoding": "utf-8",
         "content-type": "application/json",
-        "headers": {**headers, REQUEST_HEADER: request_header(job)},
+        "headers": {**headers, REQUEST_HEADER: request_header(job, hand_back_at)},
         "properties": {
             **properties,
             "delivery_mode": 2,
@@ -90,10 +101,14 @@ def priority_list(queue: str, priority: int) -> str:
     return f"{queue}{Channel.sep}{step}" if step else queue
 
 
-def queue_lists(model: str) -> list[str]:
-    """The Redis lists of ``model``'s queue: kombu keeps one per priority step."""
-    queue = keys.queue_name(model)
+def queue_lists(queue: str) -> list[str]:
+    """The Redis lists of ``queue``: kombu keeps one per priority step."""
     return [priority_list(queue, step) for step in Channel.priority_steps]
+
+
+def list_suffixes() -> list[str]:
+    """What follows a queue's name in the names of its lists, one per priority step."""
+    return [priority_list("", step) for step in Channel.priority_steps]
 
 
 @cache

@@ -6,8 +6,12 @@ load report (``keys.worker_loads``), which the API reads for backpressure,
 ``/metrics`` and readiness. A clean exit removes both and hands back what
 the worker still holds.
 
-The same script (``scripts/beat.lua``) puts every job of the model's
-workers whose entries expired back at the head of its queue, and removes
+The same script (``scripts/beat.lua``) hands back the jobs of the worker's
+own queue (``keys.own_queue``) whose hand-back time has passed, or all of
+them once the worker drains, renews the worker's cache summary
+(``workers.cache_summary``; a summary Redis lost is written again whole),
+and puts every job of the model's workers whose entries expired, their own
+queues' included, back at the head of the model's shared queue, and removes
 them: a killed worker's job is taken by a live worker within about one TTL
 and one interval, and resumes from its stream under a new attempt. A worker
 reclaims only once its own entry has stayed renewed for a whole TTL on
@@ -30,7 +34,9 @@ from typing import Any
 import redis
 
 from shared import keys
+from shared.task_message import list_suffixes
 from workers.broker.scripts import BEAT, LEAVE
+from workers.cache_summary import SUMMARY_TTL_S, CacheSummary
 from workers.host import HostSnapshot
 
 log = logging.getLogger(__name__)
@@ -40,6 +46,14 @@ log = logging.getLogger(__name__)
 class WorkerIdentity:
     worker_id: str
     model: str
+
+    @property
+    def shared_queue(self) -> str:
+        return keys.queue_name(self.model)
+
+    @property
+    def own_queue(self) -> str:
+        return keys.own_queue(self.model, self.worker_id)
 
 
 class Heartbeat:
@@ -53,11 +67,13 @@ class Heartbeat:
         draining: Callable[[], bool],
         interval_s: float = keys.HEARTBEAT_INTERVAL_S,
         ttl_s: float = keys.HEARTBEAT_TTL_S,
+        summary: CacheSummary | None = None,
     ) -> None:
         self._client = client
         self._identity = identity
         self._snapshot = snapshot
         self._draining = draining
+        self._summary = summary
         self._interval_s = interval_s
         self._ttl_s = ttl_s
         model = identity.model
@@ -68,6 +84,7 @@ class Heartbeat:
         ]
         self._last: tuple[float, int] | None = None  # (time, generated tokens) of the last beat
         self.reclaimed = 0  # jobs of dead workers this worker put back on their queues
+        self.handed_back = 0  # jobs of its own queue this worker put back on the shared queue
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="sluice-heartbeat", daemon=True)
 
@@ -84,9 +101,12 @@ class Heartbeat:
         self._leave("this worker at exit")
 
     def _leave(self, holder: str) -> None:
-        worker_id = self._identity.worker_id
+        identity = self._identity
+        worker_id = identity.worker_id
+        script_keys = [*self._keys, keys.taken(worker_id), keys.cache_summary(worker_id)]
+        queues = [identity.shared_queue, identity.own_queue, keys.queue_wake("")]
         try:
-            restored = LEAVE(self._client, [*self._keys, keys.taken(worker_id)], [worker_id])
+            restored = LEAVE(self._client, script_keys, [worker_id, *queues, *list_suffixes()])
         except redis.RedisError as exc:  # the entry expires; another worker hands them back
             log.warning("could not leave the registry: %s", exc)
             return
@@ -111,14 +131,27 @@ class Heartbeat:
             "generated_tokens": snapshot.generated_tokens,
             "aborted": snapshot.aborted,
             "draining": self._draining(),
+            "block_size": snapshot.block_size,
+            "intake_open": snapshot.intake_open,
+            "cache_summary_size": self._summary.size if self._summary is not None else 0,
             "ts": now,
         }
 
     def beat(self) -> None:
-        """Renew this worker's entry and report; reclaim dead workers' jobs once it may."""
-        report = json.dumps(self.report(), separators=(",", ":"))
-        args = [self._identity.worker_id, report, self._ttl_s, keys.TAKEN_PREFIX]
-        dead, restored = BEAT(self._client, self._keys, args)
+        """Renew this worker's entry, report and summary, hand back its overdue own jobs, and
+        reclaim dead workers' jobs once it may."""
+        identity = self._identity
+        report = self.report()
+        args = [identity.worker_id, json.dumps(report, separators=(",", ":")), self._ttl_s]
+        args += [keys.TAKEN_PREFIX, identity.shared_queue, keys.own_queue(identity.model, "")]
+        args += [keys.queue_wake(""), keys.CACHE_SUMMARY_PREFIX, SUMMARY_TTL_S]
+        args += [int(report["draining"]), *list_suffixes()]
+        dead, restored, handed, summary_kept = BEAT(self._client, self._keys, args)
+        if handed:
+            self.handed_back += handed
+            log.info("handed back %d job(s) of this worker's own queue", handed)
+        if not summary_kept and self._summary is not None and self._summary.size:
+            self._summary.rewrite()
         if dead:
             self.reclaimed += restored
             names = ", ".join(_text(worker) for worker in dead)

@@ -51,6 +51,7 @@ from workers.outbox import Attempt, Outbox
 from workers.publisher import Batch, EventPublisher
 
 if TYPE_CHECKING:
+    from engine.block_manager import CacheChanges
     from engine.llm_engine import LLMEngine
 
 log = logging.getLogger(__name__)
@@ -128,6 +129,8 @@ class HostSnapshot:
     capacity: int
     max_model_len: int
     kv_blocks_total: int
+    block_size: int = 0
+    intake_open: bool = True  # False while the engine waits for KV blocks
     running: int = 0
     waiting: int = 0
     kv_blocks_used: int = 0
@@ -146,6 +149,7 @@ class WorkerHost:
         publisher: EventPublisher,
         on_engine_death: Callable[[], None] = lambda: None,
         engine_check_s: float = ENGINE_CHECK_S,
+        on_cache_changes: Callable[[CacheChanges], None] | None = None,
     ) -> None:
         self._outbox = Outbox(publisher, self._on_written)
         self._thread = EngineThread(engine, self._on_events, self._on_step_failure)
@@ -160,6 +164,9 @@ class WorkerHost:
         self.intake = Intake()  # closed while the engine waits for KV blocks
         self.snapshot = self._take_snapshot(engine)
         self._on_engine_death = on_engine_death
+        self._on_cache_changes = on_cache_changes
+        if on_cache_changes is not None:
+            engine.block_manager.track_changes()  # before the engine thread starts
         self._engine_check_s = engine_check_s
         self._unwatched = threading.Event()  # set to stop the watchdog
         self._watchdog = threading.Thread(target=self._watch, name="sluice-watchdog", daemon=True)
@@ -415,6 +422,8 @@ class WorkerHost:
     def _refresh(self, engine: LLMEngine) -> None:
         self.snapshot = self._take_snapshot(engine)
         self.intake.set(not engine.scheduler.kv_bound)
+        if self._on_cache_changes is not None:
+            self._on_cache_changes(engine.block_manager.take_changes())
 
     def _take_snapshot(self, engine: LLMEngine) -> HostSnapshot:
         blocks = engine.block_manager
@@ -423,6 +432,8 @@ class WorkerHost:
             capacity=engine.args.max_num_seqs,
             max_model_len=engine.max_model_len,
             kv_blocks_total=blocks.num_blocks,
+            block_size=blocks.block_size,
+            intake_open=not engine.scheduler.kv_bound,
             running=len(engine.scheduler.running),
             waiting=len(engine.scheduler.waiting),
             kv_blocks_used=blocks.num_blocks - blocks.num_free_blocks,

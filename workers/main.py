@@ -99,7 +99,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, OSError, RuntimeError) as exc:  # unknown or missing model, bad config
         print(f"sluice worker: {exc}", file=sys.stderr)
         return 2
-    identity = WorkerIdentity(args.worker_id or default_worker_id(), spec.name)
+    worker_id = args.worker_id or default_worker_id()
+    if not worker_id.isprintable() or keys.OWN_QUEUE_MARK in worker_id:
+        print(f"sluice worker: worker id {worker_id!r} is not a plain name", file=sys.stderr)
+        return 2
+    identity = WorkerIdentity(worker_id, spec.name)
     return serve(
         args.redis,
         identity,
@@ -130,6 +134,7 @@ def serve(
     from workers.runtime import WorkerRuntime
     from workers.task import register_task
 
+    queues = [queues[0], identity.own_queue, *queues[1:]]
     runtime = WorkerRuntime.start(redis_url, identity, engine)
     app = create_app(redis_url, queues, engine.args.max_num_seqs, runtime.link)
     register_task(app, runtime.context)

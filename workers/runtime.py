@@ -1,7 +1,7 @@
 """Everything a worker process runs beside Celery, started and stopped together.
 
-The engine host, the cancel watcher and the heartbeat are threads of their
-own that share one Redis client (redis-py pools connections and is
+The engine host, the cancel watcher, the cache summary and the heartbeat are
+threads of their own that share one Redis client (redis-py pools connections and is
 thread-safe). The client retries briefly on connection errors and never
 waits on a socket for long, so when Redis goes away a write fails within
 seconds (the runs it concerned are stopped and handed back) and the threads
@@ -28,6 +28,7 @@ from redis.retry import Retry
 
 from shared import keys
 from workers.broker import BrokerLink
+from workers.cache_summary import CacheSummary
 from workers.cancellation import CancellationWatcher
 from workers.heartbeat import Heartbeat, WorkerIdentity
 from workers.host import ENGINE_CHECK_S, WorkerHost
@@ -76,6 +77,7 @@ class WorkerRuntime:
     host: WorkerHost
     cancellation: CancellationWatcher
     heartbeat: Heartbeat
+    summary: CacheSummary
     link: BrokerLink
     context: TaskContext
 
@@ -93,8 +95,9 @@ class WorkerRuntime:
         client = connect(redis_url)
         maxlen = keys.event_stream_maxlen(engine.max_model_len)
         publisher = EventPublisher(client, identity.model, maxlen)
-        host = WorkerHost(engine, publisher, on_engine_death, engine_check_s)
-        link = BrokerLink(identity.worker_id, intake=host.intake)
+        summary = CacheSummary(client, identity.worker_id)
+        host = WorkerHost(engine, publisher, on_engine_death, engine_check_s, summary.note)
+        link = BrokerLink(identity.worker_id, identity.own_queue, intake=host.intake)
         runtime = cls(
             identity=identity,
             client=client,
@@ -106,10 +109,13 @@ class WorkerRuntime:
                 lambda: host.snapshot,
                 lambda: host.draining,
                 heartbeat_interval_s,
+                summary=summary,
             ),
+            summary=summary,
             link=link,
             context=TaskContext(client, publisher, host, identity.model, link.starts),
         )
+        summary.start()
         host.start()
         runtime.cancellation.start()
         runtime.heartbeat.start()
@@ -133,5 +139,6 @@ class WorkerRuntime:
         """Stop every thread; the worker leaves the registry last, once nothing runs."""
         self.cancellation.stop(timeout=5)
         self.host.stop(timeout=10)
+        self.summary.stop(timeout=5)
         self.heartbeat.stop(timeout=5)
         self.client.close()

@@ -55,7 +55,8 @@ def server(own_redis: RedisServer) -> RedisServer:
 
 def nothing_queued(server: RedisServer) -> bool:
     """No job in the model's queue lists, and no wake token left for one."""
-    lists = [*queue_lists(DEFAULT_MODEL), keys.queue_wake(keys.queue_name(DEFAULT_MODEL))]
+    queue = keys.queue_name(DEFAULT_MODEL)
+    lists = [*queue_lists(queue), keys.queue_wake(queue)]
     return server.client.exists(*lists) == 0
 
 

@@ -74,7 +74,7 @@ def take(server: RedisServer, worker_id: str, count: int) -> None:
     wake = keys.queue_wake(keys.queue_name(DEFAULT_MODEL))
     assert server.client.rpop(wake) is not None, "no job on the queue"
     taken_key = keys.taken(worker_id)
-    script_keys = [taken_key, wake, *queue_lists(DEFAULT_MODEL)]
+    script_keys = [taken_key, wake, *queue_lists(keys.queue_name(DEFAULT_MODEL))]
     taken, started = TAKE(server.client, script_keys, [count, 1, *START_ARGS])
     assert len(taken) == 2 * count and len(started) == 2 * count  # every job named and started
     assert server.client.hlen(taken_key) == count  # recorded as the worker's
@@ -199,7 +199,7 @@ def test_jobs_on_every_priority_list_count_as_queued(metrics_api: str, server: R
                 assert (await queue.put(queued, now + 60)).message
         finally:
             await client.aclose()
-        lengths = [server.client.llen(name) for name in queue_lists(DEFAULT_MODEL)]
+        lengths = [server.client.llen(name) for name in queue_lists(keys.queue_name(DEFAULT_MODEL))]
         async with httpx.AsyncClient(base_url=metrics_api, timeout=30) as http:
             gauges = await scrape_until(
                 http, lambda g: g["sluice_requests_outstanding"] == 5, "5 outstanding jobs"

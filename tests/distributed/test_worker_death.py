@@ -145,7 +145,8 @@ def test_a_job_taken_by_a_worker_killed_before_it_started_runs_elsewhere(
     victim = GhostWorker(client, "victim")
     taken_key = keys.taken(victim.worker_id)
     stream = keys.event_stream(request_id)
-    assert not any(client.llen(name) for name in queue_lists(DEFAULT_MODEL)), "queue not empty"
+    queue = keys.queue_name(DEFAULT_MODEL)
+    assert not any(client.llen(name) for name in queue_lists(queue)), "queue not empty"
 
     victim.beat(
         ttl_s=keys.HEARTBEAT_TTL_S, capacity=WORKER_SEQS, max_model_len=MAX_MODEL_LEN,
@@ -153,7 +154,7 @@ def test_a_job_taken_by_a_worker_killed_before_it_started_runs_elsewhere(
     )  # fmt: skip
     killed = time.monotonic()  # its last beat: the entry expires one TTL from now
     client.script_load(TAKE.source)
-    script_keys = [taken_key, message.wake, *queue_lists(DEFAULT_MODEL)]
+    script_keys = [taken_key, message.wake, *queue_lists(queue)]
     with client.pipeline(transaction=True) as pipe:
         pipe.lpush(message.key, message.body)
         pipe.lpush(message.wake, "1")

@@ -27,7 +27,7 @@ from workers.runtime import WorkerRuntime
 FIELDS = {
     "worker_id", "model", "running", "waiting", "kv_blocks_used", "kv_blocks_total",
     "tokens_per_s", "capacity", "max_model_len", "steps", "generated_tokens", "aborted",
-    "draining", "ts",
+    "draining", "block_size", "intake_open", "cache_summary_size", "ts",
 }  # fmt: skip
 SNAPSHOT = HostSnapshot(capacity=2, max_model_len=64, kv_blocks_total=8, running=1)
 TTL_S = 0.4  # the registry TTL of the heartbeats built here

@@ -33,6 +33,7 @@ class BrokerLink:
     """What the transport shares with the rest of one worker."""
 
     worker_id: str
+    own_queue: str = ""  # taken from before any other queue (``keys.own_queue``); "": none
     intake: Intake = field(default_factory=Intake)  # the engine's: closed while KV-bound
     starts: TakenStarts = field(default_factory=TakenStarts)  # the take script's, for tasks
 

@@ -1,7 +1,8 @@
 """The broker's Lua scripts: read from ``scripts/*.lua`` once, called by SHA.
 
 ``restore_records.lua`` is a function the scripts that put messages back
-share; it is prepended to each of them. A script Redis does not know yet
+share, and ``own_queue.lua`` one the scripts that hand a worker's own queue
+back share; each is prepended to the scripts that use it. A script Redis does not know yet
 (its first call, or a Redis that restarted) is sent whole once with
 ``EVAL``, which also caches it for the next ``EVALSHA``.
 """
@@ -41,5 +42,5 @@ def _load(name: str, *preludes: str) -> LuaScript:
 
 TAKE = _load("take")
 RESTORE = _load("restore", "restore_records")
-BEAT = _load("beat", "restore_records")
-LEAVE = _load("leave", "restore_records")
+BEAT = _load("beat", "restore_records", "own_queue")
+LEAVE = _load("leave", "restore_records", "own_queue")

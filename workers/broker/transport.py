@@ -1,7 +1,8 @@
 """kombu's Redis transport: waking on tokens, taking and starting jobs in one step, per worker.
 
 A worker blocks on the queues' wake lists (``keys.queue_wake``; every sender
-pushes one token beside each job). Sent right behind that read, on the same
+pushes one token beside each job), its own queue's (``keys.own_queue``)
+among them, which it takes from first at each priority. Sent right behind that read, on the same
 connection, goes the take script (``scripts/take.lua``), which Redis runs
 the moment the read returns: it pops up to the worker's prefetch credit (in
 kombu's priority order), records each message in the worker's own taken
@@ -224,6 +225,7 @@ class Channel(kombu_redis.Channel):
         queues = self._queue_cycle.consume(len(self.active_queues))
         if not queues:
             return
+        queues.sort(key=lambda queue: queue != self.link.own_queue)  # own first, else in turn
         wake = [keys.queue_wake(queue) for queue in queues]
         lists = [self._q_for_pri(queue, pri) for pri in self.priority_steps for queue in queues]
         credit = self.qos.can_consume_max_estimate()
