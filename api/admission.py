@@ -140,6 +140,9 @@ class WorkerLoad:
     generated_tokens: int = 0
     aborted: int = 0
     draining: bool = False
+    block_size: int = 0  # of its KV cache: the blocks its cache summary names
+    intake_open: bool = True  # False while its engine waits for KV blocks
+    cache_summary_size: int = 0  # block hashes in its cache summary
     ts: float = 0.0
 
     @classmethod

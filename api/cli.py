@@ -82,6 +82,7 @@ def _serve(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from api.auth import KeyRing
+    from api.backends.placement import PlacementPolicy
     from api.server import run
     from api.settings import Settings, load_models
 
@@ -99,6 +100,12 @@ def _serve(args: argparse.Namespace) -> int:
         first_token_timeout_s=args.first_token_timeout,
         total_timeout_s=args.total_timeout,
         max_inflight=args.max_inflight,
+        placement=PlacementPolicy(
+            enabled=args.placement == "prefix",
+            load_cost=args.placement_load_cost,
+            min_match=args.placement_min_match,
+            wait_s=args.placement_wait,
+        ),
         job_retention_s=args.job_retention,
         max_batch_jobs=args.max_batch_jobs,
         api_keys=tuple(args.api_key or ()) + _environment_key(),
@@ -135,6 +142,39 @@ def _bench(args: argparse.Namespace) -> int:
     from bench.engine import main as bench_engine
 
     return bench_engine(args.rest)
+
+
+def _add_placement_args(parser: argparse.ArgumentParser) -> None:
+    from api.backends.placement import DEFAULT_LOAD_COST, DEFAULT_MIN_MATCH, DEFAULT_WAIT_S
+
+    parser.add_argument(
+        "--placement",
+        choices=["prefix", "shared"],
+        default="prefix",
+        help="with --redis: prefix puts a request on the worker caching its prompt's prefix "
+        "unless it is busier than the cache is worth; shared puts every one on the shared queue",
+    )
+    parser.add_argument(
+        "--placement-load-cost",
+        type=float,
+        default=DEFAULT_LOAD_COST,
+        metavar="TOKENS",
+        help="cached prompt tokens that one more job held by a worker outweighs",
+    )
+    parser.add_argument(
+        "--placement-min-match",
+        type=int,
+        default=DEFAULT_MIN_MATCH,
+        metavar="TOKENS",
+        help="a worker caching fewer of the prompt's tokens is no reason to place there",
+    )
+    parser.add_argument(
+        "--placement-wait",
+        type=float,
+        default=DEFAULT_WAIT_S,
+        metavar="S",
+        help="a job placed on a worker's own queue goes to the shared queue after S seconds",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -185,6 +225,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="429 beyond N queued + running requests per model",
     )
+    _add_placement_args(serve)
     serve.add_argument(
         "--job-retention",
         type=float,

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from api.backends.placement import PlacementPolicy
 from api.connection_limits import (
     DEFAULT_HEADER_TIMEOUT_S,
     DEFAULT_KEEP_ALIVE_TIMEOUT_S,
@@ -43,6 +44,7 @@ class Settings:
     first_token_timeout_s: float = 60.0  # the first token must come by then: 504
     total_timeout_s: float = 600.0  # the whole generation must end by then: 504
     max_inflight: int = 256  # queued + in-flight requests per model before a 429
+    placement: PlacementPolicy = field(default_factory=PlacementPolicy)  # which worker's queue
     # Async jobs (api/jobs): kept this long after submission; a batch holds at most this many.
     job_retention_s: float = 86_400.0
     max_batch_jobs: int = 100

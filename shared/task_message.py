@@ -45,12 +45,17 @@ class TaskMessage(NamedTuple):
     """A job's message, the list it goes on, and the list of its wake token.
 
     Whoever pushes ``body`` onto ``key`` pushes a token onto ``wake`` in the
-    same transaction: workers block on the tokens (``keys.queue_wake``).
+    same transaction: workers block on the tokens (``keys.queue_wake``). A
+    message on a worker's own queue may move to the shared queue's list and
+    wake list (``shared_key``, ``shared_wake``); on the shared queue they
+    are ``key`` and ``wake``.
     """
 
     key: str
     body: str
     wake: str
+    shared_key: str
+    shared_wake: str
 
 
 def task_message(
@@ -62,7 +67,8 @@ def task_message(
     (``keys.own_queue``), which then needs ``hand_back_at``.
     """
     request = job.request
-    queue = queue or keys.queue_name(request.model)
+    shared = keys.queue_name(request.model)
+    queue = queue or shared
     expires = datetime.fromtimestamp(job.deadlines.queue, UTC) if job.deadlines.queue else None
     headers, properties, body, _ = _builder().amqp.as_task_v2(
         str(uuid.uuid4()),
@@ -87,7 +93,13 @@ def task_message(
             "delivery_tag": str(uuid.uuid4()),
         },
     }
-    return TaskMessage(priority_list(queue, priority), json.dumps(envelope), keys.queue_wake(queue))
+    return TaskMessage(
+        priority_list(queue, priority),
+        json.dumps(envelope),
+        keys.queue_wake(queue),
+        priority_list(shared, priority),
+        keys.queue_wake(shared),
+    )
 
 
 def priority_list(queue: str, priority: int) -> str:

@@ -101,12 +101,8 @@ class Heartbeat:
         self._leave("this worker at exit")
 
     def _leave(self, holder: str) -> None:
-        identity = self._identity
-        worker_id = identity.worker_id
-        script_keys = [*self._keys, keys.taken(worker_id), keys.cache_summary(worker_id)]
-        queues = [identity.shared_queue, identity.own_queue, keys.queue_wake("")]
         try:
-            restored = LEAVE(self._client, script_keys, [worker_id, *queues, *list_suffixes()])
+            restored = leave(self._client, self._identity)
         except redis.RedisError as exc:  # the entry expires; another worker hands them back
             log.warning("could not leave the registry: %s", exc)
             return
@@ -173,6 +169,17 @@ class Heartbeat:
         if last is None or now <= last[0]:
             return 0.0
         return round((tokens - last[1]) / (now - last[0]), 2)
+
+
+def leave(client: redis.Redis, identity: WorkerIdentity) -> int:
+    """Take ``identity`` out of its model's registry, handing back its taken records and own
+    queue to the head of the shared queue and deleting its cache summary; how many it held.
+    """
+    worker_id, model = identity.worker_id, identity.model
+    script_keys = [keys.workers(model), keys.worker_loads(model), keys.workers_alive_since(model)]
+    script_keys += [keys.taken(worker_id), keys.cache_summary(worker_id)]
+    queues = [identity.shared_queue, identity.own_queue, keys.queue_wake("")]
+    return LEAVE(client, script_keys, [worker_id, *queues, *list_suffixes()])
 
 
 def _text(value: bytes | str) -> str:

@@ -12,10 +12,12 @@ Ending a generation leaves the model's in-flight set and, unless it ended
 with a ``Finish``, cancels it and withdraws its message if no worker took
 it. The end runs as a task of its own, so it completes even when its reader
 is being cancelled; one that finds Redis unreachable is sent again once
-Redis answers. The channel renews this process's origin key every second
-(``keys.api_process``): workers stop the requests of a process whose key
-expired. Unseeded sampling requests get a seed at submission, so a resumed
-stream draws what the first attempt would have.
+Redis answers. A job goes to the queue its model's ``Placer`` chooses
+(``api.backends.placement``), the shared one when it has none. The channel
+renews this process's origin key every second (``keys.api_process``):
+workers stop the requests of a process whose key expired. Unseeded sampling
+requests get a seed at submission, so a resumed stream draws what the first
+attempt would have.
 """
 
 from __future__ import annotations
@@ -37,9 +39,10 @@ from redis.exceptions import RedisError
 
 from api.admission import Limits, rate_limited_message
 from api.backends.event_reader import EventReader, Subscription
+from api.backends.placement import SHARED, Placer
 from api.backends.request_queue import RequestQueue, with_seed, withdraw
 from shared import keys
-from shared.events import Error, Finish, InferenceEvent, Text
+from shared.events import Error, Finish, InferenceEvent, Ready, Text
 from shared.task_message import TaskMessage
 from shared.wire import Deadlines, QueuedRequest
 
@@ -65,6 +68,7 @@ class RequestChannel:
         self.process_id = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
         self.stopping = False  # the process is going away: detached generations go on
         self._queue = RequestQueue(self.redis)
+        self.placers: dict[str, Placer] = {}  # by model; a model without one: the shared queue
         self._users = 0
         self._tasks: set[asyncio.Task[Any]] = set()  # ends in progress
         self._unsent_ends: dict[str, _End] = {}  # request id -> an end Redis did not receive
@@ -164,6 +168,8 @@ class RequestChannel:
                 queued = submitted
             while not isinstance(last, Finish | Error):
                 last = await self._next_event(subscription, job.deadlines, progress)
+                if isinstance(last, Ready) and (placer := self.placers.get(job.request.model)):
+                    placer.stats.cached_tokens += last.cached_tokens
                 yield last
         finally:
             self.reader.close(request_id)
@@ -186,9 +192,11 @@ class RequestChannel:
         """
         request_id, limits = job.request.request_id, self.limits
         share = ticket.share if ticket is not None else None
+        placer = self.placers.get(job.request.model)
+        placement = await placer.place(job.request.prompt_token_ids) if placer else SHARED
         try:
             score = job.deadlines.total or time.time() + limits.total_timeout_s
-            submission = await self._queue.put(job, score, bound, interrupt, share)
+            submission = await self._queue.put(job, score, bound, interrupt, share, placement)
         except (RedisError, OSError, TimeoutError) as exc:
             log.warning("submitting %s failed: %s", request_id, exc)
             message = "Could not queue the request: Redis is unreachable; retry later."

@@ -1,7 +1,8 @@
 """The distributed backend: requests go to GPU workers as Celery tasks over Redis.
 
 This process never loads a model (nor torch): it keeps the served model's
-tokenizer for preparation, answers health and the context length from the
+tokenizer for preparation, places each request on a worker's queue
+(``api.backends.placement``), answers health and the context length from the
 fleet watcher's snapshot (``api.backends.fleet``), admits requests against
 it (``api.admission``), and runs each request through the process's
 ``RequestChannel`` (``api.backends.channel``), which it shares with async
@@ -22,6 +23,7 @@ from api.admission import Admission, FleetSnapshot, Limits, api_error
 from api.backends.base import Backend, BackendHealth, Place, ServedModel
 from api.backends.channel import RequestChannel
 from api.backends.fleet import FleetCollector, FleetWatcher
+from api.backends.placement import Placer
 from shared import keys
 from shared.events import InferenceEvent
 from shared.heap import freeze_startup_heap
@@ -56,7 +58,11 @@ class DistributedBackend(Backend):
         self._channel = channel or RequestChannel(redis_url, self._limits)
         self._fleet = FleetWatcher(self._channel.redis, spec.name)
         self._admission = Admission(self._limits, lambda: self.snapshot, self._count_outstanding)
-        self._collector = FleetCollector(spec.name, lambda: self.snapshot, settings.max_num_seqs)
+        placer = Placer(self._channel.redis, spec.name, lambda: self.snapshot, settings.placement)
+        self._channel.placers[spec.name] = placer
+        self._collector = FleetCollector(
+            spec.name, lambda: self.snapshot, settings.max_num_seqs, placer.stats
+        )
         self._tokenizer: LoadedTokenizer | None = None
         self._served: ServedModel | None = None
         self._load_error: str | None = None

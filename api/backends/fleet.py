@@ -14,12 +14,13 @@ import logging
 import time
 from collections.abc import Callable, Iterator
 
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from api.admission import FleetSnapshot, WorkerLoad
+from api.backends.placement import KINDS, PlacementStats
 from shared import keys
 from shared.task_message import queue_lists
 
@@ -35,7 +36,7 @@ class FleetWatcher:
     def __init__(self, redis: Redis, model: str) -> None:
         self._redis = redis
         self._model = model
-        self._queue_lists = queue_lists(model)
+        self._queue_lists = queue_lists(keys.queue_name(model))
         self.snapshot = FleetSnapshot()
         self._task: asyncio.Task[None] | None = None
 
@@ -71,16 +72,19 @@ class FleetWatcher:
         length are of the same instant: a job joins the set and its list in
         one script, and a worker's take script moves it from the list
         atomically, so ``queued <= outstanding`` holds in what is read (but
-        for the exception ``FleetSnapshot.in_flight`` names).
+        for the exception ``FleetSnapshot.in_flight`` names). The workers' own
+        queues are counted by their wake lists (one token per job), for the
+        workers the previous read found.
         """
         inflight = keys.inflight(self._model)
+        own = [keys.own_queue(self._model, w.worker_id) for w in self.snapshot.workers]
         async with self._redis.pipeline(transaction=True) as pipe:
             pipe.time()
             pipe.zrange(keys.workers(self._model), 0, -1, withscores=True)
             pipe.hgetall(keys.worker_loads(self._model))
             pipe.zremrangebyscore(inflight, "-inf", time.time())
             pipe.zcard(inflight)
-            for name in self._queue_lists:
+            for name in [*self._queue_lists, *map(keys.queue_wake, own)]:
                 pipe.llen(name)
             clock, registry, loads, _, outstanding, *lengths = await pipe.execute()
         now = clock[0] + clock[1] / 1e6
@@ -110,6 +114,7 @@ FLEET_GAUGES = {
     "sluice_workers_waiting_requests": "Requests waiting inside the workers' engines.",
     "sluice_kv_blocks_used": "KV cache blocks in use, summed over workers.",
     "sluice_kv_blocks_total": "KV cache blocks, summed over workers.",
+    "sluice_cache_summary_blocks": "Block hashes in the workers' cache summaries, summed.",
     "sluice_desired_workers": "ceil((queued + in flight) / per-worker capacity): scale to this.",
 }
 
@@ -127,20 +132,45 @@ def fleet_gauges(snapshot: FleetSnapshot, default_capacity: int) -> dict[str, in
         "sluice_workers_waiting_requests": sum(worker.waiting for worker in workers),
         "sluice_kv_blocks_used": sum(worker.kv_blocks_used for worker in workers),
         "sluice_kv_blocks_total": sum(worker.kv_blocks_total for worker in workers),
+        "sluice_cache_summary_blocks": sum(worker.cache_summary_size for worker in workers),
         "sluice_desired_workers": snapshot.desired_workers(default_capacity),
     }
 
 
 class FleetCollector(Collector):
-    """Per-model gauges for ``/metrics``, read from the fleet snapshot at scrape time."""
+    """Per-model gauges for ``/metrics``, read from the fleet snapshot at scrape time, and the
+    placement's counters."""
 
-    def __init__(self, model: str, snapshot: Callable[[], FleetSnapshot], capacity: int) -> None:
+    def __init__(
+        self,
+        model: str,
+        snapshot: Callable[[], FleetSnapshot],
+        capacity: int,
+        placement: PlacementStats | None = None,
+    ) -> None:
         self._model = model
         self._snapshot = snapshot
         self._capacity = capacity
+        self._placement = placement or PlacementStats()
 
     def collect(self) -> Iterator[Metric]:
         for name, value in fleet_gauges(self._snapshot(), self._capacity).items():
             family = GaugeMetricFamily(name, FLEET_GAUGES[name], labels=["model"])
             family.add_metric([self._model], value)
             yield family
+        placed = CounterMetricFamily(
+            "sluice_placements",
+            "Requests by where they were queued: a worker's own queue for its cached prefix "
+            "(prefix), for its load over a longer match elsewhere (load), or the shared queue.",
+            labels=["model", "placement"],
+        )
+        for kind in KINDS:
+            placed.add_metric([self._model, kind], self._placement.placed[kind])
+        yield placed
+        hits = CounterMetricFamily(
+            "sluice_prefix_cache_hit_tokens",
+            "Prompt tokens the workers served from their prefix caches.",
+            labels=["model"],
+        )
+        hits.add_metric([self._model], self._placement.cached_tokens)
+        yield hits

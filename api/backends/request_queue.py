@@ -32,6 +32,7 @@ from redis.asyncio import Redis
 from redis.asyncio.client import Pipeline
 
 from api.backends.event_reader import INTERRUPT_TTL_S
+from api.backends.placement import SHARED, Placement
 from api.rate_limits import RATE_LIMIT_LUA, KeyShare, Verdict
 from shared import keys
 from shared.task_message import TaskMessage, task_message
@@ -85,13 +86,16 @@ return {1}
 
 
 WITHDRAW_SCRIPT = """
--- KEYS: the job's list, its wake list. ARGV: its message.
+-- KEYS: the job's list, its wake list, then the shared queue's list and wake list its
+-- message moves to if handed back from a worker's own queue. ARGV: its message.
 -- Removes a job no worker has taken yet, and a wake token with it. Returns 1 if removed.
-if redis.call('LREM', KEYS[1], 1, ARGV[1]) == 0 then
-  return 0
+for i = 1, 3, 2 do
+  if redis.call('LREM', KEYS[i], 1, ARGV[1]) == 1 then
+    redis.call('RPOP', KEYS[i + 1])
+    return 1
+  end
 end
-redis.call('RPOP', KEYS[2])
-return 1
+return 0
 """
 
 
@@ -117,6 +121,7 @@ class RequestQueue:
         bound: int | None = None,
         interrupt: str | None = None,
         share: KeyShare | None = None,
+        placement: Placement = SHARED,
     ) -> Submission:
         """Join the model's in-flight set and queue ``job``, unless the set counts ``bound``
         or ``share``'s key has no room for it (its limits, checked and taken in the same call).
@@ -135,9 +140,12 @@ class RequestQueue:
         ``interrupt``: the event reader's interrupt stream
         (``EventReader.take_interrupt``), appended to in the same call, whether
         the job is queued or refused.
+
+        ``placement``: the queue, the model's shared one or a worker's own
+        (``api.backends.placement``).
         """
         request = job.request
-        message = task_message(job)
+        message = task_message(job, placement.queue, placement.hand_back_at)
         script_keys = [keys.inflight(request.model), message.key, message.wake]
         if share is not None:
             script_keys += share.script_keys
@@ -165,7 +173,8 @@ def withdraw(pipe: Pipeline, message: TaskMessage) -> None:
     Once taken, the message is not in the list and this removes nothing; the
     cancel flag stops it then.
     """
-    pipe.eval(WITHDRAW_SCRIPT, 2, message.key, message.wake, message.body)
+    script_keys = [message.key, message.wake, message.shared_key, message.shared_wake]
+    pipe.eval(WITHDRAW_SCRIPT, len(script_keys), *script_keys, message.body)
 
 
 def with_seed(request: PreparedRequest) -> PreparedRequest:

@@ -34,7 +34,7 @@ from openai import OpenAI
 from shared import keys
 from shared.registry import DEFAULT_MODEL
 from tests.servers import free_port
-from workers.broker.scripts import LEAVE
+from workers.heartbeat import WorkerIdentity, leave
 
 ROOT = Path(__file__).resolve().parents[2]
 MAX_MODEL_LEN = 1024
@@ -234,9 +234,7 @@ class GhostWorker:
 
     def leave(self) -> None:
         """Remove the ghost's entry, report and taken records (put back on their queues)."""
-        model = self.model
-        registry = [keys.workers(model), keys.worker_loads(model), keys.workers_alive_since(model)]
-        LEAVE(self.client, [*registry, keys.taken(self.worker_id)], [self.worker_id])
+        leave(self.client, WorkerIdentity(self.worker_id, self.model))
 
 
 class Api:
