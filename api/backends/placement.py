@@ -152,7 +152,7 @@ class Placer:
 
     async def _place(self, token_ids: Sequence[int]) -> Placement:
         workers = [worker for worker in self._snapshot().live if worker.block_size > 0]
-        if not workers or not any(worker.cache_summary_size for worker in workers):
+        if not workers:
             return SHARED
         if len(token_ids) - 1 < self.policy.min_match:  # the engine recomputes the last token
             return SHARED
