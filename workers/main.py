@@ -17,6 +17,7 @@ Also runnable as ``python -m workers.main``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import socket
@@ -70,6 +71,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--max-num-seqs", type=int, default=64, help="engine batch size = jobs taken at once"
     )
+    parser.add_argument(
+        "--num-kv-blocks",
+        type=int,
+        default=None,
+        metavar="N",
+        help="KV cache blocks of 16 tokens (default: --max-num-seqs sequences of --max-model-len, "
+        "within a fixed memory cap)",
+    )
     parser.add_argument("--worker-id", default=None, help="default: <hostname>-<pid>")
     parser.add_argument(
         "--drain-grace",
@@ -91,11 +100,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         registry = ModelRegistry.from_toml(args.config) if args.config else default_registry()
         spec = registry.resolve(args.model)
         queues = worker_queues(registry, spec, split_queues(args.queues))
-        engine = load_engine(
-            engine_args_for(
-                spec, args.dtype, args.max_model_len, args.max_num_seqs, args.quantization
-            )
+        engine_args = engine_args_for(
+            spec, args.dtype, args.max_model_len, args.max_num_seqs, args.quantization
         )
+        engine = load_engine(dataclasses.replace(engine_args, num_kv_blocks=args.num_kv_blocks))
     except (ValueError, OSError, RuntimeError) as exc:  # unknown or missing model, bad config
         print(f"sluice worker: {exc}", file=sys.stderr)
         return 2

@@ -156,7 +156,7 @@ class Placer:
             return SHARED
         if len(token_ids) - 1 < self.policy.min_match:  # the engine recomputes the last token
             return SHARED
-        chains = _chains(token_ids, workers)
+        chains = prompt_chains(token_ids, workers)
         if not all(chains.values()):
             return SHARED
         candidates = await self._read(workers, chains)
@@ -191,7 +191,7 @@ class Placer:
         return candidates
 
 
-def _chains(token_ids: Sequence[int], workers: list[WorkerLoad]) -> dict[int, list[bytes]]:
+def prompt_chains(token_ids: Sequence[int], workers: list[WorkerLoad]) -> dict[int, list[bytes]]:
     """The digests of the blocks a cache could serve, per block size the workers use.
 
     The engine never serves a prompt's last token from the cache, so a block

@@ -251,3 +251,30 @@ def test_admit_counts_whole_blocks_below_the_last_token(length: int) -> None:
     cached = bm.admit(probe)
     assert cached == (length - 1) // BS * BS
     assert cached % BS == 0 and cached < length
+
+
+def test_tracked_changes_name_what_was_cached_and_what_was_dropped() -> None:
+    """What a worker's cache summary mirrors: hashes as they become revivable and as they go."""
+    bm = BlockManager(num_blocks=4, block_size=BS)
+    first = computed(bm, list(range(10, 19)))  # 2 full blocks, one partial
+    bm.release(first)
+    before = set(bm.cached)
+    assert len(before) == 2 and not bm.take_changes()  # nothing recorded before tracking
+
+    bm.track_changes()
+    assert bm.take_changes().added == before  # tracking starts from what is cached
+    second = computed(bm, list(range(50, 63)))  # 3 full blocks + 1 partial: evicts both
+    changes = bm.take_changes()
+    assert changes.dropped == before
+    assert changes.added == set(bm.cached) and len(changes.added) == 3
+    assert not bm.take_changes()  # taken: nothing until the next change
+    bm.release(second)
+
+    bm.take_changes()
+    third = computed(bm, list(range(90, 95)))  # 1 block: evicts one cached just now
+    bm.release(third)
+    computed(bm, list(range(70, 83)))  # evicts the block the third just cached
+    changes = bm.take_changes()
+    short_lived = chain_hash(None, list(range(90, 94)))  # cached and dropped between two takes
+    assert short_lived in changes.dropped and short_lived not in changes.added
+    assert changes.added <= set(bm.cached) and not changes.dropped & set(bm.cached)

@@ -11,9 +11,11 @@ from pathlib import Path
 
 import pytest
 
+from api.admission import WorkerLoad
+from api.backends.placement import prompt_chains
 from engine.block_manager import BlockManager
 from engine.sequence import Sequence
-from shared.prefix_hash import chain_hash, prefix_hashes
+from shared.prefix_hash import chain_hash, digest, prefix_hashes
 from shared.registry import default_registry
 from shared.sampling import SamplingParams
 from shared.tokenizer_loader import load_tokenizer
@@ -57,7 +59,7 @@ def test_equal_blocks_under_other_parents_hash_differently() -> None:
 
 @pytest.mark.parametrize("block_size", [4, 16])
 def test_the_chain_is_the_engine_s_for_prompts_of_the_corpus(block_size: int) -> None:
-    """What the API would compute for a prompt is what the engine's prefix cache names."""
+    """What the API's placement computes for a prompt is what the engine's prefix cache names."""
     from bench.corpus import chats
 
     tokenizer = load_tokenizer(default_registry().resolve("default").tokenizer).tokenizer
@@ -71,4 +73,7 @@ def test_the_chain_is_the_engine_s_for_prompts_of_the_corpus(block_size: int) ->
         seq.num_computed_tokens = len(seq)
         manager.commit(seq)
         assert seq.block_hashes == prefix_hashes(token_ids, block_size)
+        usable = (len(token_ids) - 1) // block_size  # what the engine's ``admit`` can reuse
+        placed = prompt_chains(token_ids, [WorkerLoad("w", "m", block_size=block_size)])
+        assert placed[block_size] == [digest(h) for h in seq.block_hashes[:usable]]
         manager.release(seq)

@@ -1,4 +1,5 @@
-"""Heartbeats: the registry entry and load report, and the hand-back of dead workers' jobs."""
+"""Heartbeats: the registry entry and load report, the hand-back of dead workers' jobs and of
+a worker's own queue, and the cache summary's renewal."""
 
 from __future__ import annotations
 
@@ -8,9 +9,12 @@ import uuid
 
 import redis
 
+from engine.block_manager import CacheChanges
 from shared import keys
+from shared.prefix_hash import digest
 from shared.registry import DEFAULT_MODEL
 from shared.sampling import SamplingParams
+from shared.task_message import REQUEST_HEADER
 from tests.workers.conftest import (
     CAPACITY,
     KV_BLOCKS,
@@ -20,6 +24,7 @@ from tests.workers.conftest import (
     wait_until,
 )
 from workers.broker.scripts import TAKE
+from workers.cache_summary import SUMMARY_TTL_S, CacheSummary
 from workers.heartbeat import Heartbeat, WorkerIdentity
 from workers.host import HostSnapshot
 from workers.runtime import WorkerRuntime
@@ -211,3 +216,112 @@ def test_a_malformed_record_is_dropped_and_the_rest_still_go_back(client: redis.
     beat_until_reclaimed(client, "mender", model)
 
     assert bodies_on(client, queue) == ["fine"] and not client.exists(keys.taken("broken"))
+
+
+def own_message(body: str, hand_back_at: float) -> str:
+    headers = {REQUEST_HEADER: [body, "", hand_back_at]}
+    return json.dumps({"properties": {"delivery_tag": body}, "headers": headers, "body": body})
+
+
+def place(client: redis.Redis, model: str, worker_id: str, items: list[tuple[str, float]]) -> None:
+    """Put jobs on ``worker_id``'s own queue as the API does, each with its wake token."""
+    own = keys.own_queue(model, worker_id)
+    for body, hand_back_at in items:
+        client.lpush(own, own_message(body, hand_back_at))
+        client.lpush(keys.queue_wake(own), "1")
+
+
+def test_an_own_queue_job_past_its_hand_back_time_goes_to_the_shared_queue_s_head(
+    client: redis.Redis,
+) -> None:
+    model, worker_id = f"model-{uuid.uuid4().hex}", "placed-on"
+    shared = keys.queue_name(model)
+    own = keys.own_queue(model, worker_id)
+    client.lpush(shared, json.dumps({"body": "shared-queued"}))
+    now = redis_now(client)
+    place(client, model, worker_id, [("due-1", now - 2), ("due-2", now - 1), ("later", now + 60)])
+    beats = heartbeat(client, worker_id, model, interval_s=0.05)
+
+    beats.beat()
+
+    assert bodies_on(client, shared) == ["due-1", "due-2", "shared-queued"]
+    assert bodies_on(client, own) == ["later"] and client.llen(keys.queue_wake(own)) == 1
+    assert client.llen(keys.queue_wake(shared)) == 2 and beats.handed_back == 2
+    client.delete(keys.workers(model), keys.worker_loads(model), keys.workers_alive_since(model))
+    client.delete(shared, own, keys.queue_wake(shared), keys.queue_wake(own))
+
+
+def test_a_draining_worker_hands_back_its_whole_own_queue(client: redis.Redis) -> None:
+    model, worker_id = f"model-{uuid.uuid4().hex}", "draining"
+    shared, own = keys.queue_name(model), keys.own_queue(model, worker_id)
+    later = redis_now(client) + 60
+    place(client, model, worker_id, [("first", later), ("second", later)])
+    identity = WorkerIdentity(worker_id, model)
+    beats = Heartbeat(client, identity, lambda: SNAPSHOT, lambda: True, 0.05, TTL_S)
+
+    beats.beat()
+
+    assert bodies_on(client, shared) == ["first", "second"]
+    assert not client.exists(own, keys.queue_wake(own))
+    beats.stop(timeout=5)
+    client.delete(shared, keys.queue_wake(shared))
+
+
+def test_a_dead_worker_s_own_queue_and_held_jobs_go_to_the_shared_queue(
+    client: redis.Redis,
+) -> None:
+    """What it took from its own queue goes back there, then on with the rest, first in line."""
+    model, dead = f"model-{uuid.uuid4().hex}", "dead-placed"
+    shared, own = keys.queue_name(model), keys.own_queue(model, dead)
+    later = redis_now(client) + 60
+    place(client, model, dead, [("held", later)])
+    hold_messages = TAKE(client, [keys.taken(dead), keys.queue_wake(own), own], [1, 1])
+    assert len(hold_messages[0]) == 2
+    place(client, model, dead, [("waiting", later)])
+    client.sadd(keys.cache_summary(dead), b"x" * 16)
+    client.zadd(keys.workers(model), {dead: redis_now(client) - 1})
+    client.lpush(shared, json.dumps({"body": "shared-queued"}))
+
+    beat_until_reclaimed(client, "live-placed", model)
+
+    assert bodies_on(client, shared) == ["held", "waiting", "shared-queued"]
+    assert client.llen(keys.queue_wake(shared)) == 2
+    assert not client.exists(own, keys.queue_wake(own), keys.taken(dead), keys.cache_summary(dead))
+    client.delete(shared, keys.queue_wake(shared))
+
+
+def test_leaving_hands_back_the_own_queue_and_deletes_the_summary(client: redis.Redis) -> None:
+    model, worker_id = f"model-{uuid.uuid4().hex}", "leaving"
+    shared, own = keys.queue_name(model), keys.own_queue(model, worker_id)
+    place(client, model, worker_id, [("placed", redis_now(client) + 60)])
+    client.sadd(keys.cache_summary(worker_id), b"y" * 16)
+    beats = heartbeat(client, worker_id, model, interval_s=0.05)
+    beats.start()
+    beats.stop(timeout=5)
+
+    assert bodies_on(client, shared) == ["placed"]
+    assert not client.exists(own, keys.queue_wake(own), keys.cache_summary(worker_id))
+    client.delete(shared, keys.queue_wake(shared))
+
+
+def test_a_summary_redis_lost_is_written_again_whole(client: redis.Redis) -> None:
+    model, worker_id = f"model-{uuid.uuid4().hex}", f"summarised-{uuid.uuid4().hex}"
+    summary = CacheSummary(client, worker_id)
+    summary.start()
+    identity = WorkerIdentity(worker_id, model)
+    beats = Heartbeat(client, identity, lambda: SNAPSHOT, lambda: False, 0.05, TTL_S, summary)
+    try:
+        summary.note(CacheChanges(added={1, 2, 3}))
+        summary.note(CacheChanges(added={4}, dropped={2}))
+        expected = {digest(h) for h in (1, 3, 4)}
+        wait_until(lambda: client.smembers(summary.key) == expected, 5, "the summary written")
+        assert 0 < client.ttl(summary.key) <= SUMMARY_TTL_S
+
+        client.delete(summary.key)  # as after a Redis restart
+        beats.beat()
+
+        wait_until(lambda: client.smembers(summary.key) == expected, 5, "the summary rewritten")
+        assert beats.report()["cache_summary_size"] == 3
+    finally:
+        summary.stop(timeout=5)
+        beats.stop(timeout=5)
