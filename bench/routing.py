@@ -11,7 +11,8 @@ interleaved; every reply is ``--max-tokens`` tokens (``ignore_eos``), so
 every worker's generated tokens measure the requests it served. The three
 configurations:
 
-- ``placement``: ``--workers`` workers, ``--placement prefix`` (the default);
+- ``placement``: ``--workers`` workers, ``--placement prefix`` (the default),
+  once per ``--load-costs`` value (``--placement-load-cost``);
 - ``shared``: the same workers, ``--placement shared`` (every job on the shared queue);
 - ``single``: one worker with ``--workers`` times the KV cache and batch,
   the cache-hit ceiling for the same memory.
@@ -19,7 +20,8 @@ configurations:
 Printed per configuration: prompt tokens served from cache (summed from the
 responses' ``cached_tokens``) and their share, TTFT p50/p99 from the client,
 the busiest worker's share of generated tokens and its ratio to the mean,
-and the API's placements by kind. The goals: placement's cache hits at
+the API process's CPU time per request, and the API's placements by kind.
+The goals: placement's cache hits at
 least 90% of ``single``'s, its TTFT p50 below ``shared``'s, and no worker
 above 1.5 times the mean.
 
@@ -53,6 +55,7 @@ import redis
 from bench.queue import (
     MAX_MODEL_LEN,
     Processes,
+    cpu_seconds,
     model_options,
     percentile,
     start_redis,
@@ -61,6 +64,7 @@ from bench.queue import (
 from bench.queue import free_port as free_tcp_port
 from shared import keys
 from shared.prefix_hash import digest, prefix_hashes
+from shared.registry import default_registry
 
 _WORD_TEXT = (
     "cache queue worker prompt token batch model stream answer question memory latency "
@@ -84,6 +88,7 @@ class Result:
     generated: dict[str, int] = field(default_factory=dict)  # by worker
     placements: dict[str, float] = field(default_factory=dict)
     wall_s: float = 0.0
+    api_cpu_s: float = 0.0
 
     @property
     def cached(self) -> int:
@@ -184,12 +189,17 @@ async def workload(base_url: str, model: str, args: argparse.Namespace) -> list[
     return [turn for chat in chats for turn in chat]
 
 
-def run_configuration(label: str, args: argparse.Namespace, workdir: Path) -> Result:
+def run_configuration(
+    label: str, args: argparse.Namespace, workdir: Path, load_cost: str = "32"
+) -> Result:
     workers, kv_blocks, seqs, placement = args.workers, args.kv_blocks, args.max_num_seqs, "prefix"
-    if label == "single":
+    if label == "placement":
+        label = f"placement/{load_cost}"
+    elif label == "single":
         kv_blocks, seqs, workers = kv_blocks * workers, seqs * workers, 1
     elif label == "shared":
         placement = "shared"
+    slug = label.replace("/", "-")  # in file names and worker ids
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
     processes = Processes()
     try:
@@ -198,29 +208,31 @@ def run_configuration(label: str, args: argparse.Namespace, workdir: Path) -> Re
         for index in range(workers):
             command = [sys.executable, "-m", "workers.main", "--redis", redis_url,
                        *model_options(args.model, workdir), *engine,
-                       "--num-kv-blocks", str(kv_blocks), "--worker-id", f"{label}-{index}",
+                       "--num-kv-blocks", str(kv_blocks), "--worker-id", f"{slug}-{index}",
                        "--loglevel", "WARNING"]  # fmt: skip
-            processes.spawn(command, workdir / f"worker-{label}-{index}.log", env)
+            processes.spawn(command, workdir / f"worker-{slug}-{index}.log", env)
         port = free_tcp_port()
-        log = workdir / f"api-{label}.log"
+        log = workdir / f"api-{slug}.log"
         command = [sys.executable, "-m", "api.server", "--port", str(port), "--redis", redis_url,
                    *model_options(args.model, workdir), "--placement", placement,
+                   "--placement-load-cost", load_cost,
                    "--queue-timeout", "600", "--first-token-timeout", "600"]  # fmt: skip
         api = processes.spawn(command, log, env)
         base_url = f"http://127.0.0.1:{port}"
         wait_ready(base_url, api, log)
         served = "tiny" if args.model == "tiny" else "default"
         client = redis.Redis.from_url(redis_url, decode_responses=True)
-        wait_for_workers(client, served, workers)
-        started = time.perf_counter()
+        registered = served if args.model == "tiny" else default_registry().resolve(served).name
+        wait_for_workers(client, registered, workers)
+        cpu_before, started = cpu_seconds(api.pid), time.perf_counter()
         turns = asyncio.run(workload(base_url, served, args))
-        wall = time.perf_counter() - started
+        wall, api_cpu = time.perf_counter() - started, cpu_seconds(api.pid) - cpu_before
         time.sleep(1.5)  # the last heartbeats
         generated = {
             worker: json.loads(report)["generated_tokens"]
-            for worker, report in client.hgetall(keys.worker_loads(served)).items()
+            for worker, report in client.hgetall(keys.worker_loads(registered)).items()
         }
-        return Result(label, turns, generated, placements(base_url), wall)
+        return Result(label, turns, generated, placements(base_url), wall, api_cpu)
     finally:
         processes.stop()
 
@@ -249,7 +261,7 @@ def report(results: list[Result], args: argparse.Namespace) -> None:
         f"of {args.kv_blocks} KV blocks (single: 1 of {args.kv_blocks * args.workers})"
     )
     print(f"{'':<11}{'prompt':>9}{'cached':>9}{'hit %':>7}{'TTFT p50':>10}{'TTFT p99':>10}"
-          f"{'busiest':>9}{'/mean':>7}{'wall s':>8}  placements")  # fmt: skip
+          f"{'busiest':>9}{'/mean':>7}{'wall s':>8}{'API ms/req':>11}  placements")  # fmt: skip
     for result in results:
         share, ratio = result.busiest
         kinds = ", ".join(f"{kind} {int(n)}" for kind, n in sorted(result.placements.items()))
@@ -257,16 +269,21 @@ def report(results: list[Result], args: argparse.Namespace) -> None:
             f"{result.label:<11}{result.prompt:>9}{result.cached:>9}"
             f"{100 * result.cached / max(result.prompt, 1):>7.1f}"
             f"{result.ttft(50) * 1e3:>10.1f}{result.ttft(99) * 1e3:>10.1f}"
-            f"{100 * share:>8.1f}%{ratio:>7.2f}{result.wall_s:>8.1f}  {kinds}"
+            f"{100 * share:>8.1f}%{ratio:>7.2f}{result.wall_s:>8.1f}"
+            f"{1e3 * result.api_cpu_s / max(len(result.turns), 1):>11.2f}  {kinds}"
         )
     by = {result.label: result for result in results}
-    if {"placement", "shared", "single"} <= by.keys():
-        hits = by["placement"].cached / max(by["single"].cached, 1)
-        faster = by["placement"].ttft(50) < by["shared"].ttft(50)
+    if not {"shared", "single"} <= by.keys():
+        return
+    for label, placed in by.items():
+        if not label.startswith("placement"):
+            continue
+        hits = placed.cached / max(by["single"].cached, 1)
+        faster = placed.ttft(50) < by["shared"].ttft(50)
         print(
-            f"placement: cache hits {100 * hits:.1f}% of single's (goal >= 90%); TTFT p50 "
+            f"{label}: cache hits {100 * hits:.1f}% of single's (goal >= 90%); TTFT p50 "
             f"{'below' if faster else 'not below'} shared's; busiest worker "
-            f"{by['placement'].busiest[1]:.2f}x the mean (goal <= 1.5)"
+            f"{placed.busiest[1]:.2f}x the mean (goal <= 1.5)"
         )
 
 
@@ -341,14 +358,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kv-blocks", type=int, default=256, help="per worker")
     parser.add_argument("--summary-entries", type=int, default=16_384)
     parser.add_argument(
+        "--load-costs", default="32", help="comma-separated --placement-load-cost values to run"
+    )
+    parser.add_argument(
         "--configurations", default="placement,shared,single", help="comma-separated"
     )
     args = parser.parse_args(argv)
     results = []
     with tempfile.TemporaryDirectory(prefix="sluice-routing-") as scratch:
         for label in args.configurations.split(","):
-            results.append(run_configuration(label, args, Path(scratch)))
-            print(f"{label}: done in {results[-1].wall_s:.1f} s", flush=True)
+            costs = args.load_costs.split(",") if label == "placement" else ["32"]
+            for cost in costs:
+                results.append(run_configuration(label, args, Path(scratch), cost))
+                print(f"{results[-1].label}: done in {results[-1].wall_s:.1f} s", flush=True)
     report(results, args)
     if args.summary_entries:
         summary_structures(args.summary_entries)
