@@ -36,6 +36,7 @@ import redis
 from shared import keys
 from shared.task_message import list_suffixes
 from workers.broker.scripts import BEAT, LEAVE
+from workers.broker.transport import BINDING_PREFIXES
 from workers.cache_summary import SUMMARY_TTL_S, CacheSummary
 from workers.host import HostSnapshot
 
@@ -141,7 +142,7 @@ class Heartbeat:
         args = [identity.worker_id, json.dumps(report, separators=(",", ":")), self._ttl_s]
         args += [keys.TAKEN_PREFIX, identity.shared_queue, keys.own_queue(identity.model, "")]
         args += [keys.queue_wake(""), keys.CACHE_SUMMARY_PREFIX, SUMMARY_TTL_S]
-        args += [int(report["draining"]), *list_suffixes()]
+        args += [int(report["draining"]), *BINDING_PREFIXES, *list_suffixes()]
         dead, restored, handed, summary_kept = BEAT(self._client, self._keys, args)
         if handed:
             self.handed_back += handed
@@ -179,7 +180,7 @@ def leave(client: redis.Redis, identity: WorkerIdentity) -> int:
     script_keys = [keys.workers(model), keys.worker_loads(model), keys.workers_alive_since(model)]
     script_keys += [keys.taken(worker_id), keys.cache_summary(worker_id)]
     queues = [identity.shared_queue, identity.own_queue, keys.queue_wake("")]
-    return LEAVE(client, script_keys, [worker_id, *queues, *list_suffixes()])
+    return LEAVE(client, script_keys, [worker_id, *queues, *BINDING_PREFIXES, *list_suffixes()])
 
 
 def _text(value: bytes | str) -> str:

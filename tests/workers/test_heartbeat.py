@@ -24,6 +24,7 @@ from tests.workers.conftest import (
     wait_until,
 )
 from workers.broker.scripts import TAKE
+from workers.broker.transport import BINDING_PREFIXES
 from workers.cache_summary import SUMMARY_TTL_S, CacheSummary
 from workers.heartbeat import Heartbeat, WorkerIdentity
 from workers.host import HostSnapshot
@@ -295,12 +296,15 @@ def test_leaving_hands_back_the_own_queue_and_deletes_the_summary(client: redis.
     shared, own = keys.queue_name(model), keys.own_queue(model, worker_id)
     place(client, model, worker_id, [("placed", redis_now(client) + 60)])
     client.sadd(keys.cache_summary(worker_id), b"y" * 16)
+    bindings = [prefix + own for prefix in BINDING_PREFIXES]  # what kombu declared for it
+    for binding in bindings:
+        client.sadd(binding, f"{own}\x06\x16\x06\x16{own}")
     beats = heartbeat(client, worker_id, model, interval_s=0.05)
     beats.start()
     beats.stop(timeout=5)
 
     assert bodies_on(client, shared) == ["placed"]
-    assert not client.exists(own, keys.queue_wake(own), keys.cache_summary(worker_id))
+    assert not client.exists(own, keys.queue_wake(own), keys.cache_summary(worker_id), *bindings)
     client.delete(shared, keys.queue_wake(shared))
 
 

@@ -51,6 +51,12 @@ log = logging.getLogger(__name__)
 
 LINK_OPTION = "sluice_link"
 """The transport option that hands a ``workers.broker.BrokerLink`` to the transport."""
+BINDING_PREFIXES = (
+    kombu_redis.Channel.keyprefix_queue % "",
+    kombu_redis.Channel.keyprefix_binding_permanent % "",
+)
+"""The prefixes of the two keys kombu keeps per consumed queue: a worker's own queue's are
+deleted when the worker leaves or is found dead (``workers.heartbeat``)."""
 UNBOUNDED_BURST = 64  # the most one read takes for a consumer without a prefetch limit
 START_ARGS = (  # the take script's arguments to start the jobs it takes
     keys.lease(""),
