@@ -19,7 +19,8 @@ from celery import Celery
 from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from api.backends.request_queue import SEND_TIMEOUT_S, RequestQueue, Submission
+from api.backends.placement import Placement
+from api.backends.request_queue import SEND_TIMEOUT_S, RequestQueue, Submission, withdraw
 from api.rate_limits import KeyLimits, KeyShare
 from shared import keys
 from shared.sampling import SamplingParams
@@ -203,3 +204,37 @@ def test_an_unreachable_redis_fails_every_waiter() -> None:
     assert all(isinstance(result, RedisConnectionError | OSError) for result in results), results
     # redis-py retries a refused connection 10 times, with jittered backoff (up to ~5 s in all)
     assert time.monotonic() - started < SEND_TIMEOUT_S + 1
+
+
+def test_a_placed_job_is_withdrawn_from_its_own_queue_or_the_shared_one(
+    redis_server: RedisServer,
+) -> None:
+    """Cancelled before any worker took it: found where it waits, handed back or not."""
+    client = redis_server.client
+    placement = Placement("prefix", keys.own_queue(MODEL, "w"), "w", 32, time.time() + 2)
+
+    async def put_and_withdraw(move: bool) -> tuple[str, str]:
+        redis = Redis.from_url(redis_server.url, decode_responses=True)
+        try:
+            submission = await RequestQueue(redis).put(
+                job(f"placed-{move}"), time.time() + 600, placement=placement
+            )
+            message = submission.message
+            assert message is not None and message.key == placement.queue
+            assert client.lrange(message.key, 0, -1) == [message.body]
+            if move:  # as the worker's heartbeat hands it back
+                client.lmove(message.key, message.shared_key, "RIGHT", "RIGHT")
+                client.lmove(message.wake, message.shared_wake, "RIGHT", "RIGHT")
+            async with redis.pipeline(transaction=False) as pipe:
+                withdraw(pipe, message)
+                (removed,) = await pipe.execute()
+            assert removed == 1
+            return message.key, message.shared_key
+        finally:
+            await redis.aclose()
+
+    for move in (False, True):
+        own, shared = asyncio.run(put_and_withdraw(move))
+        assert not client.exists(own, shared, keys.queue_wake(placement.queue))
+        assert not client.exists(keys.queue_wake(keys.queue_name(MODEL)))
+    client.delete(keys.inflight(MODEL))
