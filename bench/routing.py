@@ -190,7 +190,7 @@ async def workload(base_url: str, model: str, args: argparse.Namespace) -> list[
 
 
 def run_configuration(
-    label: str, args: argparse.Namespace, workdir: Path, load_cost: str = "32"
+    label: str, args: argparse.Namespace, workdir: Path, load_cost: str = "128"
 ) -> Result:
     workers, kv_blocks, seqs, placement = args.workers, args.kv_blocks, args.max_num_seqs, "prefix"
     if label == "placement":
@@ -358,7 +358,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kv-blocks", type=int, default=256, help="per worker")
     parser.add_argument("--summary-entries", type=int, default=16_384)
     parser.add_argument(
-        "--load-costs", default="32", help="comma-separated --placement-load-cost values to run"
+        "--load-costs", default="128", help="comma-separated --placement-load-cost values to run"
     )
     parser.add_argument(
         "--configurations", default="placement,shared,single", help="comma-separated"
@@ -367,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     with tempfile.TemporaryDirectory(prefix="sluice-routing-") as scratch:
         for label in args.configurations.split(","):
-            costs = args.load_costs.split(",") if label == "placement" else ["32"]
+            costs = args.load_costs.split(",") if label == "placement" else ["128"]
             for cost in costs:
                 results.append(run_configuration(label, args, Path(scratch), cost))
                 print(f"{results[-1].label}: done in {results[-1].wall_s:.1f} s", flush=True)

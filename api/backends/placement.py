@@ -47,7 +47,7 @@ from shared.prefix_hash import digest, prefix_hashes
 
 log = logging.getLogger(__name__)
 
-DEFAULT_LOAD_COST = 32.0  # tokens; see the README's benchmark section (python -m bench.routing)
+DEFAULT_LOAD_COST = 128.0  # tokens; the README's benchmark section (python -m bench.routing)
 DEFAULT_MIN_MATCH = 32  # tokens: two blocks of 16; less is no reason to prefer a worker
 DEFAULT_WAIT_S = 2.0
 READ_TIMEOUT_S = 2.0

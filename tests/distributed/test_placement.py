@@ -69,9 +69,9 @@ def system_prompt() -> dict:
     return {"role": "system", "content": f"Conversation {uuid.uuid4().hex}. {words}"}
 
 
-def chat(client: OpenAI, messages: list[dict], max_tokens: int = REPLY_TOKENS, **extra: object):
+def chat(client: OpenAI, messages: list[dict], max_tokens: int = REPLY_TOKENS):
     return client.chat.completions.create(
-        model="default", messages=messages, max_tokens=max_tokens, temperature=0, extra_body=extra
+        model="default", messages=messages, max_tokens=max_tokens, temperature=0
     )
 
 
@@ -139,11 +139,23 @@ def test_a_saturated_preferred_worker_does_not_hold_a_request_back(
 ) -> None:
     """Its slots are all taken by long generations: the next request runs elsewhere at once."""
     messages, holder = warm(client, api, redis_server, three_workers)
+    done = threading.Event()
     long_runs: list[threading.Thread] = []
-    for index in range(WORKER_SEQS):
+
+    def long_run(index: int) -> None:
+        """A long generation, read until the probe is done; closing the stream cancels it."""
         asked = [*messages, {"role": "user", "content": f"Count to a thousand, run {index}."}]
-        run = {"max_tokens": 400, "ignore_eos": True}
-        thread = threading.Thread(target=chat, args=(client, asked), kwargs=run, daemon=True)
+        stream = client.chat.completions.create(
+            model="default", messages=asked, max_tokens=400, temperature=0, stream=True,
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        with stream:
+            for _ in stream:
+                if done.is_set():
+                    return
+
+    for index in range(WORKER_SEQS):
+        thread = threading.Thread(target=long_run, args=(index,), daemon=True)
         thread.start()
         long_runs.append(thread)
         wait_until(
@@ -157,14 +169,17 @@ def test_a_saturated_preferred_worker_does_not_hold_a_request_back(
     probe = [*messages, {"role": "user", "content": "Name one colour."}]
     reply = chat(client, probe)
     took = time.monotonic() - began
+    still_running = sum(thread.is_alive() for thread in long_runs)
+    done.set()
 
     assert reply.choices[0].finish_reason in ("stop", "length")
     assert reply.usage.prompt_tokens_details.cached_tokens == 0  # not where the prefix is
-    assert any(thread.is_alive() for thread in long_runs), "the long runs ended first"
+    assert still_running == WORKER_SEQS, "the long runs ended first"
     assert placements(api)["shared"] - before.get("shared", 0) >= 1
     assert took < 30
     for thread in long_runs:
-        thread.join(120)
+        thread.join(30)
+    wait_until(lambda: not three_workers.heartbeats()[holder]["running"], 30, "the runs stopped")
 
 
 def test_kill_9_of_a_worker_with_jobs_on_its_own_queue_loses_none(
