@@ -212,8 +212,10 @@ def test_a_placed_job_is_withdrawn_from_its_own_queue_or_the_shared_one(
     """Cancelled before any worker took it: found where it waits, handed back or not."""
     client = redis_server.client
     placement = Placement("prefix", keys.own_queue(MODEL, "w"), "w", 32, time.time() + 2)
+    shared_wake = keys.queue_wake(keys.queue_name(MODEL))
+    tokens = client.llen(shared_wake)  # other tests' jobs may have left some
 
-    async def put_and_withdraw(move: bool) -> tuple[str, str]:
+    async def put_and_withdraw(move: bool) -> tuple[str, str, str]:
         redis = Redis.from_url(redis_server.url, decode_responses=True)
         try:
             submission = await RequestQueue(redis).put(
@@ -229,12 +231,12 @@ def test_a_placed_job_is_withdrawn_from_its_own_queue_or_the_shared_one(
                 withdraw(pipe, message)
                 (removed,) = await pipe.execute()
             assert removed == 1
-            return message.key, message.shared_key
+            return message.key, message.shared_key, message.body
         finally:
             await redis.aclose()
 
     for move in (False, True):
-        own, shared = asyncio.run(put_and_withdraw(move))
-        assert not client.exists(own, shared, keys.queue_wake(placement.queue))
-        assert not client.exists(keys.queue_wake(keys.queue_name(MODEL)))
+        own, shared, body = asyncio.run(put_and_withdraw(move))
+        assert not client.exists(own, keys.queue_wake(placement.queue))
+        assert body not in client.lrange(shared, 0, -1) and client.llen(shared_wake) == tokens
     client.delete(keys.inflight(MODEL))
