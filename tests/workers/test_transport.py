@@ -1068,3 +1068,26 @@ def test_replies_that_cannot_be_read_leave_the_reason_as_the_start() -> None:
     assert _taken_start([2, 0, [[b"1-0", [b"k", b"v"]]], 1]) == TakenStart(
         2, 0, [(b"1-0", {b"k": b"v"})], 1
     )
+
+
+def test_a_worker_takes_its_own_queue_first_at_each_priority(
+    redis_url: str, client: redis.Redis, queue: Queue
+) -> None:
+    """The shared queue's urgent job still goes before the own queue's less urgent one."""
+    own = _new_queue()
+    link = BrokerLink(f"transport-test-{uuid.uuid4().hex}", own_queue=own.name)
+    try:
+        with _connect(redis_url, link) as connection:
+            [own_late] = _publish(connection, own, 1, priority=6)
+            [shared_first] = _publish(connection, queue, 1, priority=0)
+            [own_first] = _publish(connection, own, 1, priority=0)
+            received: list = []
+            channel = connection.channel()
+            channel.basic_qos(prefetch_count=3)
+            callbacks = [lambda _, message: received.append(message)]
+            with Consumer(channel, queues=[queue, own], callbacks=callbacks):
+                connection.drain_events(timeout=5)
+            assert _payloads(received) == [own_first, shared_first, own_late]
+    finally:
+        _forget_queue(client, own.name)
+        client.delete(link.taken_key)
