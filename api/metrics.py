@@ -22,7 +22,8 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30,
 
 
 class ServingMetrics:
-    def __init__(self, health: Callable[[], BackendHealth]) -> None:
+    def __init__(self, health: Callable[[], BackendHealth], model: str) -> None:
+        self.model = model  # the served model: every request's label
         self.registry = CollectorRegistry()
         self.requests = Counter(
             "sluice_requests",
@@ -46,13 +47,14 @@ class ServingMetrics:
         )
         self.prompt_tokens = self._token_counter("prompt", "Prompt tokens processed.")
         self.cached_prompt_tokens = self._token_counter(
-            "cached_prompt", "Prompt tokens served from the prefix cache."
+            "cached_prompt", "Prompt tokens served from the prefix cache (the workers' caches)."
         )
         self.completion_tokens = self._token_counter("completion", "Completion tokens generated.")
         self.registry.register(_EngineCollector(health))
 
     def _token_counter(self, kind: str, documentation: str) -> Counter:
-        return Counter(f"sluice_{kind}_tokens", documentation, ["protocol"], registry=self.registry)
+        labels = ["model", "protocol"]
+        return Counter(f"sluice_{kind}_tokens", documentation, labels, registry=self.registry)
 
     def count_request(self, protocol: str, status: int) -> None:
         self.requests.labels(protocol, str(status)).inc()
@@ -75,10 +77,12 @@ class ServingMetrics:
                         self.inter_token_latency.labels(protocol).observe(now - last_token)
                     last_token = now
                 elif isinstance(event, Ready):
-                    self.prompt_tokens.labels(protocol).inc(event.prompt_tokens)
-                    self.cached_prompt_tokens.labels(protocol).inc(event.cached_tokens)
+                    self.prompt_tokens.labels(self.model, protocol).inc(event.prompt_tokens)
+                    cached = self.cached_prompt_tokens.labels(self.model, protocol)
+                    cached.inc(event.cached_tokens)
                 elif isinstance(event, Finish):
-                    self.completion_tokens.labels(protocol).inc(event.completion_tokens)
+                    completion = self.completion_tokens.labels(self.model, protocol)
+                    completion.inc(event.completion_tokens)
                 yield event
         finally:
             close = getattr(events, "aclose", None)

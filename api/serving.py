@@ -45,7 +45,7 @@ class Serving:
         self.pool = PreparationPool(
             settings.preparation_threads, settings.max_preparing, settings.prepare_timeout_s
         )
-        self.metrics = ServingMetrics(backend.health)
+        self.metrics = ServingMetrics(backend.health, registry.specs()[0].name)
         collector = backend.metrics_collector()
         if collector is not None:
             self.metrics.registry.register(collector)

@@ -42,7 +42,7 @@ from api.backends.event_reader import EventReader, Subscription
 from api.backends.placement import SHARED, Placer
 from api.backends.request_queue import RequestQueue, with_seed, withdraw
 from shared import keys
-from shared.events import Error, Finish, InferenceEvent, Ready, Text
+from shared.events import Error, Finish, InferenceEvent, Text
 from shared.task_message import TaskMessage
 from shared.wire import Deadlines, QueuedRequest
 
@@ -168,8 +168,6 @@ class RequestChannel:
                 queued = submitted
             while not isinstance(last, Finish | Error):
                 last = await self._next_event(subscription, job.deadlines, progress)
-                if isinstance(last, Ready) and (placer := self.placers.get(job.request.model)):
-                    placer.stats.cached_tokens += last.cached_tokens
                 yield last
         finally:
             self.reader.close(request_id)

@@ -12,6 +12,7 @@ import asyncio
 import json
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -20,7 +21,7 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from api.admission import FleetSnapshot, WorkerLoad
-from api.backends.placement import KINDS, PlacementStats
+from api.backends.placement import KINDS
 from shared import keys
 from shared.task_message import queue_lists
 
@@ -139,19 +140,19 @@ def fleet_gauges(snapshot: FleetSnapshot, default_capacity: int) -> dict[str, in
 
 class FleetCollector(Collector):
     """Per-model gauges for ``/metrics``, read from the fleet snapshot at scrape time, and the
-    placement's counters."""
+    placements by kind."""
 
     def __init__(
         self,
         model: str,
         snapshot: Callable[[], FleetSnapshot],
         capacity: int,
-        placement: PlacementStats | None = None,
+        placed: Counter[str] | None = None,
     ) -> None:
         self._model = model
         self._snapshot = snapshot
         self._capacity = capacity
-        self._placement = placement or PlacementStats()
+        self._placed = placed if placed is not None else Counter()
 
     def collect(self) -> Iterator[Metric]:
         for name, value in fleet_gauges(self._snapshot(), self._capacity).items():
@@ -165,12 +166,5 @@ class FleetCollector(Collector):
             labels=["model", "placement"],
         )
         for kind in KINDS:
-            placed.add_metric([self._model, kind], self._placement.placed[kind])
+            placed.add_metric([self._model, kind], self._placed[kind])
         yield placed
-        hits = CounterMetricFamily(
-            "sluice_prefix_cache_hit_tokens",
-            "Prompt tokens the workers served from their prefix caches.",
-            labels=["model"],
-        )
-        hits.add_metric([self._model], self._placement.cached_tokens)
-        yield hits

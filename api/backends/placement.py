@@ -35,7 +35,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import NamedTuple
 
 from redis.asyncio import Redis
@@ -115,14 +115,6 @@ def choose(
     return ("prefix" if best.matched_tokens == longest else "load"), best
 
 
-@dataclass(slots=True)
-class PlacementStats:
-    """Counts for ``/metrics``: placements by kind, and prompt tokens served from cache."""
-
-    placed: Counter[str] = field(default_factory=Counter)
-    cached_tokens: int = 0
-
-
 class Placer:
     """Places one model's requests; see the module docstring."""
 
@@ -137,7 +129,7 @@ class Placer:
         self._model = model
         self._snapshot = snapshot
         self.policy = policy
-        self.stats = PlacementStats()
+        self.placed: Counter[str] = Counter()  # placements by kind, for ``/metrics``
 
     async def place(self, token_ids: Sequence[int]) -> Placement:
         """Where a prompt of ``token_ids`` goes; the shared queue when Redis fails to say."""
@@ -147,7 +139,7 @@ class Placer:
                 placement = await self._place(token_ids)
             except (RedisError, OSError, TimeoutError) as exc:
                 log.warning("reading the workers' caches failed; using the shared queue: %s", exc)
-        self.stats.placed[placement.kind] += 1
+        self.placed[placement.kind] += 1
         return placement
 
     async def _place(self, token_ids: Sequence[int]) -> Placement:

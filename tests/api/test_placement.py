@@ -96,7 +96,7 @@ async def test_the_placer_reads_summaries_and_loads_in_redis() -> None:
         assert await placer.place(prompt[:20]) == SHARED  # too short to match anything useful
         await redis.hset(keys.taken(names[0]), mapping={f"t{n}": "r" for n in range(3)})
         assert await placer.place(prompt) == SHARED  # its jobs fill its capacity now
-        assert placer.stats.placed == {"prefix": 1, "shared": 2}
+        assert placer.placed == {"prefix": 1, "shared": 2}
     finally:
         await redis.delete(*[keys.cache_summary(n) for n in names], keys.taken(names[0]))
         await redis.aclose()
