@@ -80,10 +80,11 @@ class BlockManager:
 
         Returns the number of tokens whose KV is already cached. The last token
         is never counted, so a prefill always has at least one token to
-        compute and produce logits from.
+        compute and produce logits from. A sequence still computing its prompt
+        logprobs reuses nothing: they come from the prompt's own forward pass.
         """
         assert not seq.block_table
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or seq.needs_prompt_logprobs:
             return 0
         parent: int | None = None
         for start in range(0, len(seq) - 1 - self.block_size + 1, self.block_size):

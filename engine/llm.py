@@ -24,6 +24,7 @@ class RequestOutput:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None  # prompt tokens after the first
     finish_reason: FinishReason | None = None
     stop: str | int | None = None
     cached_tokens: int = 0
@@ -84,6 +85,7 @@ class LLM:
 def _apply(output: RequestOutput, event: object) -> None:
     if isinstance(event, Ready):
         output.cached_tokens = event.cached_tokens
+        output.prompt_logprobs = event.prompt_logprobs
     elif isinstance(event, Text):
         output.text += event.text
         output.token_ids += event.token_ids

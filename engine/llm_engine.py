@@ -94,6 +94,8 @@ class LLMEngine:
             num_prompt_tokens=len(prompt_token_ids),
         )
         seq.matcher = matcher
+        if params.prompt_logprobs is not None and not generated:  # a resumed one has them
+            seq.prompt_logprobs = []
         seq.seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
         seq.stop_token_ids = frozenset(params.stop_token_ids) | (
             frozenset() if params.ignore_eos else frozenset(self.tokenizer.stop_token_ids)
@@ -131,7 +133,11 @@ class LLMEngine:
         if not batch.scheduled:
             return events
         masks = self.constraints.start_masks([i.seq for i in batch.scheduled if i.samples])
-        logits, sampling = self.runner.run(batch.scheduled)
+        step = self.runner.run(batch.scheduled)
+        logits, sampling = step.logits, step.sampling
+        for seq, entries in step.prompt_logprobs:
+            assert seq.prompt_logprobs is not None
+            seq.prompt_logprobs += entries
         seqs = [item.seq for item in sampling]
         mask = None
         if masks is not None:
@@ -176,10 +182,21 @@ class LLMEngine:
             seq = item.seq
             seq.num_computed_tokens += item.num_tokens
             self.block_manager.commit(seq)
-            if not seq.announced:
+            if not seq.announced and not seq.needs_prompt_logprobs:
                 seq.announced = True
-                events.append(Ready(seq.request_id, seq.num_prompt_tokens, seq.num_cached_tokens))
+                events.append(
+                    Ready(
+                        seq.request_id,
+                        seq.num_prompt_tokens,
+                        seq.num_cached_tokens,
+                        seq.prompt_logprobs,
+                    )
+                )
         for item, token, logprob in zip(sampling, tokens, logprobs, strict=True):
+            if item.seq.params.max_tokens == 0:  # prefill only: the prompt logprobs were the point
+                self._finish(item.seq)
+                events.append(Finish(item.seq.request_id, FinishReason.LENGTH, 0))
+                continue
             events += self._append_token(item.seq, token, logprob)
         self.stats.steps += 1
         self.stats.tokens += len(sampling)

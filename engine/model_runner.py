@@ -2,7 +2,9 @@
 
 Tokens of every scheduled sequence are laid end to end with their positions
 and cache slots; the attention backend is planned once for the step; logits
-are computed only where a sequence samples.
+are computed only where a sequence samples, and at the prompt positions of a
+sequence that asked for prompt logprobs (in slices, so a long prompt never
+holds a whole chunk's logits at once).
 """
 
 from __future__ import annotations
@@ -13,16 +15,38 @@ import torch
 
 from engine.attention import AttentionBackend, BatchLayout
 from engine.model.llama import LlamaForCausalLM
+from engine.sampler import prompt_logprobs
 from engine.scheduler import ScheduledSeq
+from engine.sequence import Sequence
+from shared.events import TokenLogprob
+
+PROMPT_LOGITS_SLICE = 256  # prompt positions whose logits exist at once
+
+
+@dataclass(slots=True)
+class PromptRows:
+    """Positions of one sequence's prompt whose next-token logprobs this step computes."""
+
+    seq: Sequence
+    first: int  # the first position; position p scores prompt token p + 1
+    count: int
 
 
 @dataclass(slots=True)
 class StepInputs:
     input_ids: torch.Tensor
     positions: torch.Tensor
-    logits_indices: torch.Tensor
+    rows: torch.Tensor  # hidden rows read out: sampling rows first, then prompt rows
     layout: BatchLayout
-    sampling: list[ScheduledSeq]  # the scheduled sequences that produce a token, in logits order
+    sampling: list[ScheduledSeq]  # the scheduled sequences that produce a token, in row order
+    prompt: list[PromptRows]  # in row order, after the sampling rows
+
+
+@dataclass(slots=True)
+class StepOutput:
+    logits: torch.Tensor  # [len(sampling), vocab]
+    sampling: list[ScheduledSeq]
+    prompt_logprobs: list[tuple[Sequence, list[TokenLogprob]]]
 
 
 class ModelRunner:
@@ -39,33 +63,43 @@ class ModelRunner:
         self.device = device
 
     @torch.inference_mode()
-    def run(self, scheduled: list[ScheduledSeq]) -> tuple[torch.Tensor, list[ScheduledSeq]]:
-        """Logits ``[sampling sequences, vocab]`` and the sequences they belong to."""
+    def run(self, scheduled: list[ScheduledSeq]) -> StepOutput:
+        """Logits of the sampling sequences, and the prompt logprobs this step computed."""
         inputs = self.prepare(scheduled)
         self.attention.plan(inputs.layout)
-        logits = self.model(
-            inputs.input_ids, inputs.positions, self.attention, inputs.logits_indices
-        )
-        return logits, inputs.sampling
+        hidden = self.model(inputs.input_ids, inputs.positions, self.attention, inputs.rows)
+        sampled = len(inputs.sampling)
+        logits = self.model.compute_logits(hidden[:sampled])
+        return StepOutput(logits, inputs.sampling, self._prompt_logprobs(inputs, hidden[sampled:]))
 
     def prepare(self, scheduled: list[ScheduledSeq]) -> StepInputs:
         ordered = sorted(scheduled, key=lambda s: s.num_tokens != 1)  # decodes first
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
-        logits_indices: list[int] = []
+        sampling_rows: list[int] = []
         sampling: list[ScheduledSeq] = []
+        prompt_rows: list[int] = []
+        prompt: list[PromptRows] = []
         bs = self.block_size
         for item in ordered:
             seq, start = item.seq, item.seq.num_computed_tokens
             end = start + item.num_tokens
+            offset = len(input_ids) - start  # the row of position p is p + offset
             input_ids.extend(seq.token_ids[start:end])
             positions.extend(range(start, end))
             table = seq.block_table
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             if item.samples:
-                logits_indices.append(len(input_ids) - 1)
+                sampling_rows.append(len(input_ids) - 1)
                 sampling.append(item)
+            if seq.needs_prompt_logprobs:
+                assert seq.prompt_logprobs is not None
+                first = max(start, len(seq.prompt_logprobs))
+                last = min(end, seq.num_prompt_tokens - 1)
+                if first < last:
+                    prompt_rows.extend(range(first + offset, last + offset))
+                    prompt.append(PromptRows(seq, first, last - first))
         layout = BatchLayout(
             query_lens=[s.num_tokens for s in ordered],
             context_lens=[s.seq.num_computed_tokens + s.num_tokens for s in ordered],
@@ -75,10 +109,29 @@ class ModelRunner:
         return StepInputs(
             self._tensor(input_ids),
             self._tensor(positions),
-            self._tensor(logits_indices),
+            self._tensor(sampling_rows + prompt_rows),
             layout,
             sampling,
+            prompt,
         )
+
+    def _prompt_logprobs(
+        self, inputs: StepInputs, hidden: torch.Tensor
+    ) -> list[tuple[Sequence, list[TokenLogprob]]]:
+        """Each prompt span's logprobs of the tokens that follow its positions."""
+        results = []
+        row = 0
+        for span in inputs.prompt:
+            seq, top = span.seq, span.seq.params.prompt_logprobs or 0
+            entries: list[TokenLogprob] = []
+            for at in range(0, span.count, PROMPT_LOGITS_SLICE):
+                count = min(PROMPT_LOGITS_SLICE, span.count - at)
+                logits = self.model.compute_logits(hidden[row + at : row + at + count])
+                first = span.first + at + 1
+                entries += prompt_logprobs(logits, seq.token_ids[first : first + count], top)
+            results.append((seq, entries))
+            row += span.count
+        return results
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long).to(self.device, non_blocking=True)

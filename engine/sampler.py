@@ -110,6 +110,24 @@ def top_logprobs(logprobs: torch.Tensor, token: int, n: int) -> TokenLogprob:
     return TokenLogprob(token, float(logprobs[token]), top)
 
 
+def prompt_logprobs(logits: torch.Tensor, targets: list[int], top: int) -> list[TokenLogprob]:
+    """Each row's log-probability of its target token, with the ``top`` likeliest alternatives.
+
+    The raw model distribution: no bias, mask or penalty applies to a prompt.
+    """
+    logprobs = logits.log_softmax(-1)
+    chosen = logprobs.gather(1, torch.tensor(targets, device=logits.device)[:, None])[:, 0]
+    tops: list[list[tuple[int, float]]] = [[] for _ in targets]
+    if top:
+        values, ids = torch.topk(logprobs, top)
+        pairs = zip(ids.tolist(), values.tolist(), strict=True)
+        tops = [list(zip(i, v, strict=True)) for i, v in pairs]
+    return [
+        TokenLogprob(token, value, alternatives)
+        for token, value, alternatives in zip(targets, chosen.tolist(), tops, strict=True)
+    ]
+
+
 class Sampler:
     """Bias and grammar masks first (logprobs report that distribution), then penalties."""
 

@@ -45,6 +45,8 @@ class Sequence:
     finish_reason: FinishReason | None = None
     announced: bool = False  # whether the Ready event went out
     output_logprobs: list[TokenLogprob] = field(default_factory=list)
+    # With prompt logprobs asked for: those of prompt tokens 1, 2, … computed so far.
+    prompt_logprobs: list[TokenLogprob] | None = None
     seed: int = 0  # resolved at admission when the request gave none
     stop_token_ids: frozenset[int] = frozenset()
     output: OutputText | None = None
@@ -68,6 +70,12 @@ class Sequence:
     @property
     def num_uncomputed_tokens(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Whether prompt logprobs are still to compute (the prompt must not come from cache)."""
+        done = self.prompt_logprobs
+        return done is not None and len(done) < self.num_prompt_tokens - 1
 
     @property
     def is_finished(self) -> bool:

@@ -31,13 +31,10 @@ def encode_event(event: InferenceEvent, attempt: int, seq: int) -> dict[str, str
     match event:
         case Ready():
             kind, body = "r", [event.prompt_tokens, event.cached_tokens]
+            if event.prompt_logprobs is not None:
+                body.append(_encode_logprobs(event.prompt_logprobs))
         case Text():
-            logprobs = (
-                [[lp.token_id, lp.logprob, lp.top] for lp in event.logprobs]
-                if event.logprobs
-                else None
-            )
-            kind, body = "t", [event.text, event.token_ids, logprobs]
+            kind, body = "t", [event.text, event.token_ids, _encode_logprobs(event.logprobs)]
         case Finish():
             kind, body = "f", [event.reason.value, event.completion_tokens, event.stop]
         case Error():
@@ -57,19 +54,23 @@ def decode_entry(request_id: str, fields: dict[Any, Any]) -> Entry:
 def _event(request_id: str, kind: str, body: list[Any]) -> InferenceEvent:
     match kind:
         case "r":
-            return Ready(request_id, body[0], body[1])
+            prompt_logprobs = _decode_logprobs(body[2]) if len(body) > 2 else None
+            return Ready(request_id, body[0], body[1], prompt_logprobs)
         case "t":
-            logprobs = (
-                [TokenLogprob(t, lp, [tuple(x) for x in top]) for t, lp, top in body[2]]
-                if body[2]
-                else None
-            )
-            return Text(request_id, body[0], body[1], logprobs)
+            return Text(request_id, body[0], body[1], _decode_logprobs(body[2]) or None)
         case "f":
             return Finish(request_id, FinishReason(body[0]), body[1], body[2])
         case "e":
             return Error(request_id, body[0], body[1])
     raise ValueError(f"unknown event kind {kind!r} in stream of {request_id}")
+
+
+def _encode_logprobs(logprobs: list[TokenLogprob] | None) -> list[list[Any]] | None:
+    return [[lp.token_id, lp.logprob, lp.top] for lp in logprobs] if logprobs else None
+
+
+def _decode_logprobs(body: list[list[Any]] | None) -> list[TokenLogprob]:
+    return [TokenLogprob(t, lp, [tuple(x) for x in top]) for t, lp, top in body or []]
 
 
 def _getter(fields: dict[Any, Any]):  # noqa: ANN202

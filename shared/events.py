@@ -27,11 +27,16 @@ class TokenLogprob:
 
 @dataclass(slots=True)
 class Ready:
-    """Sent once, when the prompt has been scheduled: usage known up front."""
+    """Sent once, when the prompt has been scheduled: usage known up front.
+
+    A request that asked for prompt logprobs gets its ``Ready`` once its
+    prompt is computed, carrying one entry per prompt token after the first.
+    """
 
     request_id: str
     prompt_tokens: int
     cached_tokens: int
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass(slots=True)

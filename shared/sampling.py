@@ -65,7 +65,9 @@ class SamplingParams:
 
     ``temperature == 0`` means greedy. ``seed`` makes sampling reproducible and
     independent of whatever else shares the batch: each request draws from its
-    own generator.
+    own generator. ``prompt_logprobs`` asks for the log-probability of each
+    prompt token after the first (computed in prefill, so the prompt is never
+    read from the prefix cache); with it, ``max_tokens`` may be 0: prefill only.
     """
 
     max_tokens: int = 16
@@ -82,6 +84,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None  # top alternatives per prompt token; None = none
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] = field(default_factory=dict)
     structured_outputs: StructuredOutputs | None = None
@@ -100,7 +103,10 @@ class SamplingParams:
     def validate(self) -> None:
         """Raise ValueError naming the field, the value and what is accepted."""
         checks: list[tuple[bool, str]] = [
-            (self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}"),
+            (
+                self.max_tokens >= 1 or (self.max_tokens == 0 and self.prompt_logprobs is not None),
+                f"max_tokens must be >= 1 (0 only with prompt_logprobs), got {self.max_tokens}",
+            ),
             (self.min_tokens >= 0, f"min_tokens must be >= 0, got {self.min_tokens}"),
             (
                 self.min_tokens <= self.max_tokens,
@@ -125,6 +131,10 @@ class SamplingParams:
             (
                 self.logprobs is None or 0 <= self.logprobs <= MAX_TOP_LOGPROBS,
                 f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}",
+            ),
+            (
+                self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS,
+                f"prompt_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.prompt_logprobs}",
             ),
             (
                 all(abs(bias) <= MAX_LOGIT_BIAS for bias in self.logit_bias.values()),

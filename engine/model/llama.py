@@ -94,14 +94,18 @@ class LlamaForCausalLM(nn.Module):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         attention: AttentionBackend,
-        logits_indices: torch.Tensor,
+        rows: torch.Tensor,
     ) -> torch.Tensor:
-        """Logits ``[len(logits_indices), vocab]``: only the positions that sample."""
+        """Final (normed) hidden states ``[len(rows), hidden]``: only the positions read out."""
         x = self.embed_tokens(input_ids)
         rope = self.rotary.lookup(positions)
         for layer in self.layers:
             x = layer(x, rope, attention)
-        return self.lm_head(self.norm(x[logits_indices])).float()
+        return self.norm(x[rows])
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits ``[rows, vocab]`` for hidden states from ``forward``."""
+        return self.lm_head(hidden).float()
 
     def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors in, fusing q/k/v and gate/up on the way."""

@@ -104,13 +104,17 @@ def _run_ours(path: Path, prompts: list[list[int]]) -> tuple[torch.Tensor, torch
     backend.plan(BatchLayout(lens, lens, tables, torch.tensor(slot_mapping)))
     last = torch.tensor([sum(lens[: i + 1]) - 1 for i in range(len(lens))])
     with torch.inference_mode():
-        prefill = model(torch.tensor(ids), torch.tensor(positions), backend, last)
+        prefill = model.compute_logits(
+            model(torch.tensor(ids), torch.tensor(positions), backend, last)
+        )
         next_ids = prefill.argmax(-1)
         decode_slots = [slots(i, range(n, n + 1))[0] for i, n in enumerate(lens)]
         backend.plan(
             BatchLayout([1] * len(lens), [n + 1 for n in lens], tables, torch.tensor(decode_slots))
         )
-        decode = model(next_ids, torch.tensor(lens), backend, torch.arange(len(lens)))
+        decode = model.compute_logits(
+            model(next_ids, torch.tensor(lens), backend, torch.arange(len(lens)))
+        )
     return prefill, decode
 
 
