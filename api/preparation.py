@@ -23,7 +23,7 @@ from tokenizers import Tokenizer
 from api.backends.base import ServedModel
 from api.errors import ApiError, bad_request
 from api.output_parser import HERMES_TOOL_CALL, THINK, Delimiters, ParserConfig
-from api.protocols.base import GenerationRequest, Protocol, ResponseContext
+from api.protocols.base import GenerationRequest, Protocol, RawPrompt, ResponseContext
 from shared.constraints import (
     ANY_OBJECT,
     ConstraintError,
@@ -40,7 +40,7 @@ from shared.conversation import Conversation, ConversationError, ImagePart, has_
 from shared.prompting import PromptFormatError, RenderedPrompt, render
 from shared.registry import ModelRegistry, ModelSpec, UnknownModel
 from shared.sampling import SamplingParams, StructuredOutputs
-from shared.tokenization import PromptEncodingError, encode_prompt
+from shared.tokenization import PromptEncodingError, encode_prompt, encode_text
 from shared.wire import ParsingOptions, PreparedRequest
 
 DEFAULT_MAX_TOKENS = 8192
@@ -171,14 +171,39 @@ def encode_request(request: GenerationRequest, ctx: PreparationContext) -> Encod
     """Resolve the model, render the conversation in its format and encode it safely."""
     check_request_limits(request.conversation)  # 400 naming the limit
     model = resolve_model(request.model, ctx)
+    if request.prompt is not None:
+        return encode_raw(request, request.prompt, model)
     _require_image_support(request.conversation, model.spec)
     rendered = render_conversation(request.conversation, model)
     _refuse_if_surely_too_long(rendered, model)
+    return Encoded(request, model, rendered, _encode(rendered, model))
+
+
+def encode_raw(request: GenerationRequest, prompt: RawPrompt, model: ServedModel) -> Encoded:
+    """A prompt with no template: its token ids as given, or its text encoded as plain text.
+
+    Control-token spellings in the text stay text unless the model's registry
+    entry opts out (``raw_prompt_control_tokens``).
+    """
+    tokenizer = model.tokenizer.tokenizer
+    if prompt.token_ids is not None:
+        _check_ids("prompt", prompt.token_ids, model)
+        prompt.text = tokenizer.decode(prompt.token_ids, skip_special_tokens=False)
+        return Encoded(request, model, RenderedPrompt(prompt.text), list(prompt.token_ids))
+    rendered = RenderedPrompt(prompt.text or "")
+    _refuse_if_surely_too_long(rendered, model)
+    control_tokens = model.spec.raw_prompt_control_tokens
+    ids = encode_text(rendered.prompt, model.tokenizer, control_tokens=control_tokens)
+    if not ids:
+        raise bad_request("prompt must not be empty", "prompt")
+    return Encoded(request, model, rendered, ids)
+
+
+def _encode(rendered: RenderedPrompt, model: ServedModel) -> list[int]:
     try:
-        token_ids = encode_prompt(rendered, model.tokenizer)
+        return encode_prompt(rendered, model.tokenizer)
     except PromptEncodingError as exc:  # the renderer or the tokenizer is at fault, not the client
         raise ApiError(500, str(exc), "api_error") from exc
-    return Encoded(request, model, rendered, token_ids)
 
 
 def _refuse_if_surely_too_long(rendered: RenderedPrompt, model: ServedModel) -> None:
@@ -350,6 +375,7 @@ def sampling_params(request: GenerationRequest, max_tokens: int) -> SamplingPara
             logit_bias=dict(request.logit_bias),
             skip_special_tokens=request.skip_special_tokens,
             logprobs=request.logprobs,
+            prompt_logprobs=request.prompt_logprobs,
         )
     except ValueError as exc:  # SamplingParams names the field first
         raise bad_request(str(exc), _leading_field(str(exc))) from exc
@@ -456,16 +482,15 @@ def hidden_stops(encoded: Encoded) -> list[str]:
 
 
 def _check_token_ids(sampling: SamplingParams, model: ServedModel) -> None:
+    _check_ids("stop_token_ids", sampling.stop_token_ids, model)
+    _check_ids("logit_bias", list(sampling.logit_bias), model)
+
+
+def _check_ids(field: str, ids: list[int], model: ServedModel) -> None:
     vocab = model.tokenizer.tokenizer.get_vocab_size()
-    for field, ids in (
-        ("stop_token_ids", sampling.stop_token_ids),
-        ("logit_bias", list(sampling.logit_bias)),
-    ):
-        bad = next((token for token in ids if not 0 <= token < vocab), None)
-        if bad is not None:
-            raise bad_request(
-                f"{field}: token id {bad} is outside the vocabulary [0, {vocab})", field
-            )
+    bad = next((token for token in ids if not 0 <= token < vocab), None)
+    if bad is not None:
+        raise bad_request(f"{field}: token id {bad} is outside the vocabulary [0, {vocab})", field)
 
 
 def parsing_options(encoded: Encoded, thinking: bool) -> ParsingOptions:

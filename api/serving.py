@@ -158,6 +158,7 @@ class Serving:
             prepared.model.tokenizer,
             prompt_tokens=len(wire.prompt_token_ids),
             logprobs=request.logprobs is not None,
+            first_prompt_token=wire.prompt_token_ids[0],
         )
         backend = self.backend
         # Only a backend that takes shares sees the ticket; for others it is taken already.

@@ -54,10 +54,12 @@ class StreamProcessor:
         *,
         prompt_tokens: int = 0,
         logprobs: bool = False,
+        first_prompt_token: int | None = None,
     ) -> None:
         self._builder = builder
         self._parser = parser
         self._pieces = TokenPieces(tokenizer.tokenizer) if logprobs else None
+        self._first_prompt_token = first_prompt_token  # for prompt logprobs
         self._usage = Usage(prompt_tokens=prompt_tokens)
         self._started = False
         self._in_reasoning = False
@@ -75,6 +77,7 @@ class StreamProcessor:
             case Ready():
                 self._usage.prompt_tokens = event.prompt_tokens
                 self._usage.cached_tokens = event.cached_tokens
+                self._prompt_logprobs(event)
                 return self._start()
             case Text():
                 return self._text(event)
@@ -106,6 +109,13 @@ class StreamProcessor:
             return []
         self._started = True
         return self._builder.start(replace(self._usage))
+
+    def _prompt_logprobs(self, event: Ready) -> None:
+        pieces, first = self._pieces, self._first_prompt_token
+        if pieces is None or first is None or event.prompt_logprobs is None:
+            return
+        entries = [pieces.entry(logprob) for logprob in event.prompt_logprobs]
+        self._builder.prompt_logprobs(pieces.piece(first), entries)
 
     def _text(self, event: Text) -> list[SSEChunk]:
         chunks = self._start()

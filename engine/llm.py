@@ -15,6 +15,7 @@ from engine.config import EngineArgs
 from engine.llm_engine import LLMEngine
 from shared.events import Finish, FinishReason, Ready, Text, TokenLogprob
 from shared.sampling import SamplingParams
+from shared.tokenization import encode_text
 
 
 @dataclass(slots=True)
@@ -39,12 +40,11 @@ class LLM:
         self._counter = 0
 
     def encode(self, prompt: str) -> list[int]:
-        """Plain-text prompt → ids, with BOS when the model wants one."""
-        ids = self.tokenizer.tokenizer.encode(prompt, add_special_tokens=False).ids
-        bos = self.tokenizer.bos_token_id
-        if self.tokenizer.add_bos_token and bos is not None and ids[:1] != [bos]:
-            ids.insert(0, bos)
-        return ids
+        """A prompt → ids, with BOS when the model wants one.
+
+        Offline, the caller writes the prompt, so its control-token spellings are control tokens.
+        """
+        return encode_text(prompt, self.tokenizer, control_tokens=True)
 
     def generate(
         self,

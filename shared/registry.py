@@ -53,6 +53,9 @@ class ModelSpec:
     "whatever the model's own metadata says". ``tool_parser`` is the syntax
     of the model's tool calls: ``hermes`` (``<tool_call>`` blocks) or
     ``llama3_json`` (the answer is the calls, bare JSON objects).
+    ``raw_prompt_control_tokens`` lets control-token spellings in a raw
+    prompt (``/v1/completions``) become control tokens; by default they are
+    plain text there as everywhere.
     """
 
     name: str
@@ -62,6 +65,7 @@ class ModelSpec:
     capabilities: frozenset[str]
     tool_parser: ToolCallSyntax
     default_system_prompt: str | None
+    raw_prompt_control_tokens: bool
     _weights: PathSource = field(repr=False)
     _tokenizer: PathSource | None = field(repr=False)
 
@@ -77,6 +81,7 @@ class ModelSpec:
         capabilities: Iterable[str] = (),
         tool_parser: ToolCallSyntax = "hermes",
         default_system_prompt: str | None = None,
+        raw_prompt_control_tokens: bool = False,
     ) -> None:
         values = {
             "name": name,
@@ -86,6 +91,7 @@ class ModelSpec:
             "capabilities": frozenset(capabilities),
             "tool_parser": tool_parser,
             "default_system_prompt": default_system_prompt,
+            "raw_prompt_control_tokens": raw_prompt_control_tokens,
             "_weights": weights,
             "_tokenizer": tokenizer,
         }
@@ -223,6 +229,7 @@ def spec_from_entry(name: str, entry: Any, base: Path) -> ModelSpec:
         capabilities=_capabilities(name, entry),
         tool_parser=_choice(name, entry, "tool_parser", TOOL_CALL_SYNTAXES, "hermes"),
         default_system_prompt=_optional_string(name, entry, "default_system_prompt"),
+        raw_prompt_control_tokens=_boolean(name, entry, "raw_prompt_control_tokens"),
     )
 
 
@@ -236,6 +243,7 @@ _TOML_FIELDS = frozenset(
         "capabilities",
         "tool_parser",
         "default_system_prompt",
+        "raw_prompt_control_tokens",
     }
 )
 
@@ -268,6 +276,15 @@ def _optional_string(name: str, entry: dict[str, Any], key: str) -> str | None:
     value = entry.get(key)
     if value is not None and not isinstance(value, str):
         raise InvalidModelEntry(f"model {name!r}: field {key!r} must be a string, got {value!r}")
+    return value
+
+
+def _boolean(name: str, entry: dict[str, Any], key: str) -> bool:
+    value = entry.get(key, False)
+    if not isinstance(value, bool):
+        raise InvalidModelEntry(
+            f"model {name!r}: field {key!r} must be true or false, got {value!r}"
+        )
     return value
 
 

@@ -65,6 +65,21 @@ def encode_prompt(rendered: RenderedPrompt, tok: LoadedTokenizer) -> list[int]:
                 "can produce control tokens from text and cannot be served safely"
             )
         ids.extend(piece_ids)
+    return with_bos(ids, tok)
+
+
+def encode_text(text: str, tok: LoadedTokenizer, *, control_tokens: bool = False) -> list[int]:
+    """A prompt given as text, with no template: BOS when the tokenizer wants it.
+
+    Control-token spellings in ``text`` are plain text unless ``control_tokens``.
+    """
+    if not control_tokens:
+        return encode_prompt(RenderedPrompt(text), tok)
+    return with_bos(tok.tokenizer.encode(text, add_special_tokens=False).ids, tok)
+
+
+def with_bos(ids: list[int], tok: LoadedTokenizer) -> list[int]:
+    """``ids`` with BOS first when the tokenizer wants it and they do not start with it."""
     bos = tok.bos_token_id
     if tok.add_bos_token and bos is not None and (not ids or ids[0] != bos):
         ids.insert(0, bos)

@@ -1,6 +1,10 @@
-"""Suite-wide settings that must be in place before torch is imported."""
+"""Suite-wide settings that must be in place before torch is imported, and shared references."""
 
 import os
+from pathlib import Path
+from typing import Any
+
+import pytest
 
 # Tests share two cores with server and worker processes: sleeping OpenMP
 # waits keep a descheduled thread from stalling every parallel region.
@@ -16,3 +20,20 @@ try:
         _hypothesis_settings.load_profile("ci")
 except ImportError:  # pragma: no cover - hypothesis is a dev dependency
     pass
+
+
+@pytest.fixture(scope="session")
+def transformers_default() -> Any:
+    """transformers' float32 model of the default GGUF (it undoes llama.cpp's Q/K permutation).
+
+    The reference the loader, parity and logprob tests compare with; loaded once (about 12 s).
+    """
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    from shared.registry import default_registry
+
+    gguf = Path(default_registry().resolve("default").weights)
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+    ).eval()

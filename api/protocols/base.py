@@ -26,15 +26,30 @@ FinishKind = Literal["stop", "stop_sequence", "length", "tool_calls", "abort"]
 
 
 @dataclass(slots=True)
+class RawPrompt:
+    """A prompt taken as it is, with no chat template (``/v1/completions``).
+
+    Exactly one of ``text`` and ``token_ids``; preparation fills ``text`` for
+    token ids (the response may echo it). ``echo`` starts the response with it.
+    """
+
+    text: str | None = None
+    token_ids: list[int] | None = None
+    echo: bool = False
+
+
+@dataclass(slots=True)
 class GenerationRequest:
     """A request body, understood: the conversation and how to generate.
 
     ``None`` means "the protocol did not say"; preparation fills defaults.
-    ``max_tokens`` is resolved against the context after encoding.
+    ``max_tokens`` is resolved against the context after encoding. With a
+    ``prompt``, the conversation is empty and the prompt is encoded as it is.
     """
 
     model: str
     conversation: Conversation
+    prompt: RawPrompt | None = None
     stream: bool = False
     max_tokens: int | None = None
     max_tokens_param: str = "max_tokens"  # the field name to cite in errors
@@ -56,6 +71,7 @@ class GenerationRequest:
     logit_bias: dict[int, float] = field(default_factory=dict)
     structured_outputs: StructuredOutputs | None = None  # vLLM's extension field
     logprobs: int | None = None  # number of top alternatives; None = no logprobs
+    prompt_logprobs: int | None = None  # the same for prompt tokens (computed in prefill)
     include_usage: bool = False  # Chat Completions stream_options.include_usage
     metadata: dict[str, Any] = field(default_factory=dict)  # echoed where the protocol does
     echo: dict[str, Any] = field(default_factory=dict)  # protocol-specific fields to echo back
@@ -116,6 +132,14 @@ class ResponseBuilder(ABC):
     def __init__(self, request: GenerationRequest, context: ResponseContext):
         self.request = request
         self.context = context
+
+    def prompt_logprobs(self, first: tuple[str, list[int]], entries: list[LogprobEntry]) -> None:
+        """The prompt's tokens, before ``start``, when the request asked for their logprobs.
+
+        ``first`` is the first token (its text and bytes: it has no logprob),
+        ``entries`` the rest. Only a protocol that echoes the prompt shows them.
+        """
+        return
 
     @abstractmethod
     def start(self, usage: Usage) -> list[SSEChunk]: ...

@@ -128,32 +128,17 @@ def parse(body: Any) -> GenerationRequest:
     )
     max_tokens, max_tokens_param = _max_tokens(fields)
     stream = bool(fields.boolean("stream"))
-    include_usage = _include_usage(fields)  # read either way, so a malformed value is a 400
+    usage = include_usage(fields)  # read either way, so a malformed value is a 400
     request = GenerationRequest(
         model=model,
         conversation=validated(conversation),
         stream=stream,
         max_tokens=max_tokens,
         max_tokens_param=max_tokens_param,
-        temperature=fields.number("temperature", 0, 2),
-        top_p=fields.number("top_p", 0, 1, low_open=True),
-        top_k=_top_k(fields),
-        min_p=fields.number("min_p", 0, 1),
-        seed=fields.integer("seed"),
-        presence_penalty=fields.number("presence_penalty", -2, 2) or 0.0,
-        frequency_penalty=fields.number("frequency_penalty", -2, 2) or 0.0,
-        repetition_penalty=fields.number("repetition_penalty", 0, low_open=True) or 1.0,
-        stop=read_stop(fields),
-        skip_special_tokens=fields.boolean("skip_special_tokens") is not False,
         thinking_param=thinking_param,
-        priority=fields.integer("priority"),
-        stop_token_ids=read_token_ids(fields, "stop_token_ids"),
-        min_tokens=fields.integer("min_tokens", low=0) or 0,
-        ignore_eos=bool(fields.boolean("ignore_eos")),
-        logit_bias=read_logit_bias(fields),
-        structured_outputs=read_structured_outputs(fields.get("structured_outputs")),
         logprobs=_logprobs(fields),
-        include_usage=stream and include_usage,
+        include_usage=stream and usage,
+        **read_sampling(fields),
         metadata=read_metadata(fields),
         echo={
             "user": fields.string("user"),
@@ -162,6 +147,28 @@ def parse(body: Any) -> GenerationRequest:
     )
     request.ignored_fields = fields.unread()
     return request
+
+
+def read_sampling(fields: Fields) -> dict[str, Any]:
+    """The sampling fields Chat Completions and Completions share, with vLLM's extensions."""
+    return {
+        "temperature": fields.number("temperature", 0, 2),
+        "top_p": fields.number("top_p", 0, 1, low_open=True),
+        "top_k": _top_k(fields),
+        "min_p": fields.number("min_p", 0, 1),
+        "seed": fields.integer("seed"),
+        "presence_penalty": fields.number("presence_penalty", -2, 2) or 0.0,
+        "frequency_penalty": fields.number("frequency_penalty", -2, 2) or 0.0,
+        "repetition_penalty": fields.number("repetition_penalty", 0, low_open=True) or 1.0,
+        "stop": read_stop(fields),
+        "skip_special_tokens": fields.boolean("skip_special_tokens") is not False,
+        "priority": fields.integer("priority"),
+        "stop_token_ids": read_token_ids(fields, "stop_token_ids"),
+        "min_tokens": fields.integer("min_tokens", low=0) or 0,
+        "ignore_eos": bool(fields.boolean("ignore_eos")),
+        "logit_bias": read_logit_bias(fields),
+        "structured_outputs": read_structured_outputs(fields.get("structured_outputs")),
+    }
 
 
 def _reject_unsupported(fields: Fields) -> None:
@@ -344,7 +351,7 @@ def _logprobs(fields: Fields) -> int | None:
     return (top or 0) if wanted else None
 
 
-def _include_usage(fields: Fields) -> bool:
+def include_usage(fields: Fields) -> bool:
     options = fields.object("stream_options")
     return bool(options and options.boolean("include_usage"))
 

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from api.protocols import chat_completions, messages, responses
+from api.protocols import chat_completions, completions, messages, responses
 from api.protocols.base import Protocol
 
 PROTOCOLS: tuple[Protocol, ...] = (
     chat_completions.PROTOCOL,
+    completions.PROTOCOL,
     responses.PROTOCOL,
     messages.PROTOCOL,
 )

@@ -24,6 +24,35 @@ def _is(*values: Any) -> Callable[[Any], bool]:
 _OFF = _is(False)
 _DEFAULT_TIER = _is("auto", "default")
 
+# vLLM's sampling and serving extensions that Chat Completions and Completions share.
+_VLLM: dict[str, Harmless] = {
+    "allowed_token_ids": None,
+    "bad_words": _is([]),
+    "cache_salt": None,
+    "ec_transfer_params": None,
+    "guided_choice": None,  # vLLM's older spellings: structured_outputs holds them now
+    "guided_grammar": None,
+    "guided_json": None,
+    "guided_regex": None,
+    "include_stop_str_in_output": _OFF,
+    "kv_transfer_params": None,
+    "length_penalty": _is(1, 1.0),
+    "logprob_token_ids": None,
+    "prompt_logprobs": None,
+    "repetition_detection": None,
+    "request_id": None,
+    "return_token_ids": _OFF,
+    "return_tokens_as_token_ids": _OFF,
+    "routed_experts_prompt_start": None,
+    "spaces_between_special_tokens": _is(True),
+    "stream_interval": _is(1),
+    "truncation_side": None,  # named first: it only means something with the next
+    "truncate_prompt_tokens": None,
+    "use_beam_search": _OFF,
+    "vllm_xargs": None,
+    "watermarking": _OFF,
+}
+
 CHAT_COMPLETIONS: dict[str, Harmless] = {
     "audio": None,
     "function_call": None,  # the deprecated spelling of tool_choice, for functions (refused)
@@ -38,44 +67,30 @@ CHAT_COMPLETIONS: dict[str, Harmless] = {
     "verbosity": None,
     "web_search_options": None,
     # vLLM's extensions
+    **_VLLM,
     "add_generation_prompt": _is(True),
     "add_special_tokens": _OFF,
-    "allowed_token_ids": None,
-    "bad_words": _is([]),
-    "cache_salt": None,
     "chat_template": None,
     "documents": None,
-    "ec_transfer_params": None,
     "echo": _OFF,
-    "guided_choice": None,  # vLLM's older spellings: structured_outputs holds them now
-    "guided_grammar": None,
-    "guided_json": None,
-    "guided_regex": None,
     "include_reasoning": _is(True),
-    "include_stop_str_in_output": _OFF,
-    "kv_transfer_params": None,
-    "length_penalty": _is(1, 1.0),
-    "logprob_token_ids": None,
     "media_io_kwargs": None,
     "mm_processor_kwargs": None,
-    "prompt_logprobs": None,
-    "repetition_detection": None,
-    "request_id": None,
     "return_mm_kwargs": _OFF,
     "return_prompt_text": _OFF,
-    "return_token_ids": _OFF,
     "return_token_offsets": _OFF,
-    "return_tokens_as_token_ids": _OFF,
-    "routed_experts_prompt_start": None,
     "session_id": None,
-    "spaces_between_special_tokens": _is(True),
-    "stream_interval": _is(1),
     "thinking_token_budget": None,
-    "truncation_side": None,  # named first: it only means something with the next
-    "truncate_prompt_tokens": None,
-    "use_beam_search": _OFF,
-    "vllm_xargs": None,
-    "watermarking": _OFF,
+}
+
+COMPLETIONS: dict[str, Harmless] = {
+    "stream_options.include_obfuscation": _OFF,
+    # vLLM's extensions
+    **_VLLM,
+    "add_special_tokens": _is(True),  # BOS where the tokenizer wants it, as vLLM's default
+    "logits_processors": None,
+    "prompt_embeds": None,
+    "response_format": _is({"type": "text"}),
 }
 
 RESPONSES: dict[str, Harmless] = {

@@ -3,15 +3,13 @@
 Loading the weights takes seconds; a KV cache takes milliseconds. So the model
 is loaded once per session and every test builds its engines on it, each with
 a cache of its own: two engines on one cache would overwrite each other's
-prefix-cached blocks. transformers' model of the same GGUF, the reference the
-loader and parity tests compare with, is loaded once too (about 12 s).
+prefix-cached blocks.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -21,7 +19,6 @@ from engine.attention import KVCache, make_backend
 from engine.config import EngineArgs
 from engine.llm_engine import LLMEngine
 from engine.setup import LoadedModel, load_engine_model
-from shared.registry import default_registry
 
 MAX_MODEL_LEN = 512
 DEFAULT_BLOCKS = 256  # 4,096 token slots: every test's requests at once, with room to spare
@@ -36,16 +33,6 @@ def loaded_model() -> LoadedModel:
     torch.set_num_threads(1)
     # The cache allocated here is never used: make_engine gives each engine its own.
     return load_engine_model(EngineArgs(max_model_len=MAX_MODEL_LEN, num_kv_blocks=1))
-
-
-@pytest.fixture(scope="session")
-def transformers_default() -> Any:
-    """transformers' float32 model of the default GGUF (it undoes llama.cpp's Q/K permutation)."""
-    transformers = pytest.importorskip("transformers")
-    gguf = Path(default_registry().resolve("default").weights)
-    return transformers.AutoModelForCausalLM.from_pretrained(
-        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
-    ).eval()
 
 
 @pytest.fixture
