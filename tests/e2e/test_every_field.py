@@ -1,6 +1,6 @@
 """A field we accept is a field we honour: every request field of every protocol, probed.
 
-Each field of OpenAI Chat Completions, OpenAI Responses and Anthropic Messages
+Each field of OpenAI Chat Completions, Completions and Responses and Anthropic Messages
 (as the official SDKs name them, read at run time), and each of vLLM's Chat
 Completions extensions, has one or more entries in the tables below, and each
 entry shows one of three things against the real server:
@@ -21,6 +21,7 @@ until it gets an entry.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 import json
@@ -32,6 +33,10 @@ from typing import Any
 
 import httpx
 import pytest
+from tokenizers import Tokenizer
+
+from shared.registry import default_registry
+from shared.tokenizer_loader import load_tokenizer
 
 pytestmark = pytest.mark.slow
 
@@ -45,6 +50,9 @@ REPEAT = "Write the word sea ten times."  # repeats tokens early: penalties show
 SHORT = "Answer with one word: is water wet?"  # ends (EOS) after 6 tokens
 TIME = "What time is it?"
 PREFILL = "Waves crash"
+RAW_SEA = "The sea is"
+RAW_MOON = "The moon is"
+RAW_REPEAT = "sea sea sea sea sea sea"
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 NO_ARGUMENTS = {"type": "object", "properties": {}, "additionalProperties": False}
 TOOL_TOKENS = 28  # one call to ``now`` takes 23 tokens; without a stop, the answer goes on
@@ -255,13 +263,69 @@ class MessagesShape:
         return _comparable(generated)
 
 
+class CompletionsShape:
+    path = "/v1/completions"
+    limit = "max_tokens"
+    base = {"model": "default", "prompt": RAW_SEA, limit: TOKENS, "temperature": 0}
+
+    @staticmethod
+    def text(body: Any) -> str:
+        chunks = body if isinstance(body, list) else [body]
+        return "".join(c["text"] for chunk in chunks for c in chunk.get("choices", []))
+
+    @staticmethod
+    def calls(body: dict) -> list[dict]:
+        return []
+
+    @staticmethod
+    def finish(body: dict) -> str:
+        return body["choices"][0]["finish_reason"]
+
+    @staticmethod
+    def output_tokens(body: dict) -> int:
+        return body["usage"]["completion_tokens"]
+
+    @staticmethod
+    def cached_tokens(body: dict) -> int:
+        return body["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    @staticmethod
+    def logprobs(body: dict) -> list[dict]:
+        """The legacy object, one entry per token: token, logprob and the top map."""
+        legacy = body["choices"][0].get("logprobs") or {}
+        columns = zip(
+            legacy.get("tokens", []),
+            legacy.get("token_logprobs", []),
+            legacy.get("top_logprobs", []),
+            strict=True,
+        )
+        return [{"token": t, "logprob": lp, "top_logprobs": top} for t, lp, top in columns]
+
+    @staticmethod
+    def content(body: dict) -> Any:
+        generated = {"choices": body["choices"], "tokens": CompletionsShape.output_tokens(body)}
+        return _comparable(generated)
+
+    @staticmethod
+    def token_ids(text: str) -> list[int]:
+        """A raw prompt's answer is plain text after plain text: its ids are its own encoding."""
+        return _tokenizer().encode(text, add_special_tokens=False).ids
+
+
+@functools.cache
+def _tokenizer() -> Tokenizer:
+    return load_tokenizer(default_registry().resolve("default").weights).tokenizer
+
+
 SHAPES: dict[str, Any] = {
     "chat": ChatShape,
+    "completions": CompletionsShape,
     "responses": ResponsesShape,
     "messages": MessagesShape,
 }
 SDK_CREATE = {
     "chat": ("openai.resources.chat.completions", "Completions"),
+    "completions": ("openai.resources.completions", "Completions"),
     "responses": ("openai.resources.responses", "Responses"),
     "messages": ("anthropic.resources.messages", "Messages"),
 }
@@ -379,6 +443,8 @@ class Probe:
 
     def token_ids(self, text: str) -> list[int]:
         """The token ids of ``text`` as an answer: the prompt with it, minus the prompt without."""
+        if hasattr(self.shape, "token_ids"):
+            return self.shape.token_ids(text)
         body = {"model": "default", "messages": user(SEA)}
         prompt = self.http.post("/v1/tokenize", json=body).json()["token_ids"]
         body["messages"] = [*user(SEA), {"role": "assistant", "content": text}]
@@ -1057,7 +1123,73 @@ MESSAGES: list[Entry] = [
     Case("structured_outputs", {"choice": FRUIT}, honoured=one_of(FRUIT)),
 ]
 
-TABLES: dict[str, list[Entry]] = {"chat": CHAT, "responses": RESPONSES, "messages": MESSAGES}
+
+def legacy_logprobs(count: int) -> Check:
+    """One entry per generated token, each top map holding the token and ``count`` more."""
+
+    def check(reply: Reply, _: Reply) -> bool:
+        entries = reply.logprobs
+        tops_ok = all(count <= len(entry["top_logprobs"]) <= count + 1 for entry in entries)
+        return len(entries) == reply.output_tokens > 0 and tops_ok
+
+    return check
+
+
+def raw_chat_ids(text: str) -> list[int]:
+    """A one-turn ChatML prompt as token ids: a raw prompt that reaches the model's end of turn."""
+    template = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
+    return _tokenizer().encode(template.format(text), add_special_tokens=False).ids
+
+
+RAW_REPEATS = {"prompt": RAW_REPEAT, "max_tokens": 12}
+RAW_SHORT = {"prompt": raw_chat_ids(SHORT), "max_tokens": 10}
+
+COMPLETIONS: list[Entry] = [
+    Case("prompt", RAW_MOON),
+    Allowed("model", "selects the served model; echoed, an unknown name is a 400", model_is_echoed),
+    Case("best_of", 2, may_refuse=True),
+    Case("echo", True, honoured=lambda reply, baseline: reply.text == RAW_SEA + baseline.text),
+    Case("frequency_penalty", 2.0, RAW_REPEATS),
+    Case("logit_bias", first_token_banned),
+    Case("logprobs", 2, honoured=legacy_logprobs(2)),
+    Case("max_tokens", 3, honoured=tokens(3)),
+    Case("n", 2, may_refuse=True, honoured=lambda reply, _: len(reply.body["choices"]) == 2),
+    Case("presence_penalty", 2.0, RAW_REPEATS),
+    Case("seed", 2, SEEDED),
+    Case("stop", fourth_word, honoured=shorter),
+    Allowed(
+        "stream",
+        "changes the transport: the same text as server-sent events",
+        streams_the_same_text,
+    ),
+    Case("stream_options", {"include_usage": True}, {"stream": True}, adds_usage_chunk),
+    Case("suffix", " And so it ends.", may_refuse=True),
+    Case("temperature", 1.5, extra={"seed": 1}),
+    Case("top_p", 0.01, honoured=greedy, extra=SEEDED),
+    Allowed(
+        "user",
+        "identifies the end user to OpenAI's abuse monitoring; no response field carries it",
+    ),
+    # vLLM's extensions
+    Case("top_k", 1, honoured=greedy, extra=SEEDED),
+    Case("min_p", 1.0, honoured=greedy, extra=SEEDED),
+    Case("repetition_penalty", 2.0, RAW_REPEATS),
+    Case("stop_token_ids", third_token, honoured=shorter),
+    Case("ignore_eos", True, RAW_SHORT, tokens(10)),
+    Case("min_tokens", 8, RAW_SHORT, lambda reply, _: reply.output_tokens >= 8),
+    Case("structured_outputs", {"choice": FRUIT}, honoured=one_of(FRUIT)),
+    Refused("use_beam_search", True),
+    Refused("prompt_logprobs", 1),
+    Refused("prompt_embeds", "AAAA"),
+    Refused("response_format", {"type": "json_object"}),
+]
+
+TABLES: dict[str, list[Entry]] = {
+    "chat": CHAT,
+    "completions": COMPLETIONS,
+    "responses": RESPONSES,
+    "messages": MESSAGES,
+}
 
 
 def _params() -> list[Any]:
