@@ -1,4 +1,4 @@
-"""All three protocols, streamed and whole, through Redis and a worker: same text as offline.
+"""Every protocol, streamed and whole, through Redis and a worker: same text as offline.
 
 Greedy decoding makes the text a function of the prompt ids, so every path
 (queue, worker engine, event stream, multiplexed reader, protocol builder)
@@ -60,6 +60,22 @@ def test_messages(anthropic_client: Anthropic, expected: str):
         text = "".join(stream.text_stream)
         final = stream.get_final_message()
     assert text == expected and final.usage.output_tokens == MAX_TOKENS
+
+
+def test_completions(api: str, openai_client: OpenAI, expected: str):
+    """The chat's own prompt ids as a raw prompt: the same text; its prompt scored through Redis."""
+    ids = tokenize(api, MESSAGES)
+    options = {"model": "default", "prompt": ids, "max_tokens": MAX_TOKENS, "temperature": 0}
+    whole = openai_client.completions.create(echo=True, logprobs=1, **options)
+    choice = whole.choices[0]
+    prompt_text = choice.logprobs.tokens[: len(ids)]
+    assert choice.text == "".join(prompt_text) + expected
+    scores = choice.logprobs.token_logprobs
+    assert len(scores) == len(ids) + MAX_TOKENS and scores[0] is None
+    assert all(score <= 0 for score in scores[1:])
+    assert all(len(top) >= 1 for top in choice.logprobs.top_logprobs[1:])
+    streamed = openai_client.completions.create(stream=True, **options)
+    assert "".join(c.text for chunk in streamed for c in chunk.choices) == expected
 
 
 SCHEMA = {

@@ -1,4 +1,4 @@
-"""The job encoding: every field a worker needs comes back as it was sent."""
+"""The job and event encodings: every field comes back as it was sent."""
 
 from __future__ import annotations
 
@@ -6,6 +6,8 @@ import json
 
 import pytest
 
+from shared.event_codec import decode_entry, encode_event
+from shared.events import Ready, TokenLogprob
 from shared.sampling import SamplingParams
 from shared.wire import (
     Deadlines,
@@ -22,7 +24,7 @@ def full_job() -> QueuedRequest:
     sampling = SamplingParams(
         max_tokens=77, min_tokens=3, temperature=0.7, top_p=0.9, top_k=40, min_p=0.05,
         presence_penalty=0.5, frequency_penalty=-0.5, repetition_penalty=1.1, seed=1234,
-        stop=["END", "\n\n"], stop_token_ids=[2, 7], ignore_eos=True, logprobs=5,
+        stop=["END", "\n\n"], stop_token_ids=[2, 7], ignore_eos=True, logprobs=5, prompt_logprobs=2,
         skip_special_tokens=False,
     )  # fmt: skip
     parsing = ParsingOptions(
@@ -56,3 +58,13 @@ def test_another_version_is_refused() -> None:
     payload["v"] = 99
     with pytest.raises(ValueError, match="version 99"):
         decode_queued(json.dumps(payload))
+
+
+@pytest.mark.parametrize(
+    "prompt_logprobs",
+    [None, [], [TokenLogprob(5, -0.25, [(5, -0.25), (9, -1.5)]), TokenLogprob(7, -3.0)]],
+)
+def test_ready_keeps_its_prompt_logprobs_across_the_stream(prompt_logprobs):
+    event = Ready("r1", 3, 0, prompt_logprobs)
+    decoded = decode_entry("r1", encode_event(event, attempt=1, seq=1)).event
+    assert decoded == event
