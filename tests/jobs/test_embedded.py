@@ -26,6 +26,7 @@ HI = [{"role": "user", "content": "Say hi in five words."}]
 COUNT = [{"role": "user", "content": "Count from 1 to 300, separated by commas."}]
 BODIES: dict[str, dict[str, Any]] = {
     "/v1/chat/completions": {"model": "default", "messages": HI, "max_tokens": 8},
+    "/v1/completions": {"model": "default", "prompt": "Say hi in five words:", "max_tokens": 8},
     "/v1/responses": {"model": "default", "input": HI, "max_output_tokens": 8},
     "/v1/messages": {"model": "default", "messages": HI, "max_tokens": 8},
 }
