@@ -21,19 +21,22 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
 
 from api.access_log import AccessLog, AccessRecord
 from api.admission import Limits
-from api.auth import Authentication, KeyRing
+from api.auth import ApiKey, Authentication, KeyRing
 from api.backends.base import Backend
 from api.errors import ApiError, bad_request
+from api.jobs.manager import JobManager
+from api.jobs.responses import StoredResponses, responses_router
 from api.jobs.routes import jobs_router
 from api.jobs.store import JobStore, MemoryJobStore
 from api.preparation import Prepared, encode_request, new_request_id
-from api.protocols import chat_completions, messages
+from api.protocols import chat_completions, messages, responses
 from api.protocols.base import Protocol
-from api.protocols.table import PROTOCOLS, error_shape
+from api.protocols.table import BY_PATH, PROTOCOLS, error_shape
 from api.rate_limits import MemoryRateLimiter, RateLimiter, RedisRateLimiter
 from api.serving import Serving
 from api.settings import Settings, load_models
@@ -66,15 +69,23 @@ def create_app(settings: Settings | None = None, backend: Backend | None = None)
     )
     app = FastAPI(title="Sluice", lifespan=serving.lifespan)
     app.state.serving = serving
+    manager = JobManager(serving, _job_store(settings), BY_PATH, channel)
+    stored = StoredResponses(manager)
     for protocol in PROTOCOLS:
-        app.add_api_route(protocol.path, _generation_route(protocol, serving), methods=["POST"])
+        route = (
+            _responses_route(serving, stored)
+            if protocol is responses.PROTOCOL
+            else _generation_route(protocol, serving)
+        )
+        app.add_api_route(protocol.path, route, methods=["POST"])
+    app.include_router(responses_router(stored))
     app.add_api_route(messages.COUNT_TOKENS_PATH, _count_tokens_route(serving), methods=["POST"])
     app.add_api_route("/v1/tokenize", _tokenize_route(serving), methods=["POST"])
     app.add_api_route("/v1/models", _models_route(serving), methods=["GET"])
     app.add_api_route("/health", _health, methods=["GET"])
     app.add_api_route("/ready", _ready_route(serving), methods=["GET"])
     app.add_api_route("/metrics", _metrics_route(serving), methods=["GET"])
-    app.include_router(jobs_router(serving, _job_store(settings), settings, channel))
+    app.include_router(jobs_router(manager, stored, settings))
     _install_error_handlers(app, serving)
     keys = KeyRing.configured(settings.api_keys, settings.api_keys_file)
     log.info("%s", keys.describe())
@@ -149,29 +160,67 @@ def _embedded_backend(spec: ModelSpec, settings: Settings) -> Backend:
 def _generation_route(protocol: Protocol, serving: Serving) -> Callable[..., Awaitable[Response]]:
     async def generate(request: Request) -> Response:
         arrived = time.monotonic()
-        request_id = new_request_id(protocol)
-        access: AccessRecord = request.state.access
         body = await serving.read_json(request)  # first: a slow upload holds no place
-        access.place = await serving.admit()  # released when the request ends
-        key = getattr(request.state, "api_key_record", None)
-        prepared = await serving.prepare(protocol, body, request_id, key)
-        access.rate_limits = await serving.limit(key, prepared)  # 429 beyond the key's limits
-        processor, events = serving.run(prepared, arrived, access.rate_limits)
-        access.model, access.processor = prepared.request.model, processor
-        access.response_id = prepared.context.request_id
-        events = _noting_first_token(events, access)
-        if prepared.request.stream:
-            answer: Awaitable[Response] = event_source(processor, events, protocol.done_marker)
-        else:
-            answer = _json_response(collect(processor, events))
-        response = await _unless_client_leaves(request, answer) or Response(status_code=499)
-        _report_ignored(prepared, response)
-        if access.rate_limits is not None:
-            response.headers.update(access.rate_limits.headers)
+        response, _ = await _generate(serving, protocol, request, body, arrived)
         return response
 
     generate.__name__ = f"create_{protocol.name.replace('.', '_')}"
     return generate
+
+
+def _responses_route(
+    serving: Serving, stored: StoredResponses
+) -> Callable[..., Awaitable[Response]]:
+    """Responses: the generation route, with the previous response resolved, the background
+    queued as a job, and a finished foreground response stored (``api.jobs.responses``)."""
+
+    async def create_response(request: Request) -> Response:
+        arrived = time.monotonic()
+        owner = getattr(request.state, "api_key", None)
+        body = await stored.resolve_previous(await serving.read_json(request), owner)
+        if isinstance(body, dict) and body.get("background") is True:
+            return await stored.submit_background(body, _api_key(request))
+        response, prepared = await _generate(serving, responses.PROTOCOL, request, body, arrived)
+        processor = request.state.access.processor
+        if not prepared.request.echo["store"] or processor is None:
+            return response
+        if prepared.request.stream:  # kept once the last event is sent
+            response.background = BackgroundTask(stored.keep, prepared, processor, body, owner)
+        else:  # kept before the answer, so that a retrieve right after it finds it
+            await stored.keep(prepared, processor, body, owner)
+        return response
+
+    return create_response
+
+
+async def _generate(
+    serving: Serving, protocol: Protocol, request: Request, body: dict, arrived: float
+) -> tuple[Response, Prepared]:
+    """Admit, prepare and run one request body; the answer (SSE or JSON) and the request."""
+    request_id = new_request_id(protocol)
+    access: AccessRecord = request.state.access
+    access.place = await serving.admit()  # released when the request ends
+    key = _api_key(request)
+    prepared = await serving.prepare(protocol, body, request_id, key)
+    access.rate_limits = await serving.limit(key, prepared)  # 429 beyond the key's limits
+    processor, events = serving.run(prepared, arrived, access.rate_limits)
+    access.model, access.processor = prepared.request.model, processor
+    access.response_id = prepared.context.request_id
+    events = _noting_first_token(events, access)
+    if prepared.request.stream:
+        answer: Awaitable[Response] = event_source(processor, events, protocol.done_marker)
+    else:
+        answer = _json_response(collect(processor, events))
+    response = await _unless_client_leaves(request, answer) or Response(status_code=499)
+    _report_ignored(prepared, response)
+    if access.rate_limits is not None:
+        response.headers.update(access.rate_limits.headers)
+    return response, prepared
+
+
+def _api_key(request: Request) -> ApiKey | None:
+    """The caller's API key record (limits, models, priority); None when keys are off."""
+    return getattr(request.state, "api_key_record", None)
 
 
 async def _noting_first_token(

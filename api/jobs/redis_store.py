@@ -177,6 +177,18 @@ class RedisJobStore:
         )
         return bool(done)
 
+    async def delete(self, job_id: str) -> None:
+        async with self._redis.pipeline(transaction=True) as pipe:
+            pipe.delete(
+                keys.job_record(job_id),
+                keys.job_events(job_id),
+                keys.job_runner(job_id),
+                keys.job_tombstone(job_id),
+            )
+            pipe.zrem(INDEX, job_id)
+            pipe.srem(ACTIVE, job_id)
+            await pipe.execute()
+
     async def finish(self, job_id: str, outcome: JobOutcome) -> bool:
         fields = {
             "finished_at": outcome.finished_at,

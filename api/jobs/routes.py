@@ -33,41 +33,44 @@ from sse_starlette import EventSourceResponse, ServerSentEvent
 from api.errors import ApiError, bad_request
 from api.jobs.manager import JobManager, JobRequest, SubmitError
 from api.jobs.records import JobRecord, JobStatus, StoredChunk, read_metadata
-from api.jobs.store import JobStore
+from api.jobs.responses import StoredResponses
+from api.protocols import responses
 from api.protocols.base import Protocol
-from api.protocols.table import BY_PATH
 
 if TYPE_CHECKING:
     from api.auth import ApiKey
-    from api.backends.channel import RequestChannel
-    from api.serving import Serving
     from api.settings import Settings
 
 DEFAULT_LIST_LIMIT = 20
 MAX_LIST_LIMIT = 100
 
 
-def jobs_router(
-    serving: Serving, store: JobStore, settings: Settings, channel: RequestChannel | None = None
-) -> APIRouter:
-    """The routes, with a ``JobManager`` whose lifespan is the router's (it closes ``store``).
+def jobs_router(manager: JobManager, stored: StoredResponses, settings: Settings) -> APIRouter:
+    """The routes; the manager's lifespan is the router's (it closes the manager's store).
 
-    ``channel``: the process's request channel in distributed mode, where the
-    workers run the jobs; without it the serving backend runs them.
+    A Responses body's ``previous_response_id`` is resolved as ``POST /v1/responses`` does.
     """
-    protocols = BY_PATH
-    manager = JobManager(serving, store, protocols, channel)
+    protocols, serving = manager.protocols, manager.serving
     router = APIRouter(prefix="/v1/jobs", lifespan=manager.lifespan)
+
+    async def job_requests(request: Request, items: list[Any], where: str) -> list[JobRequest]:
+        jobs = []
+        for index, item in enumerate(items):
+            job = _job_request(item, protocols, where.format(index))
+            if job.protocol is responses.PROTOCOL:
+                job.body = await stored.resolve_previous(job.body, _owner(request))
+            jobs.append(job)
+        return jobs
 
     @router.post("")
     async def submit_job(request: Request) -> Response:
-        job = _job_request(await serving.read_json(request), protocols, "")
-        return await _submitted(manager, [job], _key(request), batch=False)
+        jobs = await job_requests(request, [await serving.read_json(request)], "")
+        return await _submitted(manager, jobs, _key(request), batch=False)
 
     @router.post("/batch")
     async def submit_jobs(request: Request) -> Response:
         items = _batch_items(await serving.read_json(request, value=True), settings.max_batch_jobs)
-        jobs = [_job_request(item, protocols, f"jobs[{i}].") for i, item in enumerate(items)]
+        jobs = await job_requests(request, items, "jobs[{}].")
         return await _submitted(manager, jobs, _key(request), batch=True)
 
     @router.get("")

@@ -274,14 +274,7 @@ class JobRunner:
         return JobOutcome(JobStatus.COMPLETED, self._usage(), result=result)
 
     def _usage(self) -> dict[str, int]:
-        usage = self._processor.usage
-        return {
-            "prompt_tokens": usage.prompt_tokens,
-            "completion_tokens": usage.completion_tokens,
-            "total_tokens": usage.total_tokens,
-            "cached_tokens": usage.cached_tokens,
-            "reasoning_tokens": usage.reasoning_tokens,
-        }
+        return usage_of(self._processor)
 
     async def _release(self) -> None:
         try:
@@ -290,4 +283,23 @@ class JobRunner:
             log.debug("releasing the lease of job %s failed: %s", self.job_id, exc)
 
 
-__all__ = ["IdAligner", "JobRunner", "job_processor", "seeded_tool_call_ids", "stored"]
+def usage_of(processor: StreamProcessor) -> dict[str, int]:
+    """A job's usage, as its record keeps it."""
+    usage = processor.usage
+    return {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.total_tokens,
+        "cached_tokens": usage.cached_tokens,
+        "reasoning_tokens": usage.reasoning_tokens,
+    }
+
+
+__all__ = [
+    "IdAligner",
+    "JobRunner",
+    "job_processor",
+    "seeded_tool_call_ids",
+    "stored",
+    "usage_of",
+]

@@ -63,6 +63,10 @@ class JobStore(Protocol):
 
     async def mark_running(self, job_id: str, started_at: float) -> bool: ...
 
+    async def delete(self, job_id: str) -> None:
+        """Forget the job at once: record, events and tombstone (readers stop)."""
+        ...
+
     async def finish(self, job_id: str, outcome: JobOutcome) -> bool:
         """Terminal status and outcome, stream closed; False if the job had already ended."""
         ...
@@ -159,6 +163,13 @@ class MemoryJobStore:
             return False
         entry.record.status, entry.record.started_at = JobStatus.RUNNING, started_at
         return True
+
+    async def delete(self, job_id: str) -> None:
+        entry = self._entries.pop(job_id, None)
+        if entry is not None:
+            entry.record.status = JobStatus.CANCELLED  # a reader waiting on it ends
+            async with entry.changed:
+                entry.changed.notify_all()
 
     async def finish(self, job_id: str, outcome: JobOutcome) -> bool:
         entry = self._live(job_id)

@@ -4,8 +4,10 @@ Parsing maps ``instructions`` to a leading system message and the ``input``
 items to conversation messages: an assistant ``message`` item and the
 ``function_call`` items after it form one assistant turn, ``reasoning`` items
 give that turn its reasoning, and ``function_call_output`` items become tool
-results. Nothing is stored, so ``previous_response_id`` and ``conversation``
-get a 400 rather than a silently forgotten history.
+results. ``store`` (true unless false) and ``background`` are echoed; the
+route keeps or queues the response (``api.jobs.responses``), and resolves
+``previous_response_id`` into ``input`` before parsing, so parsing only
+echoes it. ``conversation`` objects are not kept: a 400.
 
 The builder emits the typed events the ``openai`` SDK reads, each with its
 ``type`` as the SSE event name and a ``sequence_number`` counting from 0. Output
@@ -98,7 +100,7 @@ def parse(body: Any) -> GenerationRequest:
     """A Responses body, validated, as a protocol-free request."""
     fields = Fields(body)
     model = fields.string("model", required=True, non_empty=True) or ""
-    _reject_stored_state(fields)
+    stored = _stored_state(fields)
     tools, tool_echo = _tools(fields)
     instructions = fields.string("instructions")
     conversation = Conversation(
@@ -130,26 +132,31 @@ def parse(body: Any) -> GenerationRequest:
             "user": fields.string("user"),
             "prompt_cache_key": fields.string("prompt_cache_key"),
             "safety_identifier": fields.string("safety_identifier"),
+            **stored,
         },
     )
     request.ignored_fields = fields.unread()
     return request
 
 
-def _reject_stored_state(fields: Fields) -> None:
-    """Responses are not stored, so a reference to an earlier one cannot be resolved.
+def _stored_state(fields: Fields) -> dict[str, Any]:
+    """``store``, ``background`` and ``previous_response_id``, for the response to echo.
 
-    Other fields it cannot honour are refused too (``api.protocols.unsupported``).
+    Other fields it cannot honour are refused (``api.protocols.unsupported``).
     """
     fields.read.update(refuse(fields.body, unsupported.RESPONSES))
-    fields.boolean("store")  # accepted (and echoed as false): nothing is kept either way
-    for name in ("previous_response_id", "conversation"):
-        if fields.has(name):
-            raise bad_request(
-                f"{name} is not supported: responses are not stored on this server; "
-                "send the whole conversation in input",
-                name,
-            )
+    store = fields.boolean("store") is not False
+    background = bool(fields.boolean("background"))
+    if background and not store:
+        raise bad_request("background responses must be stored: send store true", "store")
+    if fields.has("conversation"):
+        raise bad_request(
+            "conversation is not supported: conversation objects are not kept on this server; "
+            "continue a stored response with previous_response_id",
+            "conversation",
+        )
+    previous = fields.string("previous_response_id", non_empty=True)
+    return {"store": store, "background": background, "previous_response_id": previous}
 
 
 def _messages(fields: Fields, instructions: str | None) -> list[Message]:
@@ -425,7 +432,7 @@ class ResponsesBuilder(ResponseBuilder):
             "created_at": self.context.created,
             "status": self._status,
             "completed_at": self._completed_at,
-            "background": False,
+            "background": echo.get("background", False),
             "error": self._error,
             "incomplete_details": self._incomplete,
             "instructions": echo.get("instructions"),
@@ -434,11 +441,11 @@ class ResponsesBuilder(ResponseBuilder):
             "model": self.context.model,
             "output": copy.deepcopy(self._output),
             "parallel_tool_calls": echo.get("parallel_tool_calls", True),
-            "previous_response_id": None,
+            "previous_response_id": echo.get("previous_response_id"),
             "prompt_cache_key": echo.get("prompt_cache_key"),
             "reasoning": echo.get("reasoning", {"effort": None, "summary": None}),
             "safety_identifier": echo.get("safety_identifier"),
-            "store": False,
+            "store": echo.get("store", True),
             "temperature": request.temperature,
             "text": {"format": _format_echo(request.conversation.response_format)},
             "tool_choice": _tool_choice_echo(request.conversation.tool_choice),

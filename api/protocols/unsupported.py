@@ -95,7 +95,6 @@ COMPLETIONS: dict[str, Harmless] = {
 
 RESPONSES: dict[str, Harmless] = {
     "access_programs": None,
-    "background": _OFF,
     "background_options": None,
     "context_management": None,
     "image": None,

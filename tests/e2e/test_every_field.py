@@ -716,10 +716,25 @@ def reports_standard_tier(probe: Probe) -> None:
     assert reply.body["usage"].get("service_tier") == "standard", reply.body["usage"]
 
 
-def nothing_is_stored(probe: Probe) -> None:
-    reply = probe.send({"store": True})
-    assert reply.status == 200 and reply.body["store"] is False, reply.body
-    assert probe.send({"previous_response_id": "resp_earlier"}).refuses("previous_response_id")
+def not_stored(reply: Reply, _: Reply) -> bool:
+    """Said to be unstored, and reading it back by its id is a 404."""
+    path = f"{reply.shape.path}/{reply.body['id']}"
+    return reply.body["store"] is False and reply.probe.http.get(path).status_code == 404
+
+
+def queued(reply: Reply, _: Reply) -> bool:
+    """Answered at once, queued, and read back later as the finished response."""
+    path = f"{reply.shape.path}/{reply.body['id']}"
+    return reply.body["status"] == "queued" and reply.probe.http.get(path).status_code == 200
+
+
+def continues(reply: Reply, baseline: Reply) -> bool:
+    """The baseline's conversation goes on: its prompt and answer are read from the cache."""
+    return (
+        reply.body["previous_response_id"] == baseline.body["id"]
+        and reply.cached_tokens >= 16
+        and reply.body["usage"]["input_tokens"] > baseline.body["usage"]["input_tokens"]
+    )
 
 
 def never_obfuscated(probe: Probe) -> None:
@@ -943,7 +958,7 @@ RESPONSES_TOOL_CALL = {
 
 RESPONSES: list[Entry] = [
     Refused("access_programs", {"cyber": "daybreak_blue"}),
-    Case("background", True, may_refuse=True, honoured=echoes("background")),
+    Case("background", True, honoured=queued),
     Refused("background_options", {"completion_window": "2h"}),
     Case(
         "context_management",
@@ -968,7 +983,7 @@ RESPONSES: list[Entry] = [
         "moderation", {"model": "omni-moderation-latest"}, may_refuse=True, honoured=has_moderation
     ),
     Case("parallel_tool_calls", False, RESPONSES_TOOL_CALL, one_call_then_ends),
-    Refused("previous_response_id", "resp_earlier"),
+    Case("previous_response_id", lambda baseline: baseline.body["id"], honoured=continues),
     Refused("prompt", {"id": "pmpt_earlier"}),
     Allowed(
         "prompt_cache_key",
@@ -985,11 +1000,8 @@ RESPONSES: list[Entry] = [
         echoed("safety_identifier", "probe-user"),
     ),
     Case("service_tier", "priority", may_refuse=True, honoured=echoes("service_tier")),
-    Allowed(
-        "store",
-        "nothing is stored: the response says store false, and reading a stored one is a 400",
-        nothing_is_stored,
-    ),
+    Case("store", True, honoured=stored),
+    Case("store", False, honoured=not_stored, label="false"),
     Allowed(
         "stream",
         "changes the transport: the same text as server-sent events",

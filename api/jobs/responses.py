@@ -1,0 +1,234 @@
+"""Stored and background responses: the Responses API's view of jobs.
+
+A stored response is a job of the endpoint ``/v1/responses`` whose id shares
+its random part with the response's (``resp_<hex>`` is the job
+``job_<hex>``), so everything jobs have, responses have: a record every API
+replica sees (Redis in distributed mode), retention, ownership by the API key
+that created it, cancellation, and an event stream numbered from 1, which for
+a response is its ``sequence_number`` plus one.
+
+- ``background: true`` submits the body as a job and answers at once with the
+  response ``queued``; ``GET /v1/responses/{id}`` then says ``queued``,
+  ``in_progress``, and finally the response itself (``completed`` or
+  ``incomplete``), ``failed`` or ``cancelled``.
+- A foreground response with ``store`` (true unless false) runs as before and
+  is saved, finished, once its last byte is sent.
+- ``previous_response_id`` is resolved before parsing: the stored response's
+  input (itself resolved when it was stored) and output become the start of
+  ``input``. Its instructions are not carried over, as OpenAI's are not. The
+  new prompt starts with the old one and its answer, so the prefix cache
+  serves them and usage reports them as cached input tokens.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+from fastapi import APIRouter, Request, Response
+from fastapi.responses import JSONResponse
+from sse_starlette import EventSourceResponse, ServerSentEvent
+
+from api.errors import ApiError, bad_request
+from api.jobs.manager import JobManager, JobRequest, SubmitError
+from api.jobs.records import JobOutcome, JobRecord, JobStatus
+from api.jobs.runner import usage_of
+from api.protocols import responses
+from api.protocols.base import ResponseContext
+
+if TYPE_CHECKING:
+    from api.auth import ApiKey
+    from api.preparation import Prepared
+    from api.streaming import StreamProcessor
+
+PATH = responses.PROTOCOL.path
+PREFIX = responses.PROTOCOL.id_prefix
+_STATUSES = {
+    JobStatus.QUEUED: "queued",
+    JobStatus.RUNNING: "in_progress",
+    JobStatus.FAILED: "failed",
+    JobStatus.CANCELLED: "cancelled",
+}
+
+
+class StoredResponses:
+    """Keeps, queues, reads, cancels and deletes responses through the job manager."""
+
+    def __init__(self, manager: JobManager) -> None:
+        self.manager = manager
+
+    async def resolve_previous(self, body: Any, owner: str | None) -> Any:
+        """``body`` with the stored conversation of ``previous_response_id`` before its input."""
+        if (
+            not isinstance(body, dict)
+            or not isinstance(body.get("previous_response_id"), str)
+            or not isinstance(body.get("input"), str | list)
+        ):
+            return body  # nothing to resolve, or a malformed value that parsing names
+        previous_id = body["previous_response_id"]
+        record = await self._record(previous_id, owner, param="previous_response_id")
+        if record.status is not JobStatus.COMPLETED or record.result is None:
+            raise bad_request(
+                f"Previous response {previous_id!r} is {_STATUSES.get(record.status, 'gone')}: "
+                "only a finished response can be continued",
+                "previous_response_id",
+            )
+        history = _items(record.body.get("input")) + record.result["output"]
+        return {**body, "input": history + _items(body.get("input"))}
+
+    async def submit_background(self, body: dict[str, Any], key: ApiKey | None) -> Response:
+        """Queue the response as a job; 200 with the response ``queued``."""
+        try:
+            (record,) = await self.manager.submit([JobRequest(responses.PROTOCOL, body, {})], key)
+        except SubmitError as exc:
+            error = exc.error
+            return JSONResponse(
+                responses.PROTOCOL.error_body(error), error.status, headers=error.headers
+            )
+        return JSONResponse(self.view(record))
+
+    async def keep(
+        self, prepared: Prepared, processor: StreamProcessor, body: dict, owner: str | None
+    ) -> None:
+        """Save a foreground response that ended well, finished, under its own id."""
+        if not processor.done or processor.error is not None:
+            return
+        store, now = self.manager.store, time.time()
+        response_id = prepared.context.request_id
+        record = JobRecord(
+            id=_job_id(response_id),
+            endpoint=PATH,
+            body=body,
+            metadata={},
+            owner=owner,
+            response_id=response_id,
+            response_created=prepared.context.created,
+            created_at=now,
+            expires_at=now + store.retention_s,
+            started_at=now,
+        )
+        await store.create(record, self.manager.holder)
+        outcome = JobOutcome(
+            JobStatus.COMPLETED, usage_of(processor), result=processor.response(), finished_at=now
+        )
+        await store.finish(record.id, outcome)
+
+    def view(self, record: JobRecord) -> dict[str, Any]:
+        """The response object: the result once finished, else the request's echo and status."""
+        if record.status is JobStatus.COMPLETED and record.result is not None:
+            return record.result
+        request = responses.PROTOCOL.parse(record.body)
+        context = ResponseContext(record.response_id, request.model, record.response_created, "")
+        body = responses.PROTOCOL.builder(request, context).response()
+        body["status"] = _STATUSES[record.status]
+        if record.error is not None:
+            body["error"] = {"code": "server_error", "message": record.error.get("message", "")}
+        return body
+
+    async def get(self, response_id: str, owner: str | None) -> JobRecord:
+        return await self._record(response_id, owner)
+
+    async def events(
+        self, response_id: str, owner: str | None, starting_after: int | None
+    ) -> AsyncIterator[ServerSentEvent]:
+        """The background response's events after sequence number ``starting_after``."""
+        record = await self._record(response_id, owner)
+        if not record.body.get("background"):
+            raise bad_request(
+                f"Response {response_id!r} was not created with background true: only "
+                "background responses can be streamed again",
+                "stream",
+            )
+        after = 0 if starting_after is None else starting_after + 1
+        chunks = await self.manager.events(record.id, owner, after)
+
+        async def sse() -> AsyncIterator[ServerSentEvent]:
+            async for index, chunk in chunks:
+                yield ServerSentEvent(data=chunk.data, event=chunk.event, id=str(index - 1))
+
+        return sse()
+
+    async def cancel(self, response_id: str, owner: str | None) -> dict[str, Any]:
+        record = await self._record(response_id, owner)
+        if not record.body.get("background"):
+            raise bad_request(
+                f"Response {response_id!r} was not created with background true: only "
+                "background responses can be cancelled",
+                "response_id",
+            )
+        return self.view(await self.manager.cancel(record.id, owner))
+
+    async def delete(self, response_id: str, owner: str | None) -> dict[str, Any]:
+        record = await self._record(response_id, owner)
+        if not record.status.terminal:
+            await self.manager.cancel(record.id, owner)
+        await self.manager.store.delete(record.id)
+        return {"id": response_id, "object": "response", "deleted": True}
+
+    async def _record(
+        self, response_id: str, owner: str | None, param: str = "response_id"
+    ) -> JobRecord:
+        """The stored response's job, or a 404 that names it."""
+        missing = ApiError(
+            404,
+            f"Response with id {response_id!r} not found.",
+            "invalid_request_error",
+            param,
+            "response_not_found",
+        )
+        if not response_id.startswith(PREFIX):
+            raise missing
+        try:
+            record = await self.manager.get(_job_id(response_id), owner)
+        except ApiError:
+            raise missing from None
+        if record.endpoint != PATH or record.status is JobStatus.EXPIRED:
+            raise missing
+        return record
+
+
+def responses_router(stored: StoredResponses) -> APIRouter:
+    """``GET``/``DELETE /v1/responses/{id}`` and ``POST /v1/responses/{id}/cancel``."""
+    router = APIRouter(prefix=PATH)
+
+    @router.get("/{response_id}")
+    async def retrieve(
+        response_id: str,
+        request: Request,
+        stream: bool = False,
+        starting_after: int | None = None,
+    ) -> Response:
+        owner = _owner(request)
+        if stream:
+            events = await stored.events(response_id, owner, starting_after)
+            return EventSourceResponse(events, sep="\n")
+        return JSONResponse(stored.view(await stored.get(response_id, owner)))
+
+    @router.post("/{response_id}/cancel")
+    async def cancel(response_id: str, request: Request) -> Response:
+        return JSONResponse(await stored.cancel(response_id, _owner(request)))
+
+    @router.delete("/{response_id}")
+    async def delete(response_id: str, request: Request) -> Response:
+        return JSONResponse(await stored.delete(response_id, _owner(request)))
+
+    return router
+
+
+def _items(value: Any) -> list[Any]:
+    """``input`` as a list of items: a string is one user message."""
+    if isinstance(value, str):
+        return [{"type": "message", "role": "user", "content": value}]
+    return list(value) if isinstance(value, list) else []
+
+
+def _job_id(response_id: str) -> str:
+    return "job_" + response_id.removeprefix(PREFIX)
+
+
+def _owner(request: Request) -> str | None:
+    return getattr(request.state, "api_key", None)
+
+
+__all__ = ["StoredResponses", "responses_router"]
