@@ -137,6 +137,22 @@ def test_a_job_belongs_to_the_key_that_submitted_it(server: str):
         assert job_id not in [job["id"] for job in bob.get("/v1/jobs").json()["data"]]
 
 
+def test_a_stored_response_belongs_to_the_key_that_created_it(server: str):
+    alice, bob = _openai(server, ALICE), _openai(server, BOB)
+    created = alice.responses.create(model="default", input="Hi", max_output_tokens=2)
+    assert alice.responses.retrieve(created.id).id == created.id
+    for attempt in (
+        lambda: bob.responses.retrieve(created.id),
+        lambda: bob.responses.delete(created.id),
+        lambda: bob.responses.create(
+            model="default", input="More", previous_response_id=created.id, max_output_tokens=2
+        ),
+    ):
+        with pytest.raises(openai.NotFoundError):
+            attempt()
+    alice.responses.delete(created.id)
+
+
 def test_keys_are_never_in_the_log(server: str, tmp_path_factory: pytest.TempPathFactory):
     log = Path(tmp_path_factory.getbasetemp()).glob("auth*/server.log")
     text = "".join(path.read_text() for path in log)

@@ -164,7 +164,7 @@ def test_bodies_the_endpoint_would_refuse_are_refused_at_submission(
     assert batch.json()["error"]["message"].startswith("jobs[1].body: ")
     assert len(http.get("/v1/jobs?limit=100").json()["data"]) == before  # nothing was queued
 
-    envelope = http.post("/v1/jobs", json={"endpoint": "/v1/completions", "body": {}})
+    envelope = http.post("/v1/jobs", json={"endpoint": "/v1/embeddings", "body": {}})
     assert envelope.status_code == 400 and envelope.json()["error"]["param"] == "endpoint"
     metadata = http.post("/v1/jobs", json={**good, "metadata": {"n": 1}})
     assert metadata.json()["error"]["param"] == "metadata.n"

@@ -120,6 +120,21 @@ async def test_a_live_reader_gets_chunks_as_they_come_and_stops_at_the_end(
     assert seen == [1, 2, 3]
 
 
+async def test_a_deleted_job_is_gone_at_once_and_its_writer_stops(store: JobStore) -> None:
+    record, other = make_record("job_1"), make_record("job_2")
+    for job in (record, other):
+        await store.create(job, "holder")
+    await store.append(record.id, 1, [chunk(1)])
+    await store.delete(record.id)
+    assert await store.get(record.id) is None  # not even a tombstone
+    assert await read_all(store, record.id) == []
+    with pytest.raises(JobEnded):
+        await store.append(record.id, 2, [chunk(2)])
+    listed, _ = await store.list(owner=None, status=None, limit=10, after=None)
+    assert [job.id for job in listed] == [other.id]
+    assert record.id not in await store.unfinished()
+
+
 async def test_listing_is_newest_first_filtered_and_paged(store: JobStore) -> None:
     ids = [f"job_{n}" for n in range(5)]
     for job_id in ids:
