@@ -190,3 +190,38 @@ def test_keys_own_their_jobs_and_share_one_limit_across_two_replicas(
 
 def _client(base_url: str, key: str) -> httpx.Client:
     return httpx.Client(base_url=base_url, headers={"Authorization": f"Bearer {key}"}, timeout=60)
+
+
+def test_stored_and_background_responses_cross_replicas_and_survive_a_kill(
+    jobs_redis: RedisServer, worker: Fleet, tmp_path: Path
+) -> None:
+    """A response stored through one replica is continued through the other; a background one
+    whose replica is killed is adopted, and its stream read back whole through the survivor."""
+    from openai import OpenAI
+
+    first, first_url = start_api(jobs_redis, tmp_path)
+    second, second_url = start_api(jobs_redis, tmp_path)
+    clients = [
+        OpenAI(base_url=f"{url}/v1", api_key="-", max_retries=0) for url in (first_url, second_url)
+    ]
+    options = {"model": "default", "temperature": 0, "max_output_tokens": 48}
+    count = "Count from 1 to 300, separated by commas."
+    try:
+        stored = clients[0].responses.create(input="Say hi.", **{**options, "max_output_tokens": 8})
+        continued = clients[1].responses.create(
+            input="Again.", previous_response_id=stored.id, **{**options, "max_output_tokens": 8}
+        )
+        assert continued.previous_response_id == stored.id
+        assert continued.usage.input_tokens_details.cached_tokens >= 16  # the one worker's cache
+        foreground = clients[0].responses.create(input=count, store=False, **options)
+        queued = clients[1].responses.create(input=count, background=True, **options)
+        job_id = "job_" + queued.id.removeprefix("resp_")
+        events_key = keys.job_events(job_id)
+        wait_until(lambda: jobs_redis.client.xlen(events_key) >= 8, 60, "the first events")
+        second.stop(signal.SIGKILL)
+        events = list(clients[0].responses.retrieve(queued.id, stream=True, starting_after=2))
+    finally:
+        first.stop()
+        second.stop(signal.SIGKILL)
+    assert [event.sequence_number for event in events] == list(range(3, 3 + len(events)))
+    assert events[-1].response.output_text == foreground.output_text
