@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, TypeVar
 
 import anyio
-from fastapi import FastAPI, Request, Response
+from fastapi import APIRouter, FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse
@@ -28,6 +28,10 @@ from api.access_log import AccessLog, AccessRecord
 from api.admission import Limits
 from api.auth import ApiKey, Authentication, KeyRing
 from api.backends.base import Backend
+from api.batches import openai_batches
+from api.batches.files import Files, files_router
+from api.batches.objects import MemoryObjects, ObjectStore
+from api.batches.service import Batches
 from api.errors import ApiError, bad_request
 from api.jobs.manager import JobManager
 from api.jobs.responses import StoredResponses, responses_router
@@ -86,8 +90,9 @@ def create_app(settings: Settings | None = None, backend: Backend | None = None)
     app.add_api_route("/ready", _ready_route(serving), methods=["GET"])
     app.add_api_route("/metrics", _metrics_route(serving), methods=["GET"])
     app.include_router(jobs_router(manager, stored, settings))
-    _install_error_handlers(app, serving)
     keys = KeyRing.configured(settings.api_keys, settings.api_keys_file)
+    _add_batches(app, manager, keys, settings)
+    _install_error_handlers(app, serving)
     log.info("%s", keys.describe())
     app.add_middleware(Authentication, keys=keys, metrics_token=settings.metrics_token)
     if settings.allowed_origins:  # outside authentication: a preflight carries no key
@@ -138,6 +143,27 @@ def _job_store(settings: Settings) -> JobStore:
 
         return RedisJobStore(settings.redis_url, settings.job_retention_s)
     return MemoryJobStore(settings.job_retention_s)
+
+
+def _add_batches(app: FastAPI, manager: JobManager, keys: KeyRing, settings: Settings) -> None:
+    """Files and OpenAI's Batch API, kept where jobs are (Redis, else this process)."""
+    objects: ObjectStore = MemoryObjects()
+    if settings.redis_url:
+        from api.batches.objects import RedisObjects
+
+        objects = RedisObjects(settings.redis_url)
+    files = Files(
+        objects,
+        max_file_bytes=settings.max_file_bytes,
+        max_bytes_per_key=settings.max_file_bytes_per_key,
+        default_expiry_s=settings.job_retention_s,
+        body_timeout_s=settings.body_timeout_s,
+    )
+    finalizers = {openai_batches.API: openai_batches.output_finalizer(files)}
+    batches = Batches(manager, objects, keys, finalizers, settings.batch_window)
+    app.include_router(APIRouter(lifespan=batches.lifespan))
+    app.include_router(files_router(files))
+    app.include_router(openai_batches.openai_batches_router(batches, files))
 
 
 def _embedded_backend(spec: ModelSpec, settings: Settings) -> Backend:

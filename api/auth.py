@@ -95,6 +95,10 @@ class KeyRing:
                 found = key
         return found
 
+    def named(self, name: str | None) -> ApiKey | None:
+        """The key called ``name`` (what records keep of their owner)."""
+        return next((key for key in self.keys if key.name == name), None)
+
     def describe(self) -> str:
         """For the start log line: whether keys are required, and how many."""
         if not self.enabled:

@@ -108,6 +108,9 @@ def _serve(args: argparse.Namespace) -> int:
         ),
         job_retention_s=args.job_retention,
         max_batch_jobs=args.max_batch_jobs,
+        max_file_bytes=args.max_file_bytes,
+        max_file_bytes_per_key=args.max_file_bytes_per_key,
+        batch_window=args.batch_window,
         api_keys=tuple(args.api_key or ()) + _environment_key(),
         api_keys_file=Path(args.api_keys) if args.api_keys else None,
         metrics_token=args.metrics_token,
@@ -239,6 +242,27 @@ def build_parser() -> argparse.ArgumentParser:
         default=100,
         metavar="N",
         help="POST /v1/jobs/batch: at most N",
+    )
+    serve.add_argument(
+        "--max-file-bytes",
+        type=int,
+        default=64 * 2**20,
+        metavar="N",
+        help="POST /v1/files: a larger file is a 413",
+    )
+    serve.add_argument(
+        "--max-file-bytes-per-key",
+        type=int,
+        default=512 * 2**20,
+        metavar="N",
+        help="what one API key's files may hold together",
+    )
+    serve.add_argument(
+        "--batch-window",
+        type=int,
+        default=32,
+        metavar="N",
+        help="a batch runs at most N of its requests at once",
     )
     serve.add_argument(
         "--api-key",

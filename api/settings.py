@@ -48,6 +48,11 @@ class Settings:
     # Async jobs (api/jobs): kept this long after submission; a batch holds at most this many.
     job_retention_s: float = 86_400.0
     max_batch_jobs: int = 100
+    # Files and batches (api/batches): a file's size, a key's files together, a batch's lines
+    # running at once.
+    max_file_bytes: int = 64 * 2**20
+    max_file_bytes_per_key: int = 512 * 2**20
+    batch_window: int = 32
     # Who may call (api/auth.py): plain keys, a TOML file of named keys, the /metrics token.
     api_keys: tuple[str, ...] = ()
     api_keys_file: Path | None = None

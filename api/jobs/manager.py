@@ -61,11 +61,17 @@ DEFAULT_MAINTAIN_INTERVAL_S = 3.0
 
 @dataclass(slots=True)
 class JobRequest:
-    """One submission: the protocol the body is for, the body, the caller's metadata."""
+    """One submission: the protocol the body is for, the body, the caller's metadata.
+
+    ``job_hex`` fixes the job's id (a batch names its lines' jobs, so that whoever
+    continues the batch finds them); ``priority`` is the least urgent the job runs at.
+    """
 
     protocol: Protocol
     body: dict
     metadata: dict[str, str]
+    job_hex: str | None = None
+    priority: int = 0
 
 
 class SubmitError(Exception):
@@ -115,20 +121,23 @@ class JobManager:
 
     # --- what the routes call ------------------------------------------------------
 
-    async def submit(self, jobs: list[JobRequest], key: ApiKey | None) -> list[JobRecord]:
+    async def submit(
+        self, jobs: list[JobRequest], key: ApiKey | None, owner: str | None = None
+    ) -> list[JobRecord]:
         """Prepare every body and take its share of ``key``'s limits first (one refused body
-        queues nothing), then start them all. The jobs belong to ``key``.
+        queues nothing), then start them all. The jobs belong to ``key`` (else ``owner``).
         """
         prepared = []
         for index, job in enumerate(jobs):
-            job_hex = new_job_hex()
+            job_hex = job.job_hex or new_job_hex()
             try:
                 ready = await self._prepare(job.protocol, job.body, job_hex, key=key)
             except ApiError as exc:
                 raise SubmitError(job.protocol, exc, index) from exc
+            ready.wire.priority = max(ready.wire.priority, job.priority)
             prepared.append((job_hex, ready))
         tickets = await self._limit(jobs, [ready for _, ready in prepared], key)
-        owner = key.name if key is not None else None
+        owner = key.name if key is not None else owner
         records = []
         for index, (job, (job_hex, ready)) in enumerate(zip(jobs, prepared, strict=True)):
             record = self._new_record(job, job_hex, ready, owner)

@@ -1,0 +1,237 @@
+"""OpenAI's Batch API: ``/v1/batches``.
+
+``POST /v1/batches`` takes ``input_file_id`` (a JSONL file of
+``{"custom_id", "method": "POST", "url", "body"}`` lines), ``endpoint``
+(``/v1/chat/completions``, ``/v1/completions`` or ``/v1/responses``, the
+``url`` of every line), ``completion_window`` (``24h``) and ``metadata``. A
+file that is not such JSONL gives a batch with status ``failed`` whose
+``errors`` name each bad line by number; otherwise the batch runs
+(``api.batches.service``). ``GET /v1/batches/{id}``, ``GET /v1/batches``
+(newest first, ``after``, ``limit``) and ``POST /v1/batches/{id}/cancel``.
+
+Output and error files are JSONL in OpenAI's format, one line per request in
+input order: ``{"id", "custom_id", "response": {"status_code", "request_id",
+"body"}, "error"}``. A request the endpoint refused (a 400 for its body) or
+that failed is in the error file; ``request_counts.failed`` counts those,
+``completed`` the output file's lines.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from typing import Any
+
+from fastapi import APIRouter, Request, Response
+from fastapi.responses import JSONResponse
+
+from api.batches.files import Files, list_page
+from api.batches.service import Batches, Line, Outcome
+from api.errors import bad_request
+from api.jobs.records import read_metadata
+
+API = "openai"
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
+WINDOW_S = 86_400
+MAX_LINES = 50_000
+MAX_LINE_ERRORS = 20
+_TIMES = (
+    "in_progress_at",
+    "finalizing_at",
+    "completed_at",
+    "failed_at",
+    "expired_at",
+    "cancelling_at",
+    "cancelled_at",
+)
+
+
+def openai_batches_router(batches: Batches, files: Files) -> APIRouter:
+    router = APIRouter(prefix="/v1/batches")
+
+    @router.post("")
+    async def create(request: Request) -> Response:
+        body = await batches.manager.serving.read_json(request)
+        owner = _owner(request)
+        endpoint = body.get("endpoint")
+        if endpoint not in ENDPOINTS:
+            accepted = ", ".join(ENDPOINTS)
+            raise bad_request(f"endpoint must be one of {accepted}, got {endpoint!r}", "endpoint")
+        if body.get("completion_window") != "24h":
+            raise bad_request(
+                f"completion_window must be '24h', got {body.get('completion_window')!r}",
+                "completion_window",
+            )
+        file_id = body.get("input_file_id")
+        if not isinstance(file_id, str):
+            raise bad_request("input_file_id is required (a file id)", "input_file_id")
+        content = await files.content(file_id, owner)
+        now = int(time.time())
+        record: dict[str, Any] = {
+            "id": "batch_" + secrets.token_hex(12),
+            "object": "batch",
+            "api": API,
+            "endpoint": endpoint,
+            "input_file_id": file_id,
+            "completion_window": "24h",
+            "created_at": now,
+            "expires_at": now + WINDOW_S,
+            "metadata": read_metadata(body.get("metadata")),
+            "owner": owner,
+            "errors": None,
+            "output_file_id": None,
+            "error_file_id": None,
+        }
+        lines, errors = read_lines(content, endpoint)
+        if errors:
+            record.update(status="failed", failed_at=now, total=0, counts={}, errors=errors)
+            await batches.objects.put("batch", record["id"], record)
+            return JSONResponse(view(record))
+        return JSONResponse(view(await batches.create(record, lines)))
+
+    @router.get("")
+    async def list_batches(request: Request, limit: int = 20, after: str | None = None) -> Response:
+        if not 1 <= limit <= 100:
+            raise bad_request(f"limit must be between 1 and 100, got {limit}", "limit")
+        records, more = await batches.list(_owner(request), API, limit, after)
+        return JSONResponse(list_page([view(record) for record in records], more))
+
+    @router.get("/{batch_id}")
+    async def retrieve(batch_id: str, request: Request) -> Response:
+        return JSONResponse(view(await batches.get(batch_id, _owner(request), API)))
+
+    @router.post("/{batch_id}/cancel")
+    async def cancel(batch_id: str, request: Request) -> Response:
+        return JSONResponse(view(await batches.cancel(batch_id, _owner(request), API)))
+
+    return router
+
+
+def read_lines(content: bytes, endpoint: str) -> tuple[list[Line], dict[str, Any] | None]:
+    """The file's requests, or the ``errors`` object naming its bad lines (1-based)."""
+    lines: list[Line] = []
+    errors: list[dict[str, Any]] = []
+    seen: set[str] = set()
+    try:
+        text = content.decode("utf-8")
+    except UnicodeDecodeError:
+        text, errors = "", [_error("invalid_json", "the file is not UTF-8 text", None)]
+    for number, raw in enumerate(text.splitlines(), 1):
+        if not raw.strip():
+            continue
+        problem = _line_problem(raw, endpoint, seen)
+        if isinstance(problem, Line):
+            lines.append(problem)
+            seen.add(problem.custom_id)
+        else:
+            errors.append(_error(*problem, number))
+    if not lines and not errors:
+        errors.append(_error("empty_file", "the input file holds no request", None))
+    if len(lines) > MAX_LINES:
+        errors.append(_error("too_many_requests", f"at most {MAX_LINES} requests", None))
+    if not errors:
+        return lines, None
+    return [], {"object": "list", "data": errors[:MAX_LINE_ERRORS]}
+
+
+def _line_problem(raw: str, endpoint: str, seen: set[str]) -> Line | tuple[str, str, str | None]:
+    try:
+        item = json.loads(raw)
+    except ValueError:
+        return "invalid_json", "the line is not JSON", None
+    if not isinstance(item, dict):
+        return "invalid_request", "the line must be a JSON object", None
+    custom_id = item.get("custom_id")
+    if not isinstance(custom_id, str) or not custom_id:
+        return "missing_required_parameter", "custom_id must be a non-empty string", "custom_id"
+    if custom_id in seen:
+        return "duplicate_custom_id", f"custom_id {custom_id!r} is used twice", "custom_id"
+    if item.get("method") != "POST":
+        return "invalid_request", f"method must be 'POST', got {item.get('method')!r}", "method"
+    if item.get("url") != endpoint:
+        return (
+            "mismatched_url",
+            f"url must be the batch's endpoint {endpoint!r}, got {item.get('url')!r}",
+            "url",
+        )
+    if not isinstance(item.get("body"), dict):
+        return "missing_required_parameter", "body must be the request body (an object)", "body"
+    return Line(custom_id, endpoint, item["body"])
+
+
+def _error(code: str, message: str, param: str | None, line: int | None = None) -> dict[str, Any]:
+    return {"code": code, "message": message, "param": param, "line": line}
+
+
+def view(record: dict[str, Any]) -> dict[str, Any]:
+    """The batch object as OpenAI shapes it."""
+    counts = record.get("counts") or {}
+    failed = counts.get("errored", 0) + counts.get("expired", 0)
+    shown = {
+        "id": record["id"],
+        "object": "batch",
+        "endpoint": record["endpoint"],
+        "errors": record.get("errors"),
+        "input_file_id": record["input_file_id"],
+        "completion_window": record["completion_window"],
+        "status": record["status"],
+        "output_file_id": record.get("output_file_id"),
+        "error_file_id": record.get("error_file_id"),
+        "created_at": record["created_at"],
+        "expires_at": record["expires_at"],
+        "request_counts": {
+            "total": record.get("total", 0),
+            "completed": counts.get("succeeded", 0),
+            "failed": failed,
+        },
+        "metadata": record.get("metadata") or None,
+    }
+    shown.update({name: record.get(name) for name in _TIMES})
+    return shown
+
+
+def output_finalizer(files: Files):  # noqa: ANN201
+    """Writes a finished batch's output and error files; returns their ids for its record."""
+
+    async def finalize(record: dict[str, Any], outcomes: list[Outcome]) -> dict[str, Any]:
+        output = [_output_line(o) for o in outcomes if o.kind == "succeeded"]
+        errors = [_output_line(o) for o in outcomes if o.kind in ("errored", "expired")]
+        ids: dict[str, Any] = {}
+        for name, lines in (("output_file_id", output), ("error_file_id", errors)):
+            if lines:
+                content = "".join(json.dumps(line) + "\n" for line in lines).encode()
+                filename = f"{record['id']}_{name.removesuffix('_file_id')}.jsonl"
+                saved = await files.create(
+                    content, filename, "batch_output", record.get("owner"), limited=False
+                )
+                ids[name] = saved["id"]
+        return ids
+
+    return finalize
+
+
+def _output_line(outcome: Outcome) -> dict[str, Any]:
+    response = None
+    if outcome.status_code is not None:
+        response = {
+            "status_code": outcome.status_code,
+            "request_id": outcome.response_id,
+            "body": outcome.body,
+        }
+    error = None
+    if outcome.kind == "expired":
+        error = {"code": "batch_expired", "message": "the batch ended before this request ran"}
+    return {
+        "id": "batch_req_" + secrets.token_hex(12),
+        "custom_id": outcome.custom_id,
+        "response": response,
+        "error": error,
+    }
+
+
+def _owner(request: Request) -> str | None:
+    return getattr(request.state, "api_key", None)
+
+
+__all__ = ["openai_batches_router", "output_finalizer", "read_lines", "view"]
