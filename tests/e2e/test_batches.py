@@ -1,0 +1,206 @@
+"""Files and OpenAI's Batch API through the official ``openai`` SDK, against a real server.
+
+The server runs with two API keys and small file limits, so ownership and the
+413s are shown on the same server that runs the batches. Greedy decoding makes
+every batch line's body comparable with the same request made directly.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import openai
+import pytest
+from openai import OpenAI
+
+from tests.servers import running_server
+
+pytestmark = pytest.mark.slow
+
+ALICE, BOB = "sk-alice-batches", "sk-bob-batches"
+MAX_FILE_BYTES = 16_384
+MAX_PER_KEY = 65_536
+TOPICS = ["sea", "moon", "sun", "rain", "snow", "wind", "sand", "stars", "trees", "rivers", "hills"]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    args = [
+        "--max-model-len", "1024", "--max-num-seqs", "4", "--batch-window", "4",
+        "--api-key", ALICE, "--api-key", BOB,
+        "--max-file-bytes", str(MAX_FILE_BYTES), "--max-file-bytes-per-key", str(MAX_PER_KEY),
+    ]  # fmt: skip
+    with running_server(args, tmp_path_factory.mktemp("batches")) as base_url:
+        yield base_url
+
+
+@pytest.fixture(scope="module")
+def alice(server: str) -> OpenAI:
+    return OpenAI(base_url=f"{server}/v1", api_key=ALICE, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def bob(server: str) -> OpenAI:
+    return OpenAI(base_url=f"{server}/v1", api_key=BOB, max_retries=0, timeout=120)
+
+
+def chat_body(topic: str, tokens: int = 6) -> dict[str, Any]:
+    messages = [{"role": "user", "content": f"Write one sentence about the {topic}."}]
+    return {"model": "default", "messages": messages, "max_tokens": tokens, "temperature": 0}
+
+
+def responses_body(topic: str) -> dict[str, Any]:
+    prompt = f"Name one thing about the {topic}."
+    return {"model": "default", "input": prompt, "max_output_tokens": 6, "temperature": 0}
+
+
+def upload(client: OpenAI, lines: list[dict[str, Any]] | bytes) -> str:
+    content = lines if isinstance(lines, bytes) else "".join(json.dumps(x) + "\n" for x in lines)
+    data = content if isinstance(content, bytes) else content.encode()
+    return client.files.create(file=("input.jsonl", io.BytesIO(data)), purpose="batch").id
+
+
+def line(custom_id: str, url: str, body: dict[str, Any]) -> dict[str, Any]:
+    return {"custom_id": custom_id, "method": "POST", "url": url, "body": body}
+
+
+def settled(client: OpenAI, batch_id: str, timeout: float = 300):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        batch = client.batches.retrieve(batch_id)
+        if batch.status in ("completed", "failed", "cancelled", "expired"):
+            return batch
+        time.sleep(0.2)
+    pytest.fail(f"batch {batch_id} never ended")
+
+
+def jsonl(client: OpenAI, file_id: str | None) -> list[dict[str, Any]]:
+    if file_id is None:
+        return []
+    return [json.loads(x) for x in client.files.content(file_id).text.splitlines()]
+
+
+def answer(body: dict[str, Any]) -> Any:
+    """What greedy decoding decides: the text, how it ended, how many tokens."""
+    if body.get("object") == "response":
+        return (
+            body["output"][-1]["content"][0]["text"],
+            body["status"],
+            body["usage"]["output_tokens"],
+        )
+    choice = body["choices"][0]
+    return choice["message"]["content"], choice["finish_reason"], body["usage"]["completion_tokens"]
+
+
+@pytest.mark.parametrize(
+    ("url", "make", "count"),
+    [("/v1/chat/completions", chat_body, 11), ("/v1/responses", responses_body, 10)],
+)
+def test_every_line_is_answered_once_as_the_direct_request_is(
+    alice: OpenAI, url: str, make, count: int
+):
+    topics = TOPICS[:count]
+    lines = [line(f"req-{topic}", url, make(topic)) for topic in topics]
+    lines.insert(3, line("broken", url, {**make("sea"), "temperature": 7}))
+    batch = alice.batches.create(
+        input_file_id=upload(alice, lines),
+        endpoint=url,
+        completion_window="24h",
+        metadata={"suite": "e2e"},
+    )
+    assert batch.status == "in_progress" and batch.request_counts.total == count + 1
+    done = settled(alice, batch.id)
+    assert done.status == "completed" and done.metadata == {"suite": "e2e"}
+    assert done.request_counts.completed == count and done.request_counts.failed == 1
+    output = jsonl(alice, done.output_file_id)
+    assert sorted(x["custom_id"] for x in output) == sorted(f"req-{t}" for t in topics)
+    (error,) = jsonl(alice, done.error_file_id)
+    assert error["custom_id"] == "broken" and error["response"]["status_code"] == 400
+    assert "temperature" in json.dumps(error["response"]["body"])
+    path = url.removeprefix("/v1")  # the client's base URL ends in /v1
+    direct = {f"req-{t}": alice.post(path, cast_to=object, body=make(t)) for t in topics}
+    for item in output:
+        assert item["response"]["status_code"] == 200 and item["error"] is None
+        assert answer(item["response"]["body"]) == answer(direct[item["custom_id"]])
+
+
+def test_cancelling_mid_way_leaves_a_cancelled_batch_with_true_counts(alice: OpenAI):
+    topics = [f"{topic} number {n}" for n in range(3) for topic in TOPICS[:8]]
+    lines = [line(f"c{i}", "/v1/chat/completions", chat_body(t, 24)) for i, t in enumerate(topics)]
+    batch = alice.batches.create(
+        input_file_id=upload(alice, lines), endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    deadline = time.monotonic() + 120
+    while alice.batches.retrieve(batch.id).request_counts.completed < 2:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    assert alice.batches.cancel(batch.id).status == "cancelling"
+    done = settled(alice, batch.id)
+    assert done.status == "cancelled" and done.cancelled_at is not None
+    output, errors = jsonl(alice, done.output_file_id), jsonl(alice, done.error_file_id)
+    assert done.request_counts.completed == len(output) >= 2
+    assert done.request_counts.failed == len(errors) == 0
+    assert len(output) < len(lines)  # the rest never ran or was cut short
+
+
+def test_a_malformed_file_fails_validation_naming_its_lines(alice: OpenAI):
+    good = line("ok", "/v1/chat/completions", chat_body("sea"))
+    content = (
+        json.dumps(good)
+        + "\nnot json\n"
+        + json.dumps({**good, "custom_id": "other", "url": "/v1/responses"})
+        + "\n"
+    ).encode()
+    batch = alice.batches.create(
+        input_file_id=upload(alice, content),
+        endpoint="/v1/chat/completions",
+        completion_window="24h",
+    )
+    assert batch.status == "failed" and batch.errors is not None
+    assert [(e.line, e.code) for e in batch.errors.data] == [
+        (2, "invalid_json"),
+        (3, "mismatched_url"),
+    ]
+
+
+def test_files_are_listed_read_deleted_and_bounded(alice: OpenAI, bob: OpenAI):
+    file_id = upload(alice, [line("x", "/v1/chat/completions", chat_body("sea"))])
+    assert file_id in [f.id for f in alice.files.list(purpose="batch").data]
+    assert json.loads(alice.files.content(file_id).text)["custom_id"] == "x"
+    for call in (
+        lambda: bob.files.retrieve(file_id),
+        lambda: bob.files.content(file_id),
+        lambda: bob.batches.create(
+            input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h"
+        ),
+    ):
+        with pytest.raises(openai.NotFoundError):
+            call()
+    assert alice.files.delete(file_id).deleted
+    with pytest.raises(openai.NotFoundError):
+        alice.files.retrieve(file_id)
+    with pytest.raises(openai.APIStatusError) as caught:
+        upload(alice, b"x" * (MAX_FILE_BYTES + 1))
+    assert caught.value.status_code == 413 and "--max-file-bytes" in caught.value.message
+    kept = [upload(bob, b"y" * MAX_FILE_BYTES) for _ in range(MAX_PER_KEY // MAX_FILE_BYTES)]
+    with pytest.raises(openai.APIStatusError) as caught:
+        upload(bob, b"z")
+    assert caught.value.status_code == 413 and "per-key" in caught.value.message
+    for file_id in kept:
+        bob.files.delete(file_id)
+
+
+def test_a_batch_belongs_to_the_key_that_created_it(alice: OpenAI, bob: OpenAI):
+    lines = [line("only", "/v1/chat/completions", chat_body("sea", 2))]
+    batch = alice.batches.create(
+        input_file_id=upload(alice, lines), endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    with pytest.raises(openai.NotFoundError):
+        bob.batches.retrieve(batch.id)
+    assert batch.id not in [b.id for b in bob.batches.list().data]
+    assert batch.id in [b.id for b in alice.batches.list().data]
+    settled(alice, batch.id)
