@@ -225,3 +225,63 @@ def test_stored_and_background_responses_cross_replicas_and_survive_a_kill(
         second.stop(signal.SIGKILL)
     assert [event.sequence_number for event in events] == list(range(3, 3 + len(events)))
     assert events[-1].response.output_text == foreground.output_text
+
+
+def test_a_batch_whose_replica_is_killed_completes_through_the_other(
+    jobs_redis: RedisServer, worker: Fleet, tmp_path: Path
+) -> None:
+    """Lines run two at a time; the replica running the batch is killed mid-way. The other
+    replica takes the batch over: every line is answered once, none twice."""
+    import io
+
+    from openai import OpenAI
+
+    window = ("--batch-window", "2")
+    first, first_url = start_api(jobs_redis, tmp_path, *window)
+    second, second_url = start_api(jobs_redis, tmp_path, *window)
+    clients = [
+        OpenAI(base_url=f"{url}/v1", api_key="-", max_retries=0) for url in (first_url, second_url)
+    ]
+    lines = [
+        {
+            "custom_id": f"line-{n}",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {
+                **BODY,
+                "max_tokens": 8,
+                "messages": [{"role": "user", "content": f"Say {n}."}],
+            },
+        }
+        for n in range(10)
+    ]
+    content = "".join(json.dumps(line) + "\n" for line in lines).encode()
+    try:
+        file_id = (
+            clients[0].files.create(file=("in.jsonl", io.BytesIO(content)), purpose="batch").id
+        )
+        batch = clients[0].batches.create(
+            input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
+        wait_until(
+            lambda: clients[1].batches.retrieve(batch.id).request_counts.completed >= 2,
+            90,
+            "two lines to finish",
+            0.2,
+        )
+        first.stop(signal.SIGKILL)
+        done = wait_until(
+            lambda: (b := clients[1].batches.retrieve(batch.id)).status == "completed" and b,
+            180,
+            "the batch to complete through the other replica",
+            0.5,
+        )
+        output = [
+            json.loads(x) for x in clients[1].files.content(done.output_file_id).text.splitlines()
+        ]
+    finally:
+        first.stop(signal.SIGKILL)
+        second.stop()
+    assert sorted(item["custom_id"] for item in output) == sorted(x["custom_id"] for x in lines)
+    assert done.request_counts.completed == len(lines) and done.request_counts.failed == 0
+    assert all(item["response"]["status_code"] == 200 for item in output)
