@@ -28,7 +28,7 @@ from api.access_log import AccessLog, AccessRecord
 from api.admission import Limits
 from api.auth import ApiKey, Authentication, KeyRing
 from api.backends.base import Backend
-from api.batches import openai_batches
+from api.batches import anthropic_batches, openai_batches
 from api.batches.files import Files, files_router
 from api.batches.objects import MemoryObjects, ObjectStore
 from api.batches.service import Batches
@@ -146,7 +146,8 @@ def _job_store(settings: Settings) -> JobStore:
 
 
 def _add_batches(app: FastAPI, manager: JobManager, keys: KeyRing, settings: Settings) -> None:
-    """Files and OpenAI's Batch API, kept where jobs are (Redis, else this process)."""
+    """Files, OpenAI's Batch API and Anthropic's Message Batches, kept where jobs are (Redis,
+    else this process)."""
     objects: ObjectStore = MemoryObjects()
     if settings.redis_url:
         from api.batches.objects import RedisObjects
@@ -159,11 +160,18 @@ def _add_batches(app: FastAPI, manager: JobManager, keys: KeyRing, settings: Set
         default_expiry_s=settings.job_retention_s,
         body_timeout_s=settings.body_timeout_s,
     )
-    finalizers = {openai_batches.API: openai_batches.output_finalizer(files)}
-    batches = Batches(manager, objects, keys, finalizers, settings.batch_window)
+    finalizers = {
+        openai_batches.API: openai_batches.output_finalizer(files),
+        anthropic_batches.API: anthropic_batches.results_finalizer(files),
+    }
+    batches = Batches(
+        manager, objects, keys, finalizers, settings.batch_concurrency, settings.job_retention_s
+    )
+    window_s = settings.batch_completion_window_s
     app.include_router(APIRouter(lifespan=batches.lifespan))
     app.include_router(files_router(files))
-    app.include_router(openai_batches.openai_batches_router(batches, files))
+    app.include_router(openai_batches.openai_batches_router(batches, files, window_s))
+    app.include_router(anthropic_batches.anthropic_batches_router(batches, files, window_s))
 
 
 def _embedded_backend(spec: ModelSpec, settings: Settings) -> Backend:

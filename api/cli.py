@@ -110,7 +110,8 @@ def _serve(args: argparse.Namespace) -> int:
         max_batch_jobs=args.max_batch_jobs,
         max_file_bytes=args.max_file_bytes,
         max_file_bytes_per_key=args.max_file_bytes_per_key,
-        batch_window=args.batch_window,
+        batch_concurrency=args.batch_concurrency,
+        batch_completion_window_s=args.batch_completion_window,
         api_keys=tuple(args.api_key or ()) + _environment_key(),
         api_keys_file=Path(args.api_keys) if args.api_keys else None,
         metrics_token=args.metrics_token,
@@ -258,11 +259,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="what one API key's files may hold together",
     )
     serve.add_argument(
-        "--batch-window",
+        "--batch-concurrency",
         type=int,
         default=32,
         metavar="N",
         help="a batch runs at most N of its requests at once",
+    )
+    serve.add_argument(
+        "--batch-completion-window",
+        type=float,
+        default=86_400.0,
+        metavar="S",
+        help="a batch's requests not done S seconds after it was created expire",
     )
     serve.add_argument(
         "--api-key",

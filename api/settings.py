@@ -49,10 +49,11 @@ class Settings:
     job_retention_s: float = 86_400.0
     max_batch_jobs: int = 100
     # Files and batches (api/batches): a file's size, a key's files together, a batch's lines
-    # running at once.
+    # running at once, and how long they may take before what is left expires.
     max_file_bytes: int = 64 * 2**20
     max_file_bytes_per_key: int = 512 * 2**20
-    batch_window: int = 32
+    batch_concurrency: int = 32
+    batch_completion_window_s: float = 86_400.0
     # Who may call (api/auth.py): plain keys, a TOML file of named keys, the /metrics token.
     api_keys: tuple[str, ...] = ()
     api_keys_file: Path | None = None

@@ -78,6 +78,7 @@ class Files:
             "status_details": None,
             "owner": owner,
         }
+        record["kept_until"] = record["expires_at"]
         await self.objects.put(KIND, record["id"], record, content)
         return record
 
@@ -231,7 +232,7 @@ def _expiry(form: Any) -> float | None:
 
 
 def _view(record: dict[str, Any]) -> dict[str, Any]:
-    return {name: value for name, value in record.items() if name != "owner"}
+    return {name: value for name, value in record.items() if name not in ("owner", "kept_until")}
 
 
 def _too_large(message: str) -> ApiError:

@@ -1,5 +1,9 @@
 """Where files and batches live: JSON records by kind, with an optional blob each.
 
+Every record says until when it is kept (``kept_until``, unix seconds; None:
+until deleted), whom it belongs to (``owner``) and when it was made
+(``created_at``).
+
 Files and batches need less than jobs (no event stream): a record per
 object, a file's content, listing newest first per owner, expiry, and (for
 batches, in distributed mode) a runner lease so that another API replica
@@ -37,7 +41,7 @@ class ObjectStore(Protocol):
     async def put(
         self, kind: str, object_id: str, record: dict[str, Any], blob: bytes | None = None
     ) -> None:
-        """Save a new object; ``record`` holds ``created_at``, ``expires_at`` and ``owner``."""
+        """Save a new object; ``record`` holds ``created_at``, ``kept_until`` and ``owner``."""
         ...
 
     async def update(self, kind: str, object_id: str, record: dict[str, Any]) -> None: ...
@@ -71,8 +75,8 @@ def visible(record: dict[str, Any], owner: str | None) -> bool:
 
 
 def _live(record: dict[str, Any]) -> bool:
-    expires = record.get("expires_at")
-    return expires is None or time.time() < expires
+    kept_until = record.get("kept_until")
+    return kept_until is None or time.time() < kept_until
 
 
 @dataclass(slots=True)
@@ -191,8 +195,8 @@ class RedisObjects:
             mapping["blob"] = blob
         async with self._redis.pipeline(transaction=True) as pipe:
             pipe.hset(key, mapping=mapping)
-            if record.get("expires_at") is not None:
-                pipe.pexpireat(key, int(record["expires_at"] * 1000))
+            if record.get("kept_until") is not None:
+                pipe.pexpireat(key, int(record["kept_until"] * 1000))
             pipe.zadd(_key(kind, "index"), {object_id: record["created_at"]})
             await pipe.execute()
 

@@ -33,7 +33,6 @@ from api.jobs.records import read_metadata
 
 API = "openai"
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
-WINDOW_S = 86_400
 MAX_LINES = 50_000
 MAX_LINE_ERRORS = 20
 _TIMES = (
@@ -47,7 +46,9 @@ _TIMES = (
 )
 
 
-def openai_batches_router(batches: Batches, files: Files) -> APIRouter:
+def openai_batches_router(batches: Batches, files: Files, window_s: float) -> APIRouter:
+    """The routes; a batch's requests that have not ended ``window_s`` after it was created
+    expire (OpenAI's 24 h ``completion_window``; ``--batch-completion-window`` sets it)."""
     router = APIRouter(prefix="/v1/batches")
 
     @router.post("")
@@ -76,7 +77,7 @@ def openai_batches_router(batches: Batches, files: Files) -> APIRouter:
             "input_file_id": file_id,
             "completion_window": "24h",
             "created_at": now,
-            "expires_at": now + WINDOW_S,
+            "expires_at": now + int(window_s),
             "metadata": read_metadata(body.get("metadata")),
             "owner": owner,
             "errors": None,
@@ -86,6 +87,7 @@ def openai_batches_router(batches: Batches, files: Files) -> APIRouter:
         lines, errors = read_lines(content, endpoint)
         if errors:
             record.update(status="failed", failed_at=now, total=0, counts={}, errors=errors)
+            record["kept_until"] = record["expires_at"] + batches.retention_s
             await batches.objects.put("batch", record["id"], record)
             return JSONResponse(view(record))
         return JSONResponse(view(await batches.create(record, lines)))

@@ -85,12 +85,14 @@ class Batches:
         keys: KeyRing,
         finalizers: dict[str, Finalizer],
         window: int,
+        retention_s: float,
     ) -> None:
         self.manager = manager
         self.objects = objects
         self.keys = keys
         self.finalizers = finalizers  # by the record's "api"
         self.window = window
+        self.retention_s = retention_s
         self._running: dict[str, asyncio.Task[None]] = {}
         self._maintainer: asyncio.Task[None] | None = None
 
@@ -108,7 +110,11 @@ class Batches:
             await self.objects.close()
 
     async def create(self, record: dict[str, Any], lines: list[Line]) -> dict[str, Any]:
-        """Save the batch (``record`` holds its id, ``api``, owner and times) and start it."""
+        """Save the batch and start it.
+
+        ``record`` holds its id, ``api``, owner, ``created_at`` and ``expires_at`` (when
+        what has not ended expires); it is kept for the retention after that.
+        """
         now = int(time.time())
         record.update(
             status="in_progress",
@@ -117,6 +123,7 @@ class Batches:
             submitted=0,
             refused={},
             counts=_counts(len(lines)),
+            kept_until=record["expires_at"] + self.retention_s,
         )
         blob = json.dumps([asdict(line) for line in lines]).encode()
         await self.objects.put(KIND, record["id"], record, blob)
@@ -156,7 +163,7 @@ class Batches:
         record = await self.get(batch_id, owner, api)
         if record["status"] != "in_progress":
             return record
-        flag = {"created_at": time.time(), "expires_at": None, "owner": record.get("owner")}
+        flag = {"created_at": time.time(), "kept_until": None, "owner": record.get("owner")}
         await self.objects.put(CANCEL_KIND, batch_id, flag)
         record.update(status="cancelling", cancelling_at=int(flag["created_at"]))
         return record
@@ -202,6 +209,10 @@ class Batches:
                 return
             if await self.objects.get(CANCEL_KIND, batch_id) is not None:
                 record["cancelling_at"] = int(time.time())
+                await self._cancel_lines(record, outstanding)
+                break
+            if time.time() >= record["expires_at"]:  # its window closed: what is left expires
+                record["expired_at"] = int(time.time())
                 await self._cancel_lines(record, outstanding)
                 break
             await self._submit_lines(record, lines, outstanding)
@@ -259,7 +270,6 @@ class Batches:
                 await self.manager.cancel(_job_id(record["id"], index), record.get("owner"))
 
     async def _finalize(self, record: dict[str, Any], lines: list[Line]) -> None:
-        cancelled = "cancelling_at" in record
         record.update(status="finalizing", finalizing_at=int(time.time()))
         await self.objects.update(KIND, record["id"], record)
         outcomes = [await self._outcome(record, index, line) for index, line in enumerate(lines)]
@@ -268,8 +278,11 @@ class Batches:
             counts[outcome.kind] += 1
         record["counts"] = counts
         record.update(await self.finalizers[record["api"]](record, outcomes))
-        ended = "cancelled" if cancelled else "completed"
-        record.update(status=ended, **{f"{ended}_at": int(time.time())})
+        if record.get("expired_at") is not None:
+            record["status"] = "expired"
+        else:
+            ended = "cancelled" if record.get("cancelling_at") is not None else "completed"
+            record.update(status=ended, **{f"{ended}_at": int(time.time())})
         await self.objects.update(KIND, record["id"], record)
         await self.objects.set_active(KIND, record["id"], False)
         await self.objects.delete(CANCEL_KIND, record["id"])
@@ -278,10 +291,13 @@ class Batches:
         refused = record["refused"].get(str(index))
         if refused is not None:
             return Outcome(line.custom_id, "errored", None, refused["status"], refused["body"])
+        unfinished = "expired" if record.get("expired_at") is not None else "canceled"
         if index >= record["submitted"]:
-            return Outcome(line.custom_id, "canceled")
-        job = await self.manager.store.get(_job_id(record["id"], index))
-        return _job_outcome(line, job)
+            return Outcome(line.custom_id, unfinished)
+        outcome = _job_outcome(line, await self.manager.store.get(_job_id(record["id"], index)))
+        if outcome.kind == "canceled":  # cut short by the batch's cancel or by its expiry
+            outcome.kind = unfinished
+        return outcome
 
     # --- takeover ----------------------------------------------------------------------
 

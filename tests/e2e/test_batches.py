@@ -1,8 +1,9 @@
-"""Files and OpenAI's Batch API through the official ``openai`` SDK, against a real server.
+"""Files, OpenAI's Batch API and Anthropic's Message Batches through the official SDKs.
 
-The server runs with two API keys and small file limits, so ownership and the
-413s are shown on the same server that runs the batches. Greedy decoding makes
-every batch line's body comparable with the same request made directly.
+One real server runs with two API keys, small file limits and a short
+completion window, so ownership, the 413s and expiry are shown on the same
+server that runs the batches. Greedy decoding makes every batch line's answer
+comparable with the same request made directly.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import anthropic
 import openai
 import pytest
 from openai import OpenAI
@@ -24,15 +26,17 @@ pytestmark = pytest.mark.slow
 ALICE, BOB = "sk-alice-batches", "sk-bob-batches"
 MAX_FILE_BYTES = 16_384
 MAX_PER_KEY = 65_536
+WINDOW_S = 30  # a batch's completion window: what has not ended by then expires
 TOPICS = ["sea", "moon", "sun", "rain", "snow", "wind", "sand", "stars", "trees", "rivers", "hills"]
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     args = [
-        "--max-model-len", "1024", "--max-num-seqs", "4", "--batch-window", "4",
+        "--max-model-len", "1024", "--max-num-seqs", "4", "--batch-concurrency", "4",
         "--api-key", ALICE, "--api-key", BOB,
         "--max-file-bytes", str(MAX_FILE_BYTES), "--max-file-bytes-per-key", str(MAX_PER_KEY),
+        "--batch-completion-window", str(WINDOW_S),
     ]  # fmt: skip
     with running_server(args, tmp_path_factory.mktemp("batches")) as base_url:
         yield base_url
@@ -46,6 +50,11 @@ def alice(server: str) -> OpenAI:
 @pytest.fixture(scope="module")
 def bob(server: str) -> OpenAI:
     return OpenAI(base_url=f"{server}/v1", api_key=BOB, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def claude(server: str) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=server, api_key=ALICE, max_retries=0, timeout=120)
 
 
 def chat_body(topic: str, tokens: int = 6) -> dict[str, Any]:
@@ -204,3 +213,86 @@ def test_a_batch_belongs_to_the_key_that_created_it(alice: OpenAI, bob: OpenAI):
     assert batch.id not in [b.id for b in bob.batches.list().data]
     assert batch.id in [b.id for b in alice.batches.list().data]
     settled(alice, batch.id)
+
+
+# --- Anthropic's Message Batches -------------------------------------------------------------
+
+
+def messages_params(topic: str, tokens: int = 6) -> dict[str, Any]:
+    messages = [{"role": "user", "content": f"Write one sentence about the {topic}."}]
+    return {"model": "default", "max_tokens": tokens, "messages": messages, "temperature": 0}
+
+
+def ended(client: anthropic.Anthropic, batch_id: str, timeout: float = 300):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        batch = client.messages.batches.retrieve(batch_id)
+        if batch.processing_status == "ended":
+            return batch
+        time.sleep(0.2)
+    pytest.fail(f"message batch {batch_id} never ended")
+
+
+def test_message_batch_results_are_the_direct_answers(claude: anthropic.Anthropic):
+    topics = TOPICS[:10]
+    requests = [{"custom_id": f"m-{t}", "params": messages_params(t)} for t in topics]
+    batch = claude.messages.batches.create(requests=requests)
+    assert batch.processing_status == "in_progress" and batch.request_counts.processing == 10
+    done = ended(claude, batch.id)
+    assert done.request_counts.succeeded == 10 and done.ended_at is not None
+    results = {r.custom_id: r.result for r in claude.messages.batches.results(batch.id)}
+    assert sorted(results) == sorted(f"m-{t}" for t in topics)
+    for topic in topics:
+        params = messages_params(topic)
+        greedy = {"temperature": params.pop("temperature")}  # the SDK has no such argument
+        direct = claude.messages.create(**params, extra_body=greedy)
+        result = results[f"m-{topic}"]
+        assert result.type == "succeeded"
+        assert result.message.content[0].text == direct.content[0].text
+        assert result.message.stop_reason == direct.stop_reason
+    assert batch.id in [b.id for b in claude.messages.batches.list()]
+    claude.messages.batches.delete(batch.id)
+    with pytest.raises(anthropic.NotFoundError):
+        claude.messages.batches.retrieve(batch.id)
+
+
+def test_a_cancelled_message_batch_ends_with_its_requests_canceled(claude: anthropic.Anthropic):
+    requests = [
+        {"custom_id": f"c-{n}", "params": messages_params(f"{TOPICS[n % 8]} {n}", 24)}
+        for n in range(24)
+    ]
+    batch = claude.messages.batches.create(requests=requests)
+    deadline = time.monotonic() + 120
+    while claude.messages.batches.retrieve(batch.id).request_counts.succeeded < 2:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    assert claude.messages.batches.cancel(batch.id).processing_status == "canceling"
+    done = ended(claude, batch.id)
+    counts = done.request_counts
+    assert counts.canceled > 0 and counts.succeeded >= 2 and counts.processing == 0
+    assert counts.succeeded + counts.canceled == len(requests)
+    kinds = [r.result.type for r in claude.messages.batches.results(batch.id)]
+    assert (
+        kinds.count("succeeded") == counts.succeeded and kinds.count("canceled") == counts.canceled
+    )
+
+
+def test_what_is_not_done_when_the_window_closes_expires(claude: anthropic.Anthropic):
+    requests = [
+        {"custom_id": f"e-{n}", "params": messages_params(f"{TOPICS[n % 8]} {n}", 64)}
+        for n in range(64)
+    ]  # far more work than the window allows
+    batch = claude.messages.batches.create(requests=requests)
+    done = ended(claude, batch.id, timeout=WINDOW_S + 60)
+    counts = done.request_counts
+    assert counts.expired > 0 and counts.succeeded + counts.expired == len(requests)
+    kinds = [r.result.type for r in claude.messages.batches.results(batch.id)]
+    assert kinds.count("expired") == counts.expired
+
+
+def test_a_malformed_message_batch_is_refused_in_anthropic_s_shape(claude: anthropic.Anthropic):
+    with pytest.raises(anthropic.BadRequestError) as caught:
+        claude.messages.batches.create(
+            requests=[{"custom_id": "same", "params": messages_params("sea")}] * 2
+        )
+    assert caught.value.body["type"] == "error" and "twice" in caught.value.message

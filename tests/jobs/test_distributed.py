@@ -236,9 +236,9 @@ def test_a_batch_whose_replica_is_killed_completes_through_the_other(
 
     from openai import OpenAI
 
-    window = ("--batch-window", "2")
-    first, first_url = start_api(jobs_redis, tmp_path, *window)
-    second, second_url = start_api(jobs_redis, tmp_path, *window)
+    concurrency = ("--batch-concurrency", "2")
+    first, first_url = start_api(jobs_redis, tmp_path, *concurrency)
+    second, second_url = start_api(jobs_redis, tmp_path, *concurrency)
     clients = [
         OpenAI(base_url=f"{url}/v1", api_key="-", max_retries=0) for url in (first_url, second_url)
     ]

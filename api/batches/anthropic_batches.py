@@ -1,0 +1,206 @@
+"""Anthropic's Message Batches: ``/v1/messages/batches``.
+
+``POST`` takes ``requests``: ``[{"custom_id", "params"}]``, each ``params`` a
+Messages body; they run as the batch's lines (``api.batches.service``). A
+``params`` the Messages route would refuse errors that request alone.
+``GET /{id}`` (``processing_status`` ``in_progress``, ``canceling``,
+``ended``, and ``request_counts``), ``GET`` (newest first; ``after_id``,
+``before_id``, ``limit``), ``POST /{id}/cancel``, ``DELETE /{id}`` (an ended
+batch) and ``GET /{id}/results``: JSONL, one line per request in order,
+``{"custom_id", "result": {"type": "succeeded", "message"} | {"type":
+"errored", "error"} | {"type": "canceled"} | {"type": "expired"}}``. Times are
+RFC 3339 strings, as Anthropic writes them. Errors take Anthropic's shape.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+import time
+from datetime import UTC, datetime
+from typing import Any
+
+from fastapi import APIRouter, Request, Response
+from fastapi.responses import JSONResponse
+
+from api.batches.files import Files
+from api.batches.service import Batches, Line, Outcome
+from api.errors import bad_request
+from api.protocols import messages
+
+API = "anthropic"
+MAX_REQUESTS = 100_000
+CUSTOM_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+def anthropic_batches_router(batches: Batches, files: Files, window_s: float) -> APIRouter:
+    router = APIRouter(prefix=f"{messages.PROTOCOL.path}/batches")
+
+    @router.post("")
+    async def create(request: Request) -> Response:
+        body = await batches.manager.serving.read_json(request)
+        now = int(time.time())
+        record = {
+            "id": "msgbatch_" + secrets.token_hex(12),
+            "api": API,
+            "created_at": now,
+            "expires_at": now + int(window_s),
+            "owner": _owner(request),
+        }
+        return JSONResponse(view(await batches.create(record, read_requests(body)), request))
+
+    @router.get("")
+    async def list_batches(
+        request: Request,
+        limit: int = 20,
+        after_id: str | None = None,
+        before_id: str | None = None,
+    ) -> Response:
+        if not 1 <= limit <= 1000:
+            raise bad_request(f"limit must be between 1 and 1000, got {limit}", "limit")
+        owner = _owner(request)
+        records, more = await batches.list(owner, API, 10_000, None)
+        ids = [record["id"] for record in records]
+        if after_id is not None:
+            records = records[ids.index(after_id) + 1 :] if after_id in ids else []
+        elif before_id is not None:
+            records = records[: ids.index(before_id)] if before_id in ids else []
+            records, more = records[-limit:], len(records) > limit
+        page = records[:limit]
+        more = more or len(records) > limit
+        data = [view(record, request) for record in page]
+        return JSONResponse(
+            {
+                "data": data,
+                "has_more": more,
+                "first_id": data[0]["id"] if data else None,
+                "last_id": data[-1]["id"] if data else None,
+            }
+        )
+
+    @router.get("/{batch_id}")
+    async def retrieve(batch_id: str, request: Request) -> Response:
+        return JSONResponse(view(await batches.get(batch_id, _owner(request), API), request))
+
+    @router.post("/{batch_id}/cancel")
+    async def cancel(batch_id: str, request: Request) -> Response:
+        return JSONResponse(view(await batches.cancel(batch_id, _owner(request), API), request))
+
+    @router.delete("/{batch_id}")
+    async def delete(batch_id: str, request: Request) -> Response:
+        await batches.delete(batch_id, _owner(request), API)
+        return JSONResponse({"id": batch_id, "type": "message_batch_deleted"})
+
+    @router.get("/{batch_id}/results")
+    async def results(batch_id: str, request: Request) -> Response:
+        owner = _owner(request)
+        record = await batches.get(batch_id, owner, API)
+        if record.get("results_file_id") is None:
+            raise bad_request(
+                f"Batch {batch_id!r} has not ended ({record['status']}): its results are not "
+                "available yet",
+                "batch_id",
+            )
+        content = await files.content(record["results_file_id"], owner)
+        return Response(content, media_type="application/binary")
+
+    return router
+
+
+def read_requests(body: dict[str, Any]) -> list[Line]:
+    """The batch's requests; a 400 naming the first malformed one."""
+    requests = body.get("requests")
+    if not isinstance(requests, list) or not 1 <= len(requests) <= MAX_REQUESTS:
+        raise bad_request(f"requests must be a list of 1 to {MAX_REQUESTS} requests", "requests")
+    lines, seen = [], set()
+    for index, item in enumerate(requests):
+        where = f"requests[{index}]"
+        if not isinstance(item, dict):
+            raise bad_request(f"{where} must be an object", where)
+        custom_id = item.get("custom_id")
+        if not isinstance(custom_id, str) or not CUSTOM_ID.fullmatch(custom_id):
+            raise bad_request(
+                f"{where}.custom_id must be 1 to 64 letters, digits, '-' or '_', got {custom_id!r}",
+                f"{where}.custom_id",
+            )
+        if custom_id in seen:
+            raise bad_request(
+                f"{where}.custom_id {custom_id!r} is used twice", f"{where}.custom_id"
+            )
+        if not isinstance(item.get("params"), dict):
+            raise bad_request(f"{where}.params must be a Messages request body", f"{where}.params")
+        if item["params"].get("stream"):
+            raise bad_request(f"{where}.params.stream is not supported in a batch", where)
+        seen.add(custom_id)
+        lines.append(Line(custom_id, messages.PROTOCOL.path, item["params"]))
+    return lines
+
+
+def view(record: dict[str, Any], request: Request) -> dict[str, Any]:
+    """The message batch object as Anthropic shapes it."""
+    status = record["status"]
+    ended = status in ("completed", "cancelled", "expired", "failed")
+    ended_at = record.get("completed_at") or record.get("cancelled_at") or record.get("expired_at")
+    results_url = None
+    if ended:
+        results_url = str(request.url_for("results", batch_id=record["id"]))
+    return {
+        "id": record["id"],
+        "type": "message_batch",
+        "processing_status": "ended" if ended else _PROCESSING.get(status, "in_progress"),
+        "request_counts": {
+            name: record["counts"].get(name, 0)
+            for name in ("processing", "succeeded", "errored", "canceled", "expired")
+        },
+        "ended_at": _time(ended_at if ended else None),
+        "created_at": _time(record["created_at"]),
+        "expires_at": _time(record["expires_at"]),
+        "archived_at": None,
+        "cancel_initiated_at": _time(record.get("cancelling_at")),
+        "results_url": results_url,
+    }
+
+
+_PROCESSING = {"in_progress": "in_progress", "cancelling": "canceling", "finalizing": "in_progress"}
+
+
+def results_finalizer(files: Files):  # noqa: ANN201
+    """Writes a finished batch's results as a file; returns its id for the record."""
+
+    async def finalize(record: dict[str, Any], outcomes: list[Outcome]) -> dict[str, Any]:
+        lines = [json.dumps({"custom_id": o.custom_id, "result": _result(o)}) for o in outcomes]
+        content = "".join(line + "\n" for line in lines).encode()
+        saved = await files.create(
+            content, f"{record['id']}_results.jsonl", "batch_output", record.get("owner"),
+            limited=False,
+        )  # fmt: skip
+        return {"results_file_id": saved["id"]}
+
+    return finalize
+
+
+def _result(outcome: Outcome) -> dict[str, Any]:
+    if outcome.kind == "succeeded":
+        return {"type": "succeeded", "message": outcome.body}
+    if outcome.kind == "errored":
+        error = (outcome.body or {}).get("error") or {}
+        detail = {
+            "type": error.get("type") or "api_error",
+            "message": error.get("message", ""),
+        }
+        return {"type": "errored", "error": {"type": "error", "error": detail}}
+    return {"type": outcome.kind}
+
+
+def _time(seconds: float | None) -> str | None:
+    if seconds is None:
+        return None
+    return datetime.fromtimestamp(seconds, UTC).isoformat().replace("+00:00", "Z")
+
+
+def _owner(request: Request) -> str | None:
+    return getattr(request.state, "api_key", None)
+
+
+__all__ = ["anthropic_batches_router", "read_requests", "results_finalizer", "view"]
