@@ -204,25 +204,56 @@ class Batches:
         outstanding = {
             index for index in range(record["submitted"]) if str(index) not in record["refused"]
         }
-        while True:
-            if await self.objects.get(KIND, batch_id) is None:  # deleted or expired
-                return
-            if await self.objects.get(CANCEL_KIND, batch_id) is not None:
-                record["cancelling_at"] = int(time.time())
-                await self._cancel_lines(record, outstanding)
-                break
-            if time.time() >= record["expires_at"]:  # its window closed: what is left expires
-                record["expired_at"] = int(time.time())
-                await self._cancel_lines(record, outstanding)
-                break
-            await self._submit_lines(record, lines, outstanding)
-            outstanding = await self._unfinished(record, outstanding)
-            record["counts"]["processing"] = len(outstanding) + len(lines) - record["submitted"]
-            await self.objects.update(KIND, batch_id, record)
-            if not outstanding and record["submitted"] == len(lines):
-                break
-            await asyncio.sleep(POLL_S)
+        watchers: dict[int, asyncio.Task[None]] = {}
+        try:
+            while True:
+                if await self.objects.get(KIND, batch_id) is None:  # deleted or expired
+                    return
+                if await self.objects.get(CANCEL_KIND, batch_id) is not None:
+                    record["cancelling_at"] = int(time.time())
+                    await self._cancel_lines(record, outstanding)
+                    break
+                if time.time() >= record["expires_at"]:  # its window closed: the rest expires
+                    record["expired_at"] = int(time.time())
+                    await self._cancel_lines(record, outstanding)
+                    break
+                await self._submit_lines(record, lines, outstanding)
+                await self._wait_for_an_end(record, outstanding, watchers)
+                record["counts"]["processing"] = len(outstanding) + len(lines) - record["submitted"]
+                await self.objects.update(KIND, batch_id, record)
+                if not outstanding and record["submitted"] == len(lines):
+                    break
+        finally:
+            for watcher in watchers.values():
+                watcher.cancel()
         await self._finalize(record, lines)
+
+    async def _wait_for_an_end(
+        self, record: dict[str, Any], outstanding: set[int], watchers: dict[int, asyncio.Task[None]]
+    ) -> None:
+        """Until a line's job ends (or ``POLL_S``, to look for a cancel); count what ended.
+
+        Each running line has a watcher that reads its job's stream to the end, so a
+        finished line is noticed as soon as its last chunk is stored, not at the next poll.
+        """
+        for index in outstanding - watchers.keys():
+            job_id = _job_id(record["id"], index)
+            watchers[index] = asyncio.create_task(self._ended(job_id), name=f"sluice-{job_id}")
+        if watchers:
+            await asyncio.wait(watchers.values(), timeout=POLL_S, return_when="FIRST_COMPLETED")
+        for index in [index for index, watcher in watchers.items() if watcher.done()]:
+            del watchers[index]
+            job = await self.manager.store.get(_job_id(record["id"], index))
+            if job is not None and not job.status.terminal:
+                continue  # its stream was cut (an adopting replica re-reads it): watch again
+            outstanding.discard(index)
+            record["counts"][_job_outcome(Line("", "", {}), job).kind] += 1
+
+    async def _ended(self, job_id: str) -> None:
+        """Returns when the job's stream ends: the job reached a terminal status."""
+        store = self.manager.store
+        async for _ in store.read(job_id, await store.chunk_count(job_id)):
+            pass
 
     async def _submit_lines(
         self, record: dict[str, Any], lines: list[Line], outstanding: set[int]
@@ -252,17 +283,6 @@ class Batches:
                     continue
             outstanding.add(index)
             record["submitted"] += 1
-
-    async def _unfinished(self, record: dict[str, Any], outstanding: set[int]) -> set[int]:
-        """The lines still running; those that ended are counted by how they ended."""
-        still = set()
-        for index in outstanding:
-            job = await self.manager.store.get(_job_id(record["id"], index))
-            if job is not None and not job.status.terminal:
-                still.add(index)
-            else:
-                record["counts"][_job_outcome(Line("", "", {}), job).kind] += 1
-        return still
 
     async def _cancel_lines(self, record: dict[str, Any], outstanding: set[int]) -> None:
         for index in outstanding:

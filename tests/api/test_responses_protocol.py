@@ -348,7 +348,8 @@ def test_logprobs_come_from_include_or_top_logprobs() -> None:
         ({"parallel_tool_calls": "no"}, "parallel_tool_calls", "true or false"),
         ({"metadata": {"k": "v" * 600}}, "metadata", "512"),
         ({"user": 5}, "user", "a string"),
-        ({"previous_response_id": "resp_1"}, "previous_response_id", "not supported"),
+        ({"previous_response_id": 7}, "previous_response_id", "a non-empty string"),
+        ({"background": True, "store": False}, "store", "must be stored"),
         ({"conversation": "conv_1"}, "conversation", "not supported"),
     ],
 )
@@ -367,8 +368,8 @@ def test_error_message_shows_the_value() -> None:
 
 
 def test_error_body_has_the_openai_shape() -> None:
-    error = rejected(body(previous_response_id="resp_1"))
-    assert PROTOCOL.error_body(error)["error"]["param"] == "previous_response_id"
+    error = rejected(body(conversation="conv_1"))
+    assert PROTOCOL.error_body(error)["error"]["param"] == "conversation"
     assert set(PROTOCOL.error_body(error)["error"]) == {"message", "type", "param", "code"}
 
 
@@ -641,7 +642,7 @@ def test_response_echoes_the_request() -> None:
     assert (whole.metadata, whole.user, whole.parallel_tool_calls) == ({"k": "v"}, "u1", False)
     assert whole.reasoning is not None and whole.reasoning.effort == "low"
     assert whole.text is not None and whole.text.format.type == "json_object"
-    assert whole.store is False  # nothing is kept, whatever was asked
+    assert whole.store is True  # kept, as asked (the route stores it)
     assert whole.previous_response_id is None
 
 
