@@ -26,7 +26,7 @@ from starlette.exceptions import HTTPException
 
 from api.access_log import AccessLog, AccessRecord
 from api.admission import Limits
-from api.auth import ApiKey, Authentication, KeyRing
+from api.auth import Authentication, KeyRing, caller_key, caller_name
 from api.backends.base import Backend
 from api.batches import anthropic_batches, openai_batches
 from api.batches.files import Files, files_router
@@ -210,10 +210,10 @@ def _responses_route(
 
     async def create_response(request: Request) -> Response:
         arrived = time.monotonic()
-        owner = getattr(request.state, "api_key", None)
+        owner = caller_name(request)
         body = await stored.resolve_previous(await serving.read_json(request), owner)
         if isinstance(body, dict) and body.get("background") is True:
-            return await stored.submit_background(body, _api_key(request))
+            return await stored.submit_background(body, caller_key(request))
         response, prepared = await _generate(serving, responses.PROTOCOL, request, body, arrived)
         processor = request.state.access.processor
         if not prepared.request.echo["store"] or processor is None:
@@ -234,7 +234,7 @@ async def _generate(
     request_id = new_request_id(protocol)
     access: AccessRecord = request.state.access
     access.place = await serving.admit()  # released when the request ends
-    key = _api_key(request)
+    key = caller_key(request)
     prepared = await serving.prepare(protocol, body, request_id, key)
     access.rate_limits = await serving.limit(key, prepared)  # 429 beyond the key's limits
     processor, events = serving.run(prepared, arrived, access.rate_limits)
@@ -250,11 +250,6 @@ async def _generate(
     if access.rate_limits is not None:
         response.headers.update(access.rate_limits.headers)
     return response, prepared
-
-
-def _api_key(request: Request) -> ApiKey | None:
-    """The caller's API key record (limits, models, priority); None when keys are off."""
-    return getattr(request.state, "api_key_record", None)
 
 
 async def _noting_first_token(

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from starlette.datastructures import Headers
+from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -224,3 +225,16 @@ async def _refuse(scope: Scope, receive: Receive, send: Send, message: str) -> N
     error = ApiError(401, message, "authentication_error", None, "invalid_api_key")
     body = error_shape(scope["path"]).error_body(error)
     await JSONResponse(body, status_code=401)(scope, receive, send)
+
+
+def caller_key(request: Request) -> ApiKey | None:
+    """The caller's API key (its limits, models and priority); None when keys are off."""
+    return getattr(request.state, "api_key_record", None)
+
+
+def caller_name(request: Request) -> str | None:
+    """The caller's key name: what jobs, files, batches and stored responses belong to.
+
+    None while keys are off: then everything is everyone's.
+    """
+    return getattr(request.state, "api_key", None)

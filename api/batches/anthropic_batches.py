@@ -24,6 +24,7 @@ from typing import Any
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
+from api.auth import caller_name
 from api.batches.files import Files
 from api.batches.service import Batches, Line, Outcome
 from api.errors import bad_request
@@ -46,7 +47,7 @@ def anthropic_batches_router(batches: Batches, files: Files, window_s: float) ->
             "api": API,
             "created_at": now,
             "expires_at": now + int(window_s),
-            "owner": _owner(request),
+            "owner": caller_name(request),
         }
         return JSONResponse(view(await batches.create(record, read_requests(body)), request))
 
@@ -59,7 +60,7 @@ def anthropic_batches_router(batches: Batches, files: Files, window_s: float) ->
     ) -> Response:
         if not 1 <= limit <= 1000:
             raise bad_request(f"limit must be between 1 and 1000, got {limit}", "limit")
-        owner = _owner(request)
+        owner = caller_name(request)
         records, more = await batches.list(owner, API, 10_000, None)
         ids = [record["id"] for record in records]
         if after_id is not None:
@@ -81,20 +82,22 @@ def anthropic_batches_router(batches: Batches, files: Files, window_s: float) ->
 
     @router.get("/{batch_id}")
     async def retrieve(batch_id: str, request: Request) -> Response:
-        return JSONResponse(view(await batches.get(batch_id, _owner(request), API), request))
+        return JSONResponse(view(await batches.get(batch_id, caller_name(request), API), request))
 
     @router.post("/{batch_id}/cancel")
     async def cancel(batch_id: str, request: Request) -> Response:
-        return JSONResponse(view(await batches.cancel(batch_id, _owner(request), API), request))
+        return JSONResponse(
+            view(await batches.cancel(batch_id, caller_name(request), API), request)
+        )
 
     @router.delete("/{batch_id}")
     async def delete(batch_id: str, request: Request) -> Response:
-        await batches.delete(batch_id, _owner(request), API)
+        await batches.delete(batch_id, caller_name(request), API)
         return JSONResponse({"id": batch_id, "type": "message_batch_deleted"})
 
     @router.get("/{batch_id}/results")
     async def results(batch_id: str, request: Request) -> Response:
-        owner = _owner(request)
+        owner = caller_name(request)
         record = await batches.get(batch_id, owner, API)
         if record.get("results_file_id") is None:
             raise bad_request(
@@ -197,10 +200,6 @@ def _time(seconds: float | None) -> str | None:
     if seconds is None:
         return None
     return datetime.fromtimestamp(seconds, UTC).isoformat().replace("+00:00", "Z")
-
-
-def _owner(request: Request) -> str | None:
-    return getattr(request.state, "api_key", None)
 
 
 __all__ = ["anthropic_batches_router", "read_requests", "results_finalizer", "view"]

@@ -22,6 +22,7 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 from starlette.datastructures import UploadFile
 
+from api.auth import caller_name
 from api.batches.objects import ObjectStore, visible
 from api.errors import ApiError, bad_request
 from api.request_body import read_body
@@ -146,7 +147,7 @@ def files_router(files: Files) -> APIRouter:
             await upload.read(),
             upload.filename or "upload",
             purpose,
-            _owner(request),
+            caller_name(request),
             _expiry(form),
         )
         return JSONResponse(_view(record))
@@ -160,7 +161,7 @@ def files_router(files: Files) -> APIRouter:
     ) -> Response:
         if not 1 <= limit <= MAX_LIST_LIMIT:
             raise bad_request(f"limit must be between 1 and {MAX_LIST_LIMIT}, got {limit}", "limit")
-        owner = _owner(request)
+        owner = caller_name(request)
         records, more = await files.objects.list(KIND, owner, MAX_LIST_LIMIT, after)
         chosen = [r for r in records if purpose is None or r["purpose"] == purpose]
         page = chosen[:limit]
@@ -168,16 +169,16 @@ def files_router(files: Files) -> APIRouter:
 
     @router.get("/{file_id}")
     async def retrieve(file_id: str, request: Request) -> Response:
-        return JSONResponse(_view(await files.get(file_id, _owner(request))))
+        return JSONResponse(_view(await files.get(file_id, caller_name(request))))
 
     @router.get("/{file_id}/content")
     async def content(file_id: str, request: Request) -> Response:
-        body = await files.content(file_id, _owner(request))
+        body = await files.content(file_id, caller_name(request))
         return Response(body, media_type="application/octet-stream")
 
     @router.delete("/{file_id}")
     async def delete(file_id: str, request: Request) -> Response:
-        return JSONResponse(await files.delete(file_id, _owner(request)))
+        return JSONResponse(await files.delete(file_id, caller_name(request)))
 
     return router
 
@@ -237,10 +238,6 @@ def _view(record: dict[str, Any]) -> dict[str, Any]:
 
 def _too_large(message: str) -> ApiError:
     return ApiError(413, message, "invalid_request_error", "file", "file_too_large")
-
-
-def _owner(request: Request) -> str | None:
-    return getattr(request.state, "api_key", None)
 
 
 __all__ = ["Files", "files_router", "list_page"]

@@ -26,6 +26,7 @@ from typing import Any
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
+from api.auth import caller_name
 from api.batches.files import Files, list_page
 from api.batches.service import Batches, Line, Outcome
 from api.errors import bad_request
@@ -54,7 +55,7 @@ def openai_batches_router(batches: Batches, files: Files, window_s: float) -> AP
     @router.post("")
     async def create(request: Request) -> Response:
         body = await batches.manager.serving.read_json(request)
-        owner = _owner(request)
+        owner = caller_name(request)
         endpoint = body.get("endpoint")
         if endpoint not in ENDPOINTS:
             accepted = ", ".join(ENDPOINTS)
@@ -96,16 +97,16 @@ def openai_batches_router(batches: Batches, files: Files, window_s: float) -> AP
     async def list_batches(request: Request, limit: int = 20, after: str | None = None) -> Response:
         if not 1 <= limit <= 100:
             raise bad_request(f"limit must be between 1 and 100, got {limit}", "limit")
-        records, more = await batches.list(_owner(request), API, limit, after)
+        records, more = await batches.list(caller_name(request), API, limit, after)
         return JSONResponse(list_page([view(record) for record in records], more))
 
     @router.get("/{batch_id}")
     async def retrieve(batch_id: str, request: Request) -> Response:
-        return JSONResponse(view(await batches.get(batch_id, _owner(request), API)))
+        return JSONResponse(view(await batches.get(batch_id, caller_name(request), API)))
 
     @router.post("/{batch_id}/cancel")
     async def cancel(batch_id: str, request: Request) -> Response:
-        return JSONResponse(view(await batches.cancel(batch_id, _owner(request), API)))
+        return JSONResponse(view(await batches.cancel(batch_id, caller_name(request), API)))
 
     return router
 
@@ -230,10 +231,6 @@ def _output_line(outcome: Outcome) -> dict[str, Any]:
         "response": response,
         "error": error,
     }
-
-
-def _owner(request: Request) -> str | None:
-    return getattr(request.state, "api_key", None)
 
 
 __all__ = ["openai_batches_router", "output_finalizer", "read_lines", "view"]

@@ -30,6 +30,7 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 from sse_starlette import EventSourceResponse, ServerSentEvent
 
+from api.auth import caller_name
 from api.errors import ApiError, bad_request
 from api.jobs.manager import JobManager, JobRequest, SubmitError
 from api.jobs.records import JobOutcome, JobRecord, JobStatus
@@ -133,13 +134,7 @@ class StoredResponses:
         self, response_id: str, owner: str | None, starting_after: int | None
     ) -> AsyncIterator[ServerSentEvent]:
         """The background response's events after sequence number ``starting_after``."""
-        record = await self._record(response_id, owner)
-        if not record.body.get("background"):
-            raise bad_request(
-                f"Response {response_id!r} was not created with background true: only "
-                "background responses can be streamed again",
-                "stream",
-            )
+        record = await self._background(response_id, owner, "streamed again", "stream")
         after = 0 if starting_after is None else starting_after + 1
         chunks = await self.manager.events(record.id, owner, after)
 
@@ -150,13 +145,7 @@ class StoredResponses:
         return sse()
 
     async def cancel(self, response_id: str, owner: str | None) -> dict[str, Any]:
-        record = await self._record(response_id, owner)
-        if not record.body.get("background"):
-            raise bad_request(
-                f"Response {response_id!r} was not created with background true: only "
-                "background responses can be cancelled",
-                "response_id",
-            )
+        record = await self._background(response_id, owner, "cancelled", "response_id")
         return self.view(await self.manager.cancel(record.id, owner))
 
     async def delete(self, response_id: str, owner: str | None) -> dict[str, Any]:
@@ -165,6 +154,19 @@ class StoredResponses:
             await self.manager.cancel(record.id, owner)
         await self.manager.store.delete(record.id)
         return {"id": response_id, "object": "response", "deleted": True}
+
+    async def _background(
+        self, response_id: str, owner: str | None, what: str, param: str
+    ) -> JobRecord:
+        """The response's job, or a 400 when it was not created in the background."""
+        record = await self._record(response_id, owner)
+        if not record.body.get("background"):
+            raise bad_request(
+                f"Response {response_id!r} was not created with background true: only "
+                f"background responses can be {what}",
+                param,
+            )
+        return record
 
     async def _record(
         self, response_id: str, owner: str | None, param: str = "response_id"
@@ -199,7 +201,7 @@ def responses_router(stored: StoredResponses) -> APIRouter:
         stream: bool = False,
         starting_after: int | None = None,
     ) -> Response:
-        owner = _owner(request)
+        owner = caller_name(request)
         if stream:
             events = await stored.events(response_id, owner, starting_after)
             return EventSourceResponse(events, sep="\n")
@@ -207,11 +209,11 @@ def responses_router(stored: StoredResponses) -> APIRouter:
 
     @router.post("/{response_id}/cancel")
     async def cancel(response_id: str, request: Request) -> Response:
-        return JSONResponse(await stored.cancel(response_id, _owner(request)))
+        return JSONResponse(await stored.cancel(response_id, caller_name(request)))
 
     @router.delete("/{response_id}")
     async def delete(response_id: str, request: Request) -> Response:
-        return JSONResponse(await stored.delete(response_id, _owner(request)))
+        return JSONResponse(await stored.delete(response_id, caller_name(request)))
 
     return router
 
@@ -225,10 +227,6 @@ def _items(value: Any) -> list[Any]:
 
 def _job_id(response_id: str) -> str:
     return "job_" + response_id.removeprefix(PREFIX)
-
-
-def _owner(request: Request) -> str | None:
-    return getattr(request.state, "api_key", None)
 
 
 __all__ = ["StoredResponses", "responses_router"]

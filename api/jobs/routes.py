@@ -30,6 +30,7 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 from sse_starlette import EventSourceResponse, ServerSentEvent
 
+from api.auth import caller_key, caller_name
 from api.errors import ApiError, bad_request
 from api.jobs.manager import JobManager, JobRequest, SubmitError
 from api.jobs.records import JobRecord, JobStatus, StoredChunk, read_metadata
@@ -58,20 +59,20 @@ def jobs_router(manager: JobManager, stored: StoredResponses, settings: Settings
         for index, item in enumerate(items):
             job = _job_request(item, protocols, where.format(index))
             if job.protocol is responses.PROTOCOL:
-                job.body = await stored.resolve_previous(job.body, _owner(request))
+                job.body = await stored.resolve_previous(job.body, caller_name(request))
             jobs.append(job)
         return jobs
 
     @router.post("")
     async def submit_job(request: Request) -> Response:
         jobs = await job_requests(request, [await serving.read_json(request)], "")
-        return await _submitted(manager, jobs, _key(request), batch=False)
+        return await _submitted(manager, jobs, caller_key(request), batch=False)
 
     @router.post("/batch")
     async def submit_jobs(request: Request) -> Response:
         items = _batch_items(await serving.read_json(request, value=True), settings.max_batch_jobs)
         jobs = await job_requests(request, items, "jobs[{}].")
-        return await _submitted(manager, jobs, _key(request), batch=True)
+        return await _submitted(manager, jobs, caller_key(request), batch=True)
 
     @router.get("")
     async def list_jobs(
@@ -81,22 +82,22 @@ def jobs_router(manager: JobManager, stored: StoredResponses, settings: Settings
         after: str | None = None,
     ) -> Response:
         wanted, limit = _status(status), _limit(limit)
-        records, more = await manager.list(_owner(request), wanted, limit, after)
+        records, more = await manager.list(caller_name(request), wanted, limit, after)
         return JSONResponse(_page(records, more))
 
     @router.get("/{job_id}")
     async def get_job(job_id: str, request: Request) -> Response:
-        return JSONResponse((await manager.get(job_id, _owner(request))).view())
+        return JSONResponse((await manager.get(job_id, caller_name(request))).view())
 
     @router.get("/{job_id}/events")
     async def job_events(job_id: str, request: Request, after: str | None = None) -> Response:
         start = _last_event_id(request.headers.get("last-event-id", after))
-        chunks = await manager.events(job_id, _owner(request), start)
+        chunks = await manager.events(job_id, caller_name(request), start)
         return EventSourceResponse(_sse(chunks), sep="\n")
 
     @router.delete("/{job_id}")
     async def cancel_job(job_id: str, request: Request) -> Response:
-        return JSONResponse((await manager.cancel(job_id, _owner(request))).view())
+        return JSONResponse((await manager.cancel(job_id, caller_name(request))).view())
 
     return router
 
@@ -194,16 +195,6 @@ def _page(records: list[JobRecord], more: bool) -> dict[str, Any]:
 async def _sse(chunks: AsyncIterator[tuple[int, StoredChunk]]) -> AsyncIterator[ServerSentEvent]:
     async for index, chunk in chunks:
         yield ServerSentEvent(data=chunk.data, event=chunk.event, id=str(index))
-
-
-def _key(request: Request) -> ApiKey | None:
-    """The caller's API key (its limits, models and priority); None when keys are off."""
-    return getattr(request.state, "api_key_record", None)
-
-
-def _owner(request: Request) -> str | None:
-    """The caller's API key once authentication records it; None (everyone) until then."""
-    return getattr(request.state, "api_key", None)
 
 
 __all__ = ["jobs_router"]

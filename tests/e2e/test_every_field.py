@@ -263,7 +263,9 @@ class MessagesShape:
         return _comparable(generated)
 
 
-class CompletionsShape:
+class CompletionsShape(ChatShape):
+    """Completions' usage is Chat Completions'; its text and logprobs are its own."""
+
     path = "/v1/completions"
     limit = "max_tokens"
     base = {"model": "default", "prompt": RAW_SEA, limit: TOKENS, "temperature": 0}
@@ -276,18 +278,6 @@ class CompletionsShape:
     @staticmethod
     def calls(body: dict) -> list[dict]:
         return []
-
-    @staticmethod
-    def finish(body: dict) -> str:
-        return body["choices"][0]["finish_reason"]
-
-    @staticmethod
-    def output_tokens(body: dict) -> int:
-        return body["usage"]["completion_tokens"]
-
-    @staticmethod
-    def cached_tokens(body: dict) -> int:
-        return body["usage"]["prompt_tokens_details"]["cached_tokens"]
 
     @staticmethod
     def logprobs(body: dict) -> list[dict]:
