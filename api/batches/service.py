@@ -269,6 +269,7 @@ class Batches:
                 {"batch": record["id"], "custom_id": line.custom_id[:512]},
                 job_hex=_line_hex(record["id"], index),
                 priority=BATCH_PRIORITY,
+                events=False,
             )
             if await self.manager.store.get(f"job_{job.job_hex}") is None:
                 try:

@@ -64,7 +64,8 @@ class JobRequest:
     """One submission: the protocol the body is for, the body, the caller's metadata.
 
     ``job_hex`` fixes the job's id (a batch names its lines' jobs, so that whoever
-    continues the batch finds them); ``priority`` is the least urgent the job runs at.
+    continues the batch finds them); ``priority`` is the least urgent the job runs at;
+    without ``events`` only the outcome is kept, not the stream (a batch reads no stream).
     """
 
     protocol: Protocol
@@ -72,6 +73,7 @@ class JobRequest:
     metadata: dict[str, str]
     job_hex: str | None = None
     priority: int = 0
+    events: bool = True
 
 
 class SubmitError(Exception):
@@ -278,6 +280,7 @@ class JobManager:
             response_created=prepared.context.created,
             created_at=now,
             expires_at=now + self.store.retention_s,
+            events=job.events,
         )
 
     def _runner(

@@ -61,6 +61,7 @@ class JobRecord:
     usage: dict[str, int] | None = None
     result: dict[str, Any] | None = None
     error: dict[str, Any] | None = None
+    events: bool = True  # whether its stream's chunks are stored (a batch's lines need none)
 
     def view(self, *, with_result: bool = True) -> dict[str, Any]:
         """The JSON clients get; ``result`` only when completed (and asked for)."""
@@ -92,6 +93,7 @@ class JobRecord:
             created_at=self.created_at,
             expires_at=self.expires_at,
             status=JobStatus.EXPIRED,
+            events=self.events,
         )
 
     def visible_to(self, owner: str | None) -> bool:

@@ -246,6 +246,8 @@ class JobRunner:
 
     async def _write(self, chunks: list[SSEChunk]) -> None:
         """Store the chunks not stored yet; the kept ones only teach the aligner."""
+        if not self._record.events:
+            return
         fresh: list[StoredChunk] = []
         for chunk in chunks:
             if self._produced < len(self._kept):
