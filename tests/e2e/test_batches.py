@@ -26,7 +26,7 @@ pytestmark = pytest.mark.slow
 ALICE, BOB = "sk-alice-batches", "sk-bob-batches"
 MAX_FILE_BYTES = 16_384
 MAX_PER_KEY = 65_536
-WINDOW_S = 30  # a batch's completion window: what has not ended by then expires
+WINDOW_S = 20  # a batch's completion window: what has not ended by then expires
 TOPICS = ["sea", "moon", "sun", "rain", "snow", "wind", "sand", "stars", "trees", "rivers", "hills"]
 
 

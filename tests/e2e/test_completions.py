@@ -7,15 +7,13 @@ token after the first as transformers' float32 model of the same GGUF does.
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import openai
 import pytest
 import torch
 from openai import OpenAI
 from tokenizers import Tokenizer
 
+from api import cli
 from shared.registry import default_registry
 from shared.tokenizer_loader import load_tokenizer
 
@@ -32,17 +30,14 @@ def _complete(client: OpenAI, **kwargs):
     return client.completions.create(**{**options, **kwargs})
 
 
-def test_greedy_text_equals_sluice_generate(openai_client: OpenAI):
+def test_greedy_text_equals_sluice_generate(
+    openai_client: OpenAI, capsys: pytest.CaptureFixture[str]
+):
     reply = _complete(openai_client)
-    offline = subprocess.run(
-        [sys.executable, "-m", "api.cli", "generate", "--max-tokens", str(TOKENS), PROMPT],
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=300,
-    )
+    assert cli.main(["generate", "--max-tokens", str(TOKENS), PROMPT]) == 0
+    offline = capsys.readouterr().out
     choice = reply.choices[0]
-    assert choice.text and offline.stdout.removesuffix("\n") == choice.text
+    assert choice.text and offline.removesuffix("\n") == choice.text
     assert choice.finish_reason == "length" and choice.logprobs is None
     assert reply.object == "text_completion" and reply.id.startswith("cmpl-")
     assert reply.usage.completion_tokens == TOKENS
