@@ -26,7 +26,7 @@ from fastapi.responses import JSONResponse
 
 from api.auth import caller_name
 from api.batches.files import Files
-from api.batches.service import Batches, Line, Outcome
+from api.batches.service import Batches, Line, Outcome, refuse_unknown
 from api.errors import bad_request
 from api.protocols import messages
 
@@ -113,6 +113,7 @@ def anthropic_batches_router(batches: Batches, files: Files, window_s: float) ->
 
 def read_requests(body: dict[str, Any]) -> list[Line]:
     """The batch's requests; a 400 naming the first malformed one."""
+    refuse_unknown(body, ("requests",))
     requests = body.get("requests")
     if not isinstance(requests, list) or not 1 <= len(requests) <= MAX_REQUESTS:
         raise bad_request(f"requests must be a list of 1 to {MAX_REQUESTS} requests", "requests")

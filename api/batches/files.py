@@ -217,17 +217,27 @@ def _expiry(form: Any) -> float | None:
     anchor, seconds = form.get("expires_after[anchor]"), form.get("expires_after[seconds]")
     if anchor is None and seconds is None:
         return None
+    if isinstance(seconds, str) and seconds.isdigit():
+        seconds = int(seconds)
+    return expiry_seconds({"anchor": anchor, "seconds": seconds}, "expires_after")
+
+
+def expiry_seconds(value: Any, where: str) -> float | None:
+    """OpenAI's ``{"anchor": "created_at", "seconds": N}``, N from 1 hour to 30 days."""
+    if value is None:
+        return None
+    anchor = value.get("anchor") if isinstance(value, dict) else None
     if anchor != "created_at":
-        raise bad_request(
-            f"expires_after.anchor must be 'created_at', got {anchor!r}", "expires_after.anchor"
-        )
-    if not (isinstance(seconds, str) and seconds.isdigit()) or not (
-        MIN_EXPIRY_S <= int(seconds) <= MAX_EXPIRY_S
+        raise bad_request(f"{where}.anchor must be 'created_at', got {anchor!r}", f"{where}.anchor")
+    seconds = value.get("seconds")
+    if not (
+        isinstance(seconds, int)
+        and not isinstance(seconds, bool)
+        and MIN_EXPIRY_S <= seconds <= MAX_EXPIRY_S
     ):
         raise bad_request(
-            f"expires_after.seconds must be between {MIN_EXPIRY_S} and {MAX_EXPIRY_S}, "
-            f"got {seconds!r}",
-            "expires_after.seconds",
+            f"{where}.seconds must be between {MIN_EXPIRY_S} and {MAX_EXPIRY_S}, got {seconds!r}",
+            f"{where}.seconds",
         )
     return float(seconds)
 
@@ -240,4 +250,4 @@ def _too_large(message: str) -> ApiError:
     return ApiError(413, message, "invalid_request_error", "file", "file_too_large")
 
 
-__all__ = ["Files", "files_router", "list_page"]
+__all__ = ["Files", "expiry_seconds", "files_router", "list_page"]

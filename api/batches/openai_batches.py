@@ -3,7 +3,8 @@
 ``POST /v1/batches`` takes ``input_file_id`` (a JSONL file of
 ``{"custom_id", "method": "POST", "url", "body"}`` lines), ``endpoint``
 (``/v1/chat/completions``, ``/v1/completions`` or ``/v1/responses``, the
-``url`` of every line), ``completion_window`` (``24h``) and ``metadata``. A
+``url`` of every line), ``completion_window`` (``24h``), ``metadata`` and ``output_expires_after``
+(when the output and error files expire). A
 file that is not such JSONL gives a batch with status ``failed`` whose
 ``errors`` name each bad line by number; otherwise the batch runs
 (``api.batches.service``). ``GET /v1/batches/{id}``, ``GET /v1/batches``
@@ -27,14 +28,21 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
 from api.auth import caller_name
-from api.batches.files import Files, list_page
-from api.batches.service import Batches, Line, Outcome
+from api.batches.files import Files, expiry_seconds, list_page
+from api.batches.service import Batches, Line, Outcome, refuse_unknown
 from api.errors import bad_request
 from api.jobs.records import read_metadata
 
 API = "openai"
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
 MAX_LINES = 50_000
+CREATE_FIELDS = (
+    "input_file_id",
+    "endpoint",
+    "completion_window",
+    "metadata",
+    "output_expires_after",
+)
 MAX_LINE_ERRORS = 20
 _TIMES = (
     "in_progress_at",
@@ -55,6 +63,7 @@ def openai_batches_router(batches: Batches, files: Files, window_s: float) -> AP
     @router.post("")
     async def create(request: Request) -> Response:
         body = await batches.manager.serving.read_json(request)
+        refuse_unknown(body, CREATE_FIELDS)
         owner = caller_name(request)
         endpoint = body.get("endpoint")
         if endpoint not in ENDPOINTS:
@@ -84,6 +93,9 @@ def openai_batches_router(batches: Batches, files: Files, window_s: float) -> AP
             "errors": None,
             "output_file_id": None,
             "error_file_id": None,
+            "output_expiry_s": expiry_seconds(
+                body.get("output_expires_after"), "output_expires_after"
+            ),
         }
         lines, errors = read_lines(content, endpoint)
         if errors:
@@ -206,7 +218,12 @@ def output_finalizer(files: Files):  # noqa: ANN201
                 content = "".join(json.dumps(line) + "\n" for line in lines).encode()
                 filename = f"{record['id']}_{name.removesuffix('_file_id')}.jsonl"
                 saved = await files.create(
-                    content, filename, "batch_output", record.get("owner"), limited=False
+                    content,
+                    filename,
+                    "batch_output",
+                    record.get("owner"),
+                    record.get("output_expiry_s"),
+                    limited=False,
                 )
                 ids[name] = saved["id"]
         return ids

@@ -35,7 +35,7 @@ from fastapi import FastAPI
 from redis.exceptions import RedisError
 
 from api.batches.objects import ObjectStore, visible
-from api.errors import ApiError
+from api.errors import ApiError, bad_request
 from api.jobs.manager import JobManager, JobRequest, SubmitError
 from api.jobs.records import JobRecord, JobStatus
 
@@ -340,6 +340,17 @@ class Batches:
                 log.warning("batch maintenance failed: %s", exc)
 
 
+def refuse_unknown(body: dict[str, Any], known: tuple[str, ...]) -> None:
+    """A 400 for a field a create route does not read: it would otherwise be ignored."""
+    for name in body:
+        if name not in known:
+            raise bad_request(
+                f"{name} is not supported here; the accepted fields are {', '.join(known)}",
+                name,
+                "unsupported_parameter",
+            )
+
+
 def _job_outcome(line: Line, job: JobRecord | None) -> Outcome:
     if job is None or job.status is JobStatus.EXPIRED:
         return Outcome(line.custom_id, "expired")
@@ -365,4 +376,4 @@ def _job_id(batch_id: str, index: int) -> str:
     return "job_" + _line_hex(batch_id, index)
 
 
-__all__ = ["BATCH_PRIORITY", "Batches", "Line", "Outcome"]
+__all__ = ["BATCH_PRIORITY", "Batches", "Line", "Outcome", "refuse_unknown"]

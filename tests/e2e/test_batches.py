@@ -156,6 +156,27 @@ def test_cancelling_mid_way_leaves_a_cancelled_batch_with_true_counts(alice: Ope
     assert len(output) < len(lines)  # the rest never ran or was cut short
 
 
+def test_output_files_expire_when_asked_and_unknown_fields_are_refused(alice: OpenAI):
+    lines = [line("only", "/v1/chat/completions", chat_body("sea", 2))]
+    batch = alice.batches.create(
+        input_file_id=upload(alice, lines),
+        endpoint="/v1/chat/completions",
+        completion_window="24h",
+        output_expires_after={"anchor": "created_at", "seconds": 7200},
+    )
+    done = settled(alice, batch.id)
+    output = alice.files.retrieve(done.output_file_id)
+    assert output.purpose == "batch_output" and output.expires_at == output.created_at + 7200
+    with pytest.raises(openai.BadRequestError) as caught:
+        alice.batches.create(
+            input_file_id=batch.input_file_id,
+            endpoint="/v1/chat/completions",
+            completion_window="24h",
+            extra_body={"priority": 1},
+        )
+    assert caught.value.body["param"] == "priority"
+
+
 def test_a_malformed_file_fails_validation_naming_its_lines(alice: OpenAI):
     good = line("ok", "/v1/chat/completions", chat_body("sea"))
     content = (
