@@ -24,6 +24,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
 
+from api import choices
 from api.access_log import AccessLog, AccessRecord
 from api.admission import Limits
 from api.auth import Authentication, KeyRing, caller_key, caller_name
@@ -38,7 +39,7 @@ from api.jobs.responses import StoredResponses, responses_router
 from api.jobs.routes import jobs_router
 from api.jobs.store import JobStore, MemoryJobStore
 from api.preparation import Prepared, encode_request, new_request_id
-from api.protocols import chat_completions, messages, responses
+from api.protocols import chat_completions, completions, messages, responses
 from api.protocols.base import Protocol
 from api.protocols.table import BY_PATH, PROTOCOLS, error_shape
 from api.rate_limits import MemoryRateLimiter, RateLimiter, RedisRateLimiter
@@ -76,11 +77,12 @@ def create_app(settings: Settings | None = None, backend: Backend | None = None)
     manager = JobManager(serving, _job_store(settings), BY_PATH, channel)
     stored = StoredResponses(manager)
     for protocol in PROTOCOLS:
-        route = (
-            _responses_route(serving, stored)
-            if protocol is responses.PROTOCOL
-            else _generation_route(protocol, serving)
-        )
+        if protocol is responses.PROTOCOL:
+            route = _responses_route(serving, stored)
+        elif protocol is completions.PROTOCOL:
+            route = _completions_route(serving)
+        else:
+            route = _generation_route(protocol, serving)
         app.add_api_route(protocol.path, route, methods=["POST"])
     app.include_router(responses_router(stored))
     app.add_api_route(messages.COUNT_TOKENS_PATH, _count_tokens_route(serving), methods=["POST"])
@@ -200,6 +202,27 @@ def _generation_route(protocol: Protocol, serving: Serving) -> Callable[..., Awa
 
     generate.__name__ = f"create_{protocol.name.replace('.', '_')}"
     return generate
+
+
+def _completions_route(serving: Serving) -> Callable[..., Awaitable[Response]]:
+    """Completions: the generation route, or one choice per prompt when a body lists several."""
+
+    async def create_completion(request: Request) -> Response:
+        arrived = time.monotonic()
+        bodies = completions.split(await serving.read_json(request))
+        if len(bodies) == 1:
+            response, _ = await _generate(
+                serving, completions.PROTOCOL, request, bodies[0], arrived
+            )
+            return response
+        answer = await choices.start(serving, request, bodies, arrived)
+        response = await _unless_client_leaves(request, answer) or Response(status_code=499)
+        rate_limits = request.state.access.rate_limits
+        if rate_limits is not None:
+            response.headers.update(rate_limits.headers)
+        return response
+
+    return create_completion
 
 
 def _responses_route(

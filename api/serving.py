@@ -120,12 +120,18 @@ class Serving:
         return prepared
 
     async def limit(
-        self, key: ApiKey | None, prepared: Prepared, *, holds_place: bool = True
+        self,
+        key: ApiKey | None,
+        prepared: Prepared,
+        *,
+        holds_place: bool = True,
+        tokens: int | None = None,
     ) -> RateLimitTicket | None:
         """The key's share for a prepared request, taken now, or a 429 with the rate-limit headers.
 
         The reservation is its prompt tokens and resolved ``max_tokens``; the
-        ticket gives back what the request did not use when it ends. An async
+        ticket gives back what the request did not use when it ends (``tokens``
+        reserves another amount: a request of several prompts). An async
         job (``holds_place`` false) takes requests and tokens but no concurrent
         place. A backend that admits requests in Redis (``takes_shares``) takes
         a request's share in the same script that admits it: the ticket comes
@@ -135,7 +141,8 @@ class Serving:
             return None
         limits = key.limits if holds_place else replace(key.limits, max_concurrent=None)
         wire = prepared.wire
-        share = KeyShare(key.name, limits, len(wire.prompt_token_ids) + wire.sampling.max_tokens)
+        reserved = len(wire.prompt_token_ids) + wire.sampling.max_tokens
+        share = KeyShare(key.name, limits, reserved if tokens is None else tokens)
         ticket = RateLimitTicket(
             self.rate_limiter, share, prepared.protocol.anthropic_rate_limit_headers
         )

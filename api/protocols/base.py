@@ -108,6 +108,7 @@ class ResponseContext:
     model: str  # the model name as the client gave it
     created: int  # unix seconds
     system_fingerprint: str
+    choice: int = 0  # which choice of the response this generation is (several prompts)
 
 
 @dataclass(slots=True)

@@ -9,8 +9,10 @@ which is what loglikelihood evaluation reads; ``max_tokens: 0`` with ``echo``
 scores the prompt and generates nothing. Sampling fields and vLLM's
 extensions are read as Chat Completions reads them.
 
-Refused with a 400: ``n`` or ``best_of`` above 1, ``suffix``, and several
-prompts in one request.
+A list of several prompts is one choice per prompt, in order (``split``
+makes one body per prompt; the route runs them together and joins their
+choices and usage). Refused with a 400: ``n`` or ``best_of`` above 1 and
+``suffix``.
 
 ``logprobs`` is the legacy object: ``tokens``, ``token_logprobs``,
 ``top_logprobs`` (a token → logprob map holding the chosen token and the
@@ -97,16 +99,39 @@ def _reject_unsupported(fields: Fields) -> None:
         )
 
 
+MAX_PROMPTS = 64
+
+
+def split(body: Any) -> list[Any]:
+    """One body per prompt of a body whose ``prompt`` lists several, else ``[body]``."""
+    prompts = body.get("prompt") if isinstance(body, dict) else None
+    if not _several(prompts):
+        return [body]
+    if len(prompts) > MAX_PROMPTS:
+        raise bad_request(
+            f"prompt may list at most {MAX_PROMPTS} prompts, got {len(prompts)}",
+            "prompt",
+            "limit_exceeded",
+        )
+    return [{**body, "prompt": prompt} for prompt in prompts]
+
+
+def _several(value: Any) -> bool:
+    return (
+        isinstance(value, list) and len(value) > 1 and all(isinstance(v, str | list) for v in value)
+    )
+
+
 def _prompt(fields: Fields) -> dict[str, Any]:
     """``text`` or ``token_ids`` of the one prompt the body holds."""
     value = fields.required("prompt")
     accepted = "a string, an array of token ids, or an array holding one of either"
     if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str | list):
         value = value[0]  # a batch of one prompt
-    elif isinstance(value, list) and value and all(isinstance(v, str | list) for v in value):
+    elif _several(value):  # only the synchronous route splits a body (``split``)
         raise bad_request(
-            f"prompt: {len(value)} prompts in one request are not supported; send one prompt "
-            "per request",
+            f"prompt: {len(value)} prompts in one body are only accepted by POST "
+            "/v1/completions itself; send one prompt per job",
             "prompt",
             "unsupported_parameter",
         )
@@ -167,7 +192,7 @@ class CompletionBuilder(ResponseBuilder):
 
     def response(self) -> dict[str, Any]:
         choice = {
-            "index": 0,
+            "index": self.context.choice,
             "text": "".join(self._text),
             "logprobs": self._logprobs.whole() if self.request.logprobs is not None else None,
             "finish_reason": self._finish_reason,
@@ -182,7 +207,7 @@ class CompletionBuilder(ResponseBuilder):
         self, text: str, logprobs: dict[str, Any] | None, finish_reason: str | None = None
     ) -> SSEChunk:
         choice: dict[str, Any] = {
-            "index": 0,
+            "index": self.context.choice,
             "text": text,
             "logprobs": logprobs if self.request.logprobs is not None else None,
             "finish_reason": finish_reason,

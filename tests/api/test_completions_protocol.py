@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from api.errors import ApiError
-from api.protocols.completions import DEFAULT_MAX_TOKENS, parse
+from api.protocols.completions import DEFAULT_MAX_TOKENS, MAX_PROMPTS, parse, split
 
 BODY = {"model": "default", "prompt": "Once upon a time"}
 
@@ -77,3 +77,16 @@ def test_served_anyway_values_are_accepted():
         {**BODY, "n": 1, "best_of": 1, "suffix": "", "add_special_tokens": True, "novel": 1}
     )
     assert request.ignored_fields == ["novel"]
+
+
+def test_a_body_listing_several_prompts_splits_into_one_body_each():
+    assert split(BODY) == [BODY]
+    assert split({**BODY, "prompt": [[1, 2]]}) == [{**BODY, "prompt": [[1, 2]]}]
+    bodies = split({**BODY, "prompt": ["a", [1, 2]], "max_tokens": 3})
+    assert bodies == [
+        {**BODY, "prompt": "a", "max_tokens": 3},
+        {**BODY, "prompt": [1, 2], "max_tokens": 3},
+    ]
+    with pytest.raises(ApiError) as caught:
+        split({**BODY, "prompt": ["a"] * (MAX_PROMPTS + 1)})
+    assert caught.value.param == "prompt"

@@ -109,13 +109,40 @@ def test_echo_with_generation_continues_the_offsets(openai_client: OpenAI):
     assert "".join(c.text for chunk in streamed for c in chunk.choices) == choice.text
 
 
+def test_several_prompts_are_one_choice_each(openai_client: OpenAI):
+    prompts = [PROMPT, "Once upon a time", [504, 3575, 282]]
+    singles = [_complete(openai_client, prompt=prompt, max_tokens=6) for prompt in prompts]
+    joined = _complete(openai_client, prompt=prompts, max_tokens=6)
+    assert [choice.index for choice in joined.choices] == [0, 1, 2]
+    assert [c.text for c in joined.choices] == [s.choices[0].text for s in singles]
+    assert joined.usage.total_tokens == sum(s.usage.total_tokens for s in singles)
+    texts: dict[int, str] = {}
+    chunks = list(
+        _complete(
+            openai_client,
+            prompt=prompts,
+            max_tokens=6,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    for chunk in chunks:
+        for choice in chunk.choices:
+            texts[choice.index] = texts.get(choice.index, "") + choice.text
+    assert texts == {i: c.text for i, c in enumerate(joined.choices)}
+    assert {chunk.id for chunk in chunks} == {chunks[0].id}  # one response
+    usages = [chunk.usage for chunk in chunks if chunk.usage is not None]
+    assert len(usages) == 1 and usages[0].total_tokens == joined.usage.total_tokens
+
+
 @pytest.mark.parametrize(
     ("overrides", "named"),
     [
         ({"n": 2}, "n"),
         ({"best_of": 3}, "best_of"),
         ({"suffix": "end"}, "suffix"),
-        ({"prompt": ["one", "two"]}, "prompt"),
+        ({"prompt": ["one", [10**9]]}, "prompt"),
+        ({"prompt": ["one"] * 65}, "prompt"),
         ({"prompt": [], "max_tokens": 1}, "prompt"),
         ({"prompt": [10**9]}, "prompt"),
         ({"max_tokens": 0}, "max_tokens"),

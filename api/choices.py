@@ -1,0 +1,158 @@
+"""Several prompts in one Completions request: one generation per prompt, one choice each.
+
+Each prompt is prepared and run as a request of its own (its own engine
+request id, its choice's ``index`` in the chunks); the response joins them.
+Whole: the first choice's body with every choice, in prompt order, and the
+usage summed. Streamed: the choices' chunks interleave as they come, each
+choice's finish chunk ends it, then one usage chunk (when asked for) and
+``[DONE]``. The request holds one admission place and one share of its key's
+limits, sized for every prompt; the client leaving, or one choice failing,
+ends them all.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any
+
+import anyio
+from fastapi import Request, Response
+from fastapi.responses import JSONResponse
+from sse_starlette import EventSourceResponse, ServerSentEvent
+
+from api.access_log import AccessRecord
+from api.auth import caller_key
+from api.preparation import Prepared, new_request_id
+from api.protocols import completions
+from api.protocols.base import SSEChunk, Usage
+from api.protocols.openai_common import chat_usage
+from api.serving import Serving
+from api.streaming import StreamProcessor, collect, sse_event
+from shared.events import InferenceEvent
+
+
+class JoinedUsage:
+    """What the access log reads of a response: here, every choice's usage summed."""
+
+    def __init__(self, processors: list[StreamProcessor]) -> None:
+        self.processors = processors
+
+    @property
+    def usage(self) -> Usage:
+        total = Usage()
+        for processor in self.processors:
+            usage = processor.usage
+            total.prompt_tokens += usage.prompt_tokens
+            total.completion_tokens += usage.completion_tokens
+            total.cached_tokens += usage.cached_tokens
+        return total
+
+
+async def start(
+    serving: Serving, request: Request, bodies: list[dict[str, Any]], arrived: float
+) -> Awaitable[Response]:
+    """Admit, prepare and start every prompt's generation; the answer, to await."""
+    protocol = completions.PROTOCOL
+    access: AccessRecord = request.state.access
+    access.place = await serving.admit()
+    key = caller_key(request)
+    response_id = new_request_id(protocol)
+    prepared: list[Prepared] = []
+    for index, body in enumerate(bodies):
+        ready = await serving.prepare(protocol, body, f"{response_id}-{index}", key)
+        ready.context.request_id, ready.context.choice = response_id, index
+        prepared.append(ready)
+    first = prepared[0]
+    include_usage = first.request.include_usage
+    for ready in prepared:
+        ready.request.include_usage = False  # one usage chunk for all, at the end
+    wire = [ready.wire for ready in prepared]
+    tokens = sum(len(w.prompt_token_ids) + w.sampling.max_tokens for w in wire)
+    access.rate_limits = await serving.limit(key, first, tokens=tokens)
+    runs = [
+        serving.run(ready, arrived, access.rate_limits if index == 0 else None)
+        for index, ready in enumerate(prepared)
+    ]
+    joined = JoinedUsage([processor for processor, _ in runs])
+    access.model, access.processor = first.request.model, joined  # type: ignore[assignment]
+    access.response_id = response_id
+    if first.request.stream:
+        return _streamed(runs, first, joined, include_usage)
+    return _whole(runs, joined)
+
+
+async def _streamed(
+    runs: list[tuple[StreamProcessor, AsyncIterator[InferenceEvent]]],
+    first: Prepared,
+    joined: JoinedUsage,
+    include_usage: bool,
+) -> Response:
+    return EventSourceResponse(_interleaved(runs, first, joined, include_usage), sep="\n")
+
+
+async def _whole(
+    runs: list[tuple[StreamProcessor, AsyncIterator[InferenceEvent]]], joined: JoinedUsage
+) -> Response:
+    """Every choice's body, collected together; a failing choice cancels the others."""
+    bodies: list[dict[str, Any]] = [{} for _ in runs]
+
+    async def one(index: int) -> None:
+        processor, events = runs[index]
+        bodies[index] = await collect(processor, events)
+
+    async with anyio.create_task_group() as group:
+        for index in range(len(runs)):
+            group.start_soon(one, index)
+    body = bodies[0]
+    body["choices"] = [choice for each in bodies for choice in each["choices"]]
+    body["usage"] = chat_usage(joined.usage)
+    return JSONResponse(body)
+
+
+async def _interleaved(
+    runs: list[tuple[StreamProcessor, AsyncIterator[InferenceEvent]]],
+    first: Prepared,
+    joined: JoinedUsage,
+    include_usage: bool,
+) -> AsyncIterator[ServerSentEvent]:
+    """The choices' chunks as they come; each run's events are closed however this ends."""
+    send, receive = anyio.create_memory_object_stream[SSEChunk](math.inf)
+
+    async def pump(processor: StreamProcessor, events: AsyncIterator[InferenceEvent]) -> None:
+        try:
+            async for event in events:
+                for chunk in processor.push(event):
+                    await send.send(chunk)
+                if processor.done:
+                    break
+            for chunk in processor.finish():
+                await send.send(chunk)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await events.aclose()  # type: ignore[attr-defined]
+            processor.close()
+
+    async def pump_all() -> None:
+        async with send, anyio.create_task_group() as group:
+            for processor, events in runs:
+                group.start_soon(pump, processor, events)
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(pump_all)
+        async with receive:
+            async for chunk in receive:
+                yield sse_event(chunk)
+        if include_usage:
+            context = first.context
+            usage_chunk = {
+                "id": context.request_id,
+                "object": "text_completion",
+                "created": context.created,
+                "model": context.model,
+                "system_fingerprint": context.system_fingerprint,
+                "choices": [],
+                "usage": chat_usage(joined.usage),
+            }
+            yield sse_event(SSEChunk(usage_chunk))
+        yield ServerSentEvent(data=first.protocol.done_marker or "[DONE]")
