@@ -4,7 +4,8 @@
   ``expires_after[anchor]`` ``created_at`` and ``expires_after[seconds]``)
   → the file object. A file over ``--max-file-bytes`` is a 413 naming the
   limit; one that would take its key past ``--max-file-bytes-per-key`` is too.
-- ``GET /v1/files`` (``purpose``, ``limit``, ``after``; newest first),
+- ``GET /v1/files`` (``purpose``, ``limit``, ``after``, ``order``: newest first
+  unless ``asc``),
   ``GET /v1/files/{id}``, ``GET /v1/files/{id}/content``, ``DELETE /v1/files/{id}``.
 
 Files expire after ``expires_after`` seconds (1 hour to 30 days, as OpenAI
@@ -158,14 +159,21 @@ def files_router(files: Files) -> APIRouter:
         purpose: str | None = None,
         limit: int = DEFAULT_LIST_LIMIT,
         after: str | None = None,
+        order: str = "desc",
     ) -> Response:
         if not 1 <= limit <= MAX_LIST_LIMIT:
             raise bad_request(f"limit must be between 1 and {MAX_LIST_LIMIT}, got {limit}", "limit")
-        owner = caller_name(request)
-        records, more = await files.objects.list(KIND, owner, MAX_LIST_LIMIT, after)
+        if order not in ("asc", "desc"):
+            raise bad_request(f"order must be 'asc' or 'desc', got {order!r}", "order")
+        records, _ = await files.objects.list(KIND, caller_name(request), MAX_LIST_LIMIT, None)
         chosen = [r for r in records if purpose is None or r["purpose"] == purpose]
+        if order == "asc":
+            chosen.reverse()
+        ids = [r["id"] for r in chosen]
+        if after is not None:
+            chosen = chosen[ids.index(after) + 1 :] if after in ids else []
         page = chosen[:limit]
-        return JSONResponse(list_page([_view(r) for r in page], more or len(chosen) > limit))
+        return JSONResponse(list_page([_view(r) for r in page], len(chosen) > limit))
 
     @router.get("/{file_id}")
     async def retrieve(file_id: str, request: Request) -> Response:

@@ -199,7 +199,14 @@ def test_a_malformed_file_fails_validation_naming_its_lines(alice: OpenAI):
 
 def test_files_are_listed_read_deleted_and_bounded(alice: OpenAI, bob: OpenAI):
     file_id = upload(alice, [line("x", "/v1/chat/completions", chat_body("sea"))])
-    assert file_id in [f.id for f in alice.files.list(purpose="batch").data]
+    later = upload(alice, [line("y", "/v1/chat/completions", chat_body("moon"))])
+    newest_first = [f.id for f in alice.files.list(purpose="batch").data]
+    assert newest_first.index(later) < newest_first.index(file_id)
+    oldest_first = [f.id for f in alice.files.list(purpose="batch", order="asc").data]
+    assert oldest_first == newest_first[::-1]
+    page = alice.files.list(purpose="batch", order="asc", after=file_id, limit=1)
+    assert [f.id for f in page.data] == [later]
+    alice.files.delete(later)
     assert json.loads(alice.files.content(file_id).text)["custom_id"] == "x"
     for call in (
         lambda: bob.files.retrieve(file_id),
