@@ -22,15 +22,17 @@ a response is its ``sequence_number`` plus one.
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
-from fastapi import APIRouter, Request, Response
+from fastapi import APIRouter, Query, Request, Response
 from fastapi.responses import JSONResponse
 from sse_starlette import EventSourceResponse, ServerSentEvent
 
 from api.auth import caller_name
+from api.batches.files import list_page
 from api.errors import ApiError, bad_request
 from api.jobs.manager import JobManager, JobRequest, SubmitError
 from api.jobs.records import JobOutcome, JobRecord, JobStatus
@@ -191,7 +193,8 @@ class StoredResponses:
 
 
 def responses_router(stored: StoredResponses) -> APIRouter:
-    """``GET``/``DELETE /v1/responses/{id}`` and ``POST /v1/responses/{id}/cancel``."""
+    """``GET``/``DELETE /v1/responses/{id}``, ``GET /v1/responses/{id}/input_items`` and
+    ``POST /v1/responses/{id}/cancel``."""
     router = APIRouter(prefix=PATH)
 
     @router.get("/{response_id}")
@@ -207,6 +210,28 @@ def responses_router(stored: StoredResponses) -> APIRouter:
             return EventSourceResponse(events, sep="\n")
         return JSONResponse(stored.view(await stored.get(response_id, owner)))
 
+    @router.get("/{response_id}/input_items")
+    async def input_items(
+        response_id: str,
+        request: Request,
+        after: str | None = None,
+        limit: int = 20,
+        order: str = "desc",
+        include: list[str] | None = Query(None),  # noqa: B008 (FastAPI's way to read a list)
+    ) -> Response:
+        if include:
+            raise bad_request(f"include {include!r} is not supported here", "include")
+        if not 1 <= limit <= 100 or order not in ("asc", "desc"):
+            raise bad_request("limit must be 1 to 100 and order 'asc' or 'desc'", "limit")
+        record = await stored.get(response_id, caller_name(request))
+        items = input_items_of(record)
+        if order == "desc":
+            items.reverse()
+        ids = [item["id"] for item in items]
+        if after is not None:
+            items = items[ids.index(after) + 1 :] if after in ids else []
+        return JSONResponse(list_page(items[:limit], len(items) > limit))
+
     @router.post("/{response_id}/cancel")
     async def cancel(response_id: str, request: Request) -> Response:
         return JSONResponse(await stored.cancel(response_id, caller_name(request)))
@@ -216,6 +241,35 @@ def responses_router(stored: StoredResponses) -> APIRouter:
         return JSONResponse(await stored.delete(response_id, caller_name(request)))
 
     return router
+
+
+def input_items_of(record: JobRecord) -> list[dict[str, Any]]:
+    """The items the response was made from (a continued one's history first), in order.
+
+    Each has an id (its own, or one derived from the response's id and its place) and
+    its text as content parts, as OpenAI lists them.
+    """
+    items = []
+    for index, item in enumerate(_items(record.body.get("input"))):
+        shown = dict(item) if isinstance(item, dict) else {}
+        kind = shown.setdefault("type", "message")
+        if isinstance(shown.get("content"), str):
+            part = "output_text" if shown.get("role") == "assistant" else "input_text"
+            shown["content"] = [{"type": part, "text": shown["content"]}]
+        if "id" not in shown:
+            digest = hashlib.sha256(f"{record.response_id}:{index}".encode()).hexdigest()
+            shown["id"] = f"{_ITEM_PREFIXES.get(kind, 'item')}_{digest[:32]}"
+        shown.setdefault("status", "completed")
+        items.append(shown)
+    return items
+
+
+_ITEM_PREFIXES = {
+    "message": "msg",
+    "function_call": "fc",
+    "function_call_output": "fco",
+    "reasoning": "rs",
+}
 
 
 def _items(value: Any) -> list[Any]:

@@ -85,6 +85,12 @@ def test_previous_response_id_continues_the_conversation_from_the_cache(openai_c
     assert continued.usage.input_tokens == explicit.usage.input_tokens
     # the first prompt and its answer come from the prefix cache, at least the first's full blocks
     assert continued.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens // 16 * 16
+    items = openai_client.responses.input_items.list(continued.id, order="asc").data
+    texts = [item.content[0].text for item in items]
+    assert texts == [SEA, first.output_text, follow_up]
+    assert [item.role for item in items] == ["user", "assistant", "user"]
+    newest = openai_client.responses.input_items.list(continued.id, limit=1)
+    assert [item.id for item in newest.data] == [items[-1].id] and newest.has_more
     third = _create(openai_client, input="And the stars?", previous_response_id=continued.id)
     assert third.usage.input_tokens > continued.usage.input_tokens  # the whole chain
 
