@@ -12,7 +12,7 @@ ends them all.
 
 from __future__ import annotations
 
-import math
+import asyncio
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any
 
@@ -116,43 +116,54 @@ async def _interleaved(
     joined: JoinedUsage,
     include_usage: bool,
 ) -> AsyncIterator[ServerSentEvent]:
-    """The choices' chunks as they come; each run's events are closed however this ends."""
-    send, receive = anyio.create_memory_object_stream[SSEChunk](math.inf)
+    """The choices' chunks as they come.
+
+    Each choice is pumped by a task of its own, which closes its events however it
+    ends; this generator cancels them when it is closed early (the client left).
+    No task group spans a ``yield``: the generator may be closed from another task.
+    """
+    chunks: asyncio.Queue[SSEChunk | None] = asyncio.Queue()  # None: a choice ended
 
     async def pump(processor: StreamProcessor, events: AsyncIterator[InferenceEvent]) -> None:
         try:
             async for event in events:
                 for chunk in processor.push(event):
-                    await send.send(chunk)
+                    chunks.put_nowait(chunk)
                 if processor.done:
                     break
             for chunk in processor.finish():
-                await send.send(chunk)
+                chunks.put_nowait(chunk)
         finally:
             with anyio.CancelScope(shield=True):
                 await events.aclose()  # type: ignore[attr-defined]
             processor.close()
+            chunks.put_nowait(None)
 
-    async def pump_all() -> None:
-        async with send, anyio.create_task_group() as group:
-            for processor, events in runs:
-                group.start_soon(pump, processor, events)
-
-    async with anyio.create_task_group() as group:
-        group.start_soon(pump_all)
-        async with receive:
-            async for chunk in receive:
+    tasks = [asyncio.create_task(pump(processor, events)) for processor, events in runs]
+    try:
+        ended = 0
+        while ended < len(tasks):
+            chunk = await chunks.get()
+            if chunk is None:
+                ended += 1
+            else:
                 yield sse_event(chunk)
         if include_usage:
-            context = first.context
-            usage_chunk = {
-                "id": context.request_id,
-                "object": "text_completion",
-                "created": context.created,
-                "model": context.model,
-                "system_fingerprint": context.system_fingerprint,
-                "choices": [],
-                "usage": chat_usage(joined.usage),
-            }
-            yield sse_event(SSEChunk(usage_chunk))
+            yield sse_event(SSEChunk(_usage_chunk(first, joined)))
         yield ServerSentEvent(data=first.protocol.done_marker or "[DONE]")
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+def _usage_chunk(first: Prepared, joined: JoinedUsage) -> dict[str, Any]:
+    context = first.context
+    return {
+        "id": context.request_id,
+        "object": "text_completion",
+        "created": context.created,
+        "model": context.model,
+        "system_fingerprint": context.system_fingerprint,
+        "choices": [],
+        "usage": chat_usage(joined.usage),
+    }
