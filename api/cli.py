@@ -83,6 +83,8 @@ def _serve(args: argparse.Namespace) -> int:
 
     from api.auth import KeyRing
     from api.backends.placement import PlacementPolicy
+    from api.images.destinations import DestinationPolicy
+    from api.images.resolution import ImageOptions, ImageQuota
     from api.server import run
     from api.settings import Settings, load_models
 
@@ -125,6 +127,11 @@ def _serve(args: argparse.Namespace) -> int:
         max_preparing=args.max_preparing,
         stall_timeout_s=args.stall_timeout,
         allowed_origins=tuple(args.allowed_origins or ()),
+        images=ImageOptions(
+            DestinationPolicy.allowing(args.image_allow or ()),
+            ImageQuota(args.max_images, args.max_image_bytes, args.max_image_pixels),
+            args.image_fetch_timeout,
+        ),
     )
     try:
         load_models(settings)  # a bad --model or --config fails here, with a clear message
@@ -146,6 +153,46 @@ def _bench(args: argparse.Namespace) -> int:
     from bench.engine import main as bench_engine
 
     return bench_engine(args.rest)
+
+
+def _add_image_args(parser: argparse.ArgumentParser) -> None:
+    from api.images import resolution
+
+    parser.add_argument(
+        "--image-allow",
+        action="append",
+        metavar="HOST|NET",
+        help="image URLs may reach this host name, address or network although it is not "
+        "public (repeatable; loopback, private, link-local and metadata addresses are refused)",
+    )
+    parser.add_argument(
+        "--max-images",
+        type=_at_least_one,
+        default=resolution.DEFAULT_MAX_IMAGES,
+        metavar="N",
+        help="images one request may hold; more is a 400",
+    )
+    parser.add_argument(
+        "--max-image-bytes",
+        type=_at_least_one,
+        default=resolution.DEFAULT_MAX_IMAGE_BYTES,
+        metavar="N",
+        help="encoded bytes one request's images may hold together, inline and fetched",
+    )
+    parser.add_argument(
+        "--max-image-pixels",
+        type=_at_least_one,
+        default=resolution.DEFAULT_MAX_IMAGE_PIXELS,
+        metavar="N",
+        help="decoded pixels one request's images may hold together",
+    )
+    parser.add_argument(
+        "--image-fetch-timeout",
+        type=float,
+        default=resolution.DEFAULT_FETCH_TIMEOUT_S,
+        metavar="S",
+        help="fetching a request's image URLs must end within S seconds, or it is a 504",
+    )
 
 
 def _add_placement_args(parser: argparse.ArgumentParser) -> None:
@@ -230,6 +277,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="429 beyond N queued + running requests per model",
     )
     _add_placement_args(serve)
+    _add_image_args(serve)
     serve.add_argument(
         "--job-retention",
         type=float,

@@ -15,13 +15,14 @@ import re
 import secrets
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from tokenizers import Tokenizer
 
 from api.backends.base import ServedModel
 from api.errors import ApiError, bad_request
+from api.images.resolution import ImageOptions, ResolvedImage, check_image_count, resolve_images
 from api.output_parser import HERMES_TOOL_CALL, THINK, Delimiters, ParserConfig
 from api.protocols.base import GenerationRequest, Protocol, RawPrompt, ResponseContext
 from shared.constraints import (
@@ -36,9 +37,15 @@ from shared.constraints import (
     schema_is_enforceable,
     tool_call_grammar,
 )
-from shared.conversation import Conversation, ConversationError, ImagePart, has_images
+from shared.conversation import (
+    Conversation,
+    ConversationError,
+    ImagePart,
+    has_images,
+    images_as_text,
+)
 from shared.prompting import PromptFormatError, RenderedPrompt, render
-from shared.registry import ModelRegistry, ModelSpec, UnknownModel
+from shared.registry import UNSUPPORTED_IMAGE, ModelRegistry, ModelSpec, UnknownModel
 from shared.sampling import SamplingParams, StructuredOutputs
 from shared.tokenization import PromptEncodingError, encode_prompt, encode_text
 from shared.wire import ParsingOptions, PreparedRequest
@@ -48,8 +55,6 @@ DEFAULT_MAX_TOKENS = 8192
 MAX_MESSAGES = 4096
 MAX_CONTENT_PARTS = 512
 MAX_TOOLS = 512
-MAX_IMAGES = 64
-MAX_IMAGE_BYTES = 20 * 2**20
 THINKING_MAX_TOKENS = 65536
 MAX_EFFORT_MAX_TOKENS = 131072
 
@@ -59,20 +64,22 @@ _FIELD = re.compile(r"([A-Za-z_][\w.\[\]]*) ")
 
 @dataclass(slots=True)
 class PreparationContext:
-    """What preparation looks up: accepted names, and the models that are loaded."""
+    """What preparation looks up: accepted names, the loaded models, how images resolve."""
 
     registry: ModelRegistry
     models: Mapping[str, ServedModel]  # by registry name (``spec.name``)
+    images: ImageOptions = field(default_factory=ImageOptions)
 
 
 @dataclass(slots=True)
 class Encoded:
-    """A request rendered and encoded for one model."""
+    """A request rendered and encoded for one model, its images decoded in prompt order."""
 
     request: GenerationRequest
     model: ServedModel
     rendered: RenderedPrompt
     token_ids: list[int]
+    images: list[ResolvedImage] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -140,16 +147,15 @@ def prepare(
     return Prepared(protocol, request, context, wire, model)
 
 
-def check_request_limits(conversation: Conversation) -> None:
-    """A 400 naming the limit for a request with more of something than any model needs."""
+def check_request_limits(conversation: Conversation, images: ImageOptions) -> None:
+    """A 400 naming the limit for a request with more of something than it may hold."""
     parts = [getattr(message, "content", []) for message in conversation.messages]
-    images = [part for content in parts for part in content if isinstance(part, ImagePart)]
-    image_bytes = sum(len(image.source.data or "") * 3 // 4 for image in images)
+    check_image_count(
+        sum(isinstance(p, ImagePart) for content in parts for p in content), images.quota
+    )
     for what, count, most in (
         ("messages", len(conversation.messages), MAX_MESSAGES),
         ("tools", len(conversation.tools), MAX_TOOLS),
-        ("images", len(images), MAX_IMAGES),
-        ("bytes of inline images", image_bytes, MAX_IMAGE_BYTES),
     ):
         if count > most:
             raise bad_request(
@@ -169,14 +175,15 @@ def check_request_limits(conversation: Conversation) -> None:
 
 def encode_request(request: GenerationRequest, ctx: PreparationContext) -> Encoded:
     """Resolve the model, render the conversation in its format and encode it safely."""
-    check_request_limits(request.conversation)  # 400 naming the limit
+    check_request_limits(request.conversation, ctx.images)  # 400 naming the limit
     model = resolve_model(request.model, ctx)
     if request.prompt is not None:
         return encode_raw(request, request.prompt, model)
-    _require_image_support(request.conversation, model.spec)
-    rendered = render_conversation(request.conversation, model)
+    conversation = _seen_images(request.conversation, model.spec)  # 400: a model that cannot see
+    rendered = render_conversation(conversation, model)
     _refuse_if_surely_too_long(rendered, model)
-    return Encoded(request, model, rendered, _encode(rendered, model))
+    images = resolve_images(rendered.image_sources, ctx.images) if rendered.image_sources else []
+    return Encoded(request, model, rendered, _encode(rendered, model), images)
 
 
 def encode_raw(request: GenerationRequest, prompt: RawPrompt, model: ServedModel) -> Encoded:
@@ -229,10 +236,14 @@ def _longest_token(tokenizer: Tokenizer) -> int:
     return max((len(token) for token in tokenizer.get_vocab()), default=1) or 1
 
 
-def _require_image_support(conversation: Conversation, spec: ModelSpec) -> None:
-    """A 400 rather than silently dropping images the model cannot see."""
+def _seen_images(conversation: Conversation, spec: ModelSpec) -> Conversation:
+    """The conversation as the model takes it: a model that cannot see gets placeholder text
+    (``images = "placeholder"``) or refuses the request with a 400 rather than drop an image.
+    """
     if "images" in spec.capabilities:
-        return
+        return conversation
+    if spec.images == "placeholder":
+        return images_as_text(conversation, UNSUPPORTED_IMAGE)
     for index, message in enumerate(conversation.messages):
         if has_images(getattr(message, "content", [])):
             raise bad_request(
@@ -241,6 +252,7 @@ def _require_image_support(conversation: Conversation, spec: ModelSpec) -> None:
                 f"message {index} contains one",
                 "messages",
             )
+    return conversation
 
 
 def resolve_model(name: str, ctx: PreparationContext) -> ServedModel:

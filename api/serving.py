@@ -49,6 +49,7 @@ class Serving:
         collector = backend.metrics_collector()
         if collector is not None:
             self.metrics.registry.register(collector)
+        self.images = settings.images
         self._context: PreparationContext | None = None
         self._served: list[ServedModel] = []
 
@@ -74,7 +75,10 @@ class Serving:
         served = self.backend.models()
         if self._context is None or served != self._served:  # a queue's context length can move
             models = {model.spec.name: model for model in served}
-            self._context, self._served = PreparationContext(self.registry, models), served
+            self._context, self._served = (
+                PreparationContext(self.registry, models, self.images),
+                served,
+            )
         return self._context
 
     async def read_json(self, request: Request, value: bool = False) -> Any:

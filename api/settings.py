@@ -11,6 +11,7 @@ from api.connection_limits import (
     DEFAULT_KEEP_ALIVE_TIMEOUT_S,
     DEFAULT_MAX_HEADER_BYTES,
 )
+from api.images.resolution import ImageOptions
 from api.preparation_pool import DEFAULT_MAX_WAITING, DEFAULT_PREPARE_TIMEOUT_S
 from api.request_body import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES
 from api.stall_guard import DEFAULT_STALL_TIMEOUT_S
@@ -38,6 +39,7 @@ class Settings:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # a larger request body is a 413
     body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S  # a body slower to arrive is a 408
     stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S  # a client not reading this long is dropped
+    images: ImageOptions = field(default_factory=ImageOptions)  # fetch policy, quota, timeout
     # Distributed mode (workers behind Redis) when set; see api/admission.py for the policy.
     redis_url: str | None = None
     queue_timeout_s: float = 30.0  # a worker must start the request by then: 503

@@ -10,6 +10,7 @@ a parser can turn it into a 400 unchanged.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -185,6 +186,21 @@ def has_images(content: list[ContentPart]) -> bool:
     return any(isinstance(part, ImagePart) for part in content)
 
 
+def images_as_text(conversation: Conversation, text: str) -> Conversation:
+    """A copy in which every image part is the text part ``text``: for models that cannot see."""
+    messages = [
+        dataclasses.replace(message, content=[_as_text(part, text) for part in message.content])
+        if has_images(getattr(message, "content", []))
+        else message
+        for message in conversation.messages
+    ]
+    return dataclasses.replace(conversation, messages=messages)
+
+
+def _as_text(part: ContentPart, text: str) -> ContentPart:
+    return TextPart(text) if isinstance(part, ImagePart) else part
+
+
 def leading_system(messages: list[Message]) -> tuple[SystemMessage | None, list[Message]]:
     """The first message when it is a system one, and the messages after it.
 
@@ -341,6 +357,7 @@ __all__ = [
     "ToolMessage",
     "UserMessage",
     "has_images",
+    "images_as_text",
     "leading_system",
     "text_of",
 ]

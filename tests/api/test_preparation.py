@@ -7,6 +7,7 @@ default model's, read from its GGUF (no weights are loaded).
 
 from __future__ import annotations
 
+import base64
 from typing import Any
 
 import llguidance
@@ -41,6 +42,7 @@ from shared.registry import ModelRegistry, ModelSpec, UnknownModel, default_regi
 from shared.sampling import StructuredOutputs
 from shared.tokenizer_loader import load_tokenizer
 from shared.wire import PreparedRequest
+from tests.image_server import png_bytes
 
 CONTEXT = 512
 
@@ -290,25 +292,44 @@ def test_one_tool_call_per_turn_reaches_the_parser(ctx: PreparationContext):
     assert not prepare(MINIMAL, {**body, "tool_choice": "none"}, ctx).wire.parsing.single_tool_call
 
 
-def test_images_are_refused_for_a_model_that_cannot_see_them(default_spec: ModelSpec):
-    from api.protocols import chat_completions
-
-    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
-    body = {
-        "model": "default",
+def _image_body(model: str) -> dict[str, Any]:
+    url = "data:image/png;base64," + base64.b64encode(png_bytes()).decode()
+    image = {"type": "image_url", "image_url": {"url": url}}
+    return {
+        "model": model,
         "max_tokens": 4,
         "messages": [{"role": "user", "content": [{"type": "text", "text": "What is it?"}, image]}],
     }
+
+
+def test_images_are_refused_for_a_model_that_cannot_see_them(default_spec: ModelSpec):
+    from api.protocols import chat_completions
+
+    body = _image_body("default")
     error = _error(prepare, chat_completions.PROTOCOL, body, _context(default_spec))
     assert (error.status, error.param) == (400, "messages")
     assert "does not accept images" in error.message
 
+
+def test_a_placeholder_model_reads_unsupported_image_as_plain_text(default_spec: ModelSpec):
+    from api.protocols import chat_completions
+
+    blind = ModelSpec("blind", default_spec.weights, prompt_format="chatml", images="placeholder")
+    encoded = encode_request(chat_completions.PROTOCOL.parse(_image_body("blind")), _context(blind))
+    prompt = encoded.rendered.prompt
+    start = prompt.index("What is it?[Unsupported Image]")
+    assert not any(s <= start < e for s, e in encoded.rendered.special_ranges)
+    assert encoded.images == [] and encoded.rendered.image_sources == []
+
+
+def test_an_image_model_gets_its_images_decoded_in_prompt_order(default_spec: ModelSpec):
+    from api.protocols import chat_completions
+
     seeing = ModelSpec(
         "seer", default_spec.weights, prompt_format="chatml", capabilities=frozenset({"images"})
     )
-    body["model"] = "seer"
-    prepared = prepare(chat_completions.PROTOCOL, body, _context(seeing))
-    assert prepared.wire.prompt_token_ids
+    encoded = encode_request(chat_completions.PROTOCOL.parse(_image_body("seer")), _context(seeing))
+    assert [image.image.size for image in encoded.images] == [(32, 24)]
 
 
 # --- constraints -----------------------------------------------------------------

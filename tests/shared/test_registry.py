@@ -105,6 +105,14 @@ def test_from_toml(tmp_path):
         ('weights = "w"\ncontext_length = "8k"', r"'context_length'"),
         ('weights = "w"\ncapabilities = ["vision"]', r"has vision; accepted: images"),
         (
+            'weights = "w"\nimages = "drop"',
+            r"field 'images' is 'drop'; accepted: refuse, placeholder",
+        ),
+        (
+            'weights = "w"\ncapabilities = ["images"]\nimages = "placeholder"',
+            r"'images' = 'placeholder' is for models without the 'images' capability",
+        ),
+        (
             'weights = "w"\ntool_parser = "mistral"',
             r"'tool_parser' is 'mistral'; accepted: hermes, llama3_json",
         ),
@@ -151,3 +159,11 @@ def test_spec_accepts_plain_strings_and_defaults():
     assert registry.names() == ["m"]
     with pytest.raises(InvalidModelEntry, match="already used"):
         registry.add(ModelSpec("m", "/other"))
+
+
+def test_a_model_refuses_images_unless_its_entry_asks_for_placeholders(tmp_path):
+    config = tmp_path / "models.toml"
+    config.write_text('[models.blind]\nweights = "w"\nimages = "placeholder"\n')
+    registry = ModelRegistry.from_toml(config)
+    assert registry.resolve("blind").images == "placeholder"
+    assert registry.resolve("default").images == "refuse"

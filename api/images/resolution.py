@@ -1,0 +1,143 @@
+"""The resolution stage: a rendered prompt's image sources to decoded pictures, under a quota.
+
+It runs only for a prompt that has image sources, in the preparation pool,
+after rendering: base64 and data URLs are decoded, http(s) URLs fetched
+through the destination policy, and every picture decoded and counted
+against the request's quota (images, bytes, pixels).
+
+Whose fault a failure is decides its status, as in the reference servers: an
+image that is itself unusable (not decodable, not an image, too large, too
+many, a URL the server does not fetch from) is a 400, "change the image"; a
+failure on the fetching side (the remote host errors, is unreachable or too
+slow) is a 502 or 504, "retry later". Each message names the image by its
+position in the prompt.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import time
+from dataclasses import dataclass, field
+
+from PIL import Image
+
+from api.errors import ApiError, bad_request
+from api.images.decoding import InvalidImage, TooManyPixels, decode_image
+from api.images.destinations import DestinationPolicy
+from api.images.fetching import ImageFetchError, fetch_image
+from shared.conversation import ImageSource
+
+DEFAULT_MAX_IMAGES = 16
+DEFAULT_MAX_IMAGE_BYTES = 20 * 2**20
+DEFAULT_MAX_IMAGE_PIXELS = 50_000_000
+DEFAULT_FETCH_TIMEOUT_S = 10.0
+
+
+@dataclass(frozen=True, slots=True)
+class ImageQuota:
+    """What one request's images may add up to; each is a flag of ``sluice serve``."""
+
+    images: int = DEFAULT_MAX_IMAGES  # --max-images
+    bytes: int = DEFAULT_MAX_IMAGE_BYTES  # --max-image-bytes: encoded, inline and fetched
+    pixels: int = DEFAULT_MAX_IMAGE_PIXELS  # --max-image-pixels: decoded, all images together
+
+
+@dataclass(frozen=True, slots=True)
+class ImageOptions:
+    """How images are resolved: where from (``policy``), how much, and how fast."""
+
+    policy: DestinationPolicy = field(default_factory=DestinationPolicy)
+    quota: ImageQuota = field(default_factory=ImageQuota)
+    fetch_timeout_s: float = DEFAULT_FETCH_TIMEOUT_S  # --image-fetch-timeout: all fetches
+
+
+@dataclass(frozen=True, slots=True)
+class ResolvedImage:
+    """A decoded RGB picture and the digest of its pixels (the prefix cache's key for it)."""
+
+    image: Image.Image
+    digest: bytes
+
+
+def resolve_images(sources: list[ImageSource], options: ImageOptions) -> list[ResolvedImage]:
+    """Every source decoded, in prompt order; an ``ApiError`` naming the first that fails."""
+    quota = options.quota
+    check_image_count(len(sources), quota)
+    deadline = time.monotonic() + options.fetch_timeout_s
+    resolved: list[ResolvedImage] = []
+    used_bytes = used_pixels = 0
+    for index, source in enumerate(sources):
+        data = _bytes_of(index, source, options, quota.bytes - used_bytes, deadline)
+        used_bytes += len(data)
+        if used_bytes > quota.bytes:
+            raise _over_bytes(index, quota)
+        try:
+            image = decode_image(data, quota.pixels - used_pixels)
+        except TooManyPixels as exc:
+            raise bad_request(
+                f"image {index} {exc} (--max-image-pixels)", "messages", "limit_exceeded"
+            ) from None
+        except InvalidImage as exc:
+            raise _invalid(index, str(exc)) from None
+        used_pixels += image.width * image.height
+        resolved.append(ResolvedImage(image, _digest(image)))
+    return resolved
+
+
+def check_image_count(count: int, quota: ImageQuota) -> None:
+    if count > quota.images:
+        raise bad_request(
+            f"a request may hold at most {quota.images} images (--max-images), "
+            f"this one has {count}",
+            "messages",
+            "limit_exceeded",
+        )
+
+
+def _bytes_of(
+    index: int, source: ImageSource, options: ImageOptions, budget: int, deadline: float
+) -> bytes:
+    if source.data is not None:
+        if len(source.data) * 3 // 4 > budget:
+            raise _over_bytes(index, options.quota)
+        try:
+            return base64.b64decode(source.data, validate=True)
+        except (binascii.Error, ValueError):
+            raise _invalid(index, "is not valid base64") from None
+    assert source.url is not None
+    try:
+        return fetch_image(source.url, options.policy, max_bytes=budget, deadline=deadline).data
+    except ImageFetchError as exc:
+        raise _fetch_error(index, exc) from None
+
+
+def _digest(image: Image.Image) -> bytes:
+    """Equal pixels, equal digest, whatever the encoding they came in."""
+    digest = hashlib.blake2b(image.tobytes(), digest_size=16)
+    digest.update(f"{image.width}x{image.height}".encode())
+    return digest.digest()
+
+
+def _invalid(index: int, reason: str) -> ApiError:
+    return bad_request(f"image {index} {reason}", "messages", "invalid_image")
+
+
+def _over_bytes(index: int, quota: ImageQuota) -> ApiError:
+    return bad_request(
+        f"image {index} brings the request's images over {quota.bytes} bytes (--max-image-bytes)",
+        "messages",
+        "limit_exceeded",
+    )
+
+
+def _fetch_error(index: int, error: ImageFetchError) -> ApiError:
+    message = f"image {index}: {error}"
+    if error.client_fault:
+        return bad_request(message, "messages", "invalid_image_url")
+    if error.timed_out:
+        return ApiError(
+            504, message + "; retry later", "api_error", "messages", "image_fetch_timeout"
+        )
+    return ApiError(502, message + "; retry later", "api_error", "messages", "image_fetch_failed")
