@@ -22,7 +22,8 @@ from tokenizers import Tokenizer
 
 from api.backends.base import ServedModel
 from api.errors import ApiError, bad_request
-from api.images.resolution import ImageOptions, ResolvedImage, check_image_count, resolve_images
+from api.images.expansion import expand_images
+from api.images.resolution import ImageOptions, check_image_count, resolve_images
 from api.output_parser import HERMES_TOOL_CALL, THINK, Delimiters, ParserConfig
 from api.protocols.base import GenerationRequest, Protocol, RawPrompt, ResponseContext
 from shared.constraints import (
@@ -48,7 +49,7 @@ from shared.prompting import PromptFormatError, RenderedPrompt, render
 from shared.registry import UNSUPPORTED_IMAGE, ModelRegistry, ModelSpec, UnknownModel
 from shared.sampling import SamplingParams, StructuredOutputs
 from shared.tokenization import PromptEncodingError, encode_prompt, encode_text
-from shared.wire import ParsingOptions, PreparedRequest
+from shared.wire import ParsingOptions, PreparedRequest, WireImage
 
 DEFAULT_MAX_TOKENS = 8192
 # What one request may hold, beyond which it is refused before any rendering.
@@ -73,13 +74,13 @@ class PreparationContext:
 
 @dataclass(slots=True)
 class Encoded:
-    """A request rendered and encoded for one model, its images decoded in prompt order."""
+    """A request rendered and encoded for one model, each image in its span of the ids."""
 
     request: GenerationRequest
     model: ServedModel
     rendered: RenderedPrompt
     token_ids: list[int]
-    images: list[ResolvedImage] = field(default_factory=list)
+    images: list[WireImage] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -139,6 +140,7 @@ def prepare(
         request_id=context.request_id,
         model=model.spec.name,
         prompt_token_ids=prompt_ids,
+        images=encoded.images,
         sampling=sampling,
         parsing=parsing_options(encoded, thinking),
         priority=request.priority or 0,
@@ -179,11 +181,14 @@ def encode_request(request: GenerationRequest, ctx: PreparationContext) -> Encod
     model = resolve_model(request.model, ctx)
     if request.prompt is not None:
         return encode_raw(request, request.prompt, model)
-    conversation = _seen_images(request.conversation, model.spec)  # 400: a model that cannot see
+    conversation = _seen_images(request.conversation, model)  # 400: a model that cannot see
     rendered = render_conversation(conversation, model)
     _refuse_if_surely_too_long(rendered, model)
-    images = resolve_images(rendered.image_sources, ctx.images) if rendered.image_sources else []
-    return Encoded(request, model, rendered, _encode(rendered, model), images)
+    ids = _encode(rendered, model)
+    if not rendered.image_sources:
+        return Encoded(request, model, rendered, ids)
+    resolved = resolve_images(rendered.image_sources, ctx.images)  # 400 the image, 5xx fetching
+    return Encoded(request, model, rendered, *expand_images(ids, resolved, model))
 
 
 def encode_raw(request: GenerationRequest, prompt: RawPrompt, model: ServedModel) -> Encoded:
@@ -236,19 +241,19 @@ def _longest_token(tokenizer: Tokenizer) -> int:
     return max((len(token) for token in tokenizer.get_vocab()), default=1) or 1
 
 
-def _seen_images(conversation: Conversation, spec: ModelSpec) -> Conversation:
+def _seen_images(conversation: Conversation, model: ServedModel) -> Conversation:
     """The conversation as the model takes it: a model that cannot see gets placeholder text
     (``images = "placeholder"``) or refuses the request with a 400 rather than drop an image.
     """
-    if "images" in spec.capabilities:
+    spec = model.spec
+    if model.image_processing is not None:
         return conversation
     if spec.images == "placeholder":
         return images_as_text(conversation, UNSUPPORTED_IMAGE)
     for index, message in enumerate(conversation.messages):
         if has_images(getattr(message, "content", [])):
             raise bad_request(
-                f"model {spec.name!r} does not accept images (its capabilities: "
-                f"{', '.join(sorted(spec.capabilities)) or 'none'}); "
+                f"model {spec.name!r} does not accept images (it is not a vision model); "
                 f"message {index} contains one",
                 "messages",
             )

@@ -20,7 +20,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from engine.sequence import Sequence
-from shared.prefix_hash import chain_hash
+from shared.prefix_hash import chain_hash, images_in
 
 
 @dataclass(slots=True)
@@ -88,7 +88,7 @@ class BlockManager:
             return 0
         parent: int | None = None
         for start in range(0, len(seq) - 1 - self.block_size + 1, self.block_size):
-            block_hash = chain_hash(parent, seq.token_ids[start : start + self.block_size])
+            block_hash = self._hash(seq, parent, start)
             block_id = self.cached.get(block_hash)
             if block_id is None:
                 break
@@ -110,8 +110,7 @@ class BlockManager:
         full = seq.num_computed_tokens // self.block_size
         for index in range(len(seq.block_hashes), full):
             parent = seq.block_hashes[-1] if seq.block_hashes else None
-            start = index * self.block_size
-            block_hash = chain_hash(parent, seq.token_ids[start : start + self.block_size])
+            block_hash = self._hash(seq, parent, index * self.block_size)
             seq.block_hashes.append(block_hash)
             block = self.blocks[seq.block_table[index]]
             if block_hash not in self.cached:
@@ -119,6 +118,10 @@ class BlockManager:
                 self.cached[block_hash] = block.block_id
                 if self._changes is not None:
                     self._changes.add(block_hash)
+
+    def _hash(self, seq: Sequence, parent: int | None, start: int) -> int:
+        end = start + self.block_size
+        return chain_hash(parent, seq.token_ids[start:end], images_in(seq.images, start, end))
 
     def release(self, seq: Sequence) -> None:
         """Drop the sequence's references; cached blocks stay revivable."""

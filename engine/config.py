@@ -11,11 +11,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+# Vision-language models: a vision encoder whose features stand in for image tokens of a
+# Llama-family text model.
+VISION_ARCHITECTURES = ("Idefics3ForConditionalGeneration",)
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    *VISION_ARCHITECTURES,
 )
 
 
@@ -49,16 +53,24 @@ class ModelConfig:
     attention_bias: bool = False  # Qwen2: bias on q/k/v projections
     qk_norm: bool = False  # Qwen3: RMSNorm on each head of q and k
     rope_scaling: RopeScaling | None = None
+    # A vision-language model's whole HF config (its vision part is the vision module's to
+    # read) and the id of its image token; None for a text model.
+    vision: dict[str, Any] | None = None
+    image_token_id: int | None = None
 
     @classmethod
-    def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
-        architecture = (cfg.get("architectures") or ["LlamaForCausalLM"])[0]
+    def from_hf(cls, full: dict[str, Any]) -> ModelConfig:
+        """From ``config.json``; a vision-language model's text part is its ``text_config``."""
+        architecture = (full.get("architectures") or ["LlamaForCausalLM"])[0]
         if architecture not in SUPPORTED_ARCHITECTURES:
             raise UnsupportedArchitecture(
                 f"architecture {architecture!r} is not supported; "
                 f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
+        vision = architecture in VISION_ARCHITECTURES
+        cfg = full["text_config"] if vision else full
         num_heads = cfg["num_attention_heads"]
+        tied = full.get("tie_word_embeddings", cfg.get("tie_word_embeddings", False))
         return cls(
             architecture=architecture,
             vocab_size=cfg["vocab_size"],
@@ -71,10 +83,12 @@ class ModelConfig:
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=_rope_theta(cfg),
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(tied),
             attention_bias=architecture == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias")),
             qk_norm=architecture == "Qwen3ForCausalLM",
             rope_scaling=_rope_scaling(cfg),
+            vision=full if vision else None,
+            image_token_id=full.get("image_token_id") if vision else None,
         )
 
 

@@ -10,18 +10,22 @@ from __future__ import annotations
 import logging
 import random
 import time
+from collections.abc import Sequence as SequenceABC
 
 from engine.block_manager import BlockManager
 from engine.config import EngineArgs
 from engine.constraints import Constraints
 from engine.detokenizer import OutputText
+from engine.model.idefics3 import Idefics3ForConditionalGeneration
 from engine.model_runner import ModelRunner
 from engine.sampler import Sampler
 from engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from engine.sequence import Sequence, SequenceStatus
 from engine.setup import LoadedModel, load_engine_model
+from engine.vision import SequenceVision, sequence_vision
 from shared.events import Finish, FinishReason, InferenceEvent, Ready, Text, TokenLogprob
 from shared.sampling import SamplingParams
+from shared.wire import WireImage
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +46,7 @@ class LLMEngine:
             max(args.max_num_batched_tokens, args.block_size),
         )
         self.runner = ModelRunner(loaded.model, loaded.attention, args.block_size, loaded.device)
+        self.image_processing = loaded.image_processing
         self.sampler = Sampler()
         self.constraints = Constraints(loaded.tokenizer, self.model_config.vocab_size)
         self.sequences: dict[str, Sequence] = {}
@@ -69,8 +74,12 @@ class LLMEngine:
         *,
         generated_token_ids: list[int] | None = None,
         emitted_chars: int = 0,
+        images: SequenceABC[WireImage] = (),
     ) -> None:
         """Queue a request.
+
+        ``images`` are the prompt's: each is decoded and preprocessed now, and
+        its features fill the image tokens of its span.
 
         ``generated_token_ids`` resumes a request that another engine began:
         they count as output already produced (budget, penalties and the seeded
@@ -94,6 +103,9 @@ class LLMEngine:
             num_prompt_tokens=len(prompt_token_ids),
         )
         seq.matcher = matcher
+        if images:
+            seq.images = [image.span for image in images]
+            seq.vision = self._vision(images, prompt_token_ids)
         if params.prompt_logprobs is not None and not generated:  # a resumed one has them
             seq.prompt_logprobs = []
         seq.seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
@@ -109,6 +121,20 @@ class LLMEngine:
         )
         self.sequences[request_id] = seq
         self.scheduler.add(seq)
+
+    def _vision(self, images: SequenceABC[WireImage], prompt: list[int]) -> SequenceVision:
+        model = self.runner.model
+        if self.image_processing is None or not isinstance(model, Idefics3ForConditionalGeneration):
+            raise ValueError(f"model {self.args.model!r} does not accept images")
+        assert self.model_config.image_token_id is not None
+        vision = model.vision
+        return sequence_vision(
+            images,
+            prompt,
+            self.image_processing,
+            self.model_config.image_token_id,
+            vision.tokens_per_tile,
+        )
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now: its blocks are free when this returns."""

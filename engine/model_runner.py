@@ -4,7 +4,9 @@ Tokens of every scheduled sequence are laid end to end with their positions
 and cache slots; the attention backend is planned once for the step; logits
 are computed only where a sequence samples, and at the prompt positions of a
 sequence that asked for prompt logprobs (in slices, so a long prompt never
-holds a whole chunk's logits at once).
+holds a whole chunk's logits at once). A chunk that covers image tokens
+places the image's features there, running the vision encoder the first time
+the sequence needs them.
 """
 
 from __future__ import annotations
@@ -14,13 +16,16 @@ from dataclasses import dataclass
 import torch
 
 from engine.attention import AttentionBackend, BatchLayout
-from engine.model.llama import LlamaForCausalLM
+from engine.model.idefics3 import Idefics3ForConditionalGeneration
+from engine.model.llama import LlamaForCausalLM, Placed
 from engine.sampler import prompt_logprobs
 from engine.scheduler import ScheduledSeq
 from engine.sequence import Sequence
 from shared.events import TokenLogprob
 
 PROMPT_LOGITS_SLICE = 256  # prompt positions whose logits exist at once
+
+CausalLM = LlamaForCausalLM | Idefics3ForConditionalGeneration
 
 
 @dataclass(slots=True)
@@ -40,6 +45,7 @@ class StepInputs:
     layout: BatchLayout
     sampling: list[ScheduledSeq]  # the scheduled sequences that produce a token, in row order
     prompt: list[PromptRows]  # in row order, after the sampling rows
+    placed: Placed | None = None  # image features and the rows they replace
 
 
 @dataclass(slots=True)
@@ -52,7 +58,7 @@ class StepOutput:
 class ModelRunner:
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        model: CausalLM,
         attention: AttentionBackend,
         block_size: int,
         device: torch.device,
@@ -67,7 +73,9 @@ class ModelRunner:
         """Logits of the sampling sequences, and the prompt logprobs this step computed."""
         inputs = self.prepare(scheduled)
         self.attention.plan(inputs.layout)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.attention, inputs.rows)
+        hidden = self.model(
+            inputs.input_ids, inputs.positions, self.attention, inputs.rows, inputs.placed
+        )
         sampled = len(inputs.sampling)
         logits = self.model.compute_logits(hidden[:sampled])
         return StepOutput(logits, inputs.sampling, self._prompt_logprobs(inputs, hidden[sampled:]))
@@ -81,6 +89,8 @@ class ModelRunner:
         sampling: list[ScheduledSeq] = []
         prompt_rows: list[int] = []
         prompt: list[PromptRows] = []
+        placed_rows: list[int] = []
+        placed: list[torch.Tensor] = []
         bs = self.block_size
         for item in ordered:
             seq, start = item.seq, item.seq.num_computed_tokens
@@ -93,6 +103,11 @@ class ModelRunner:
             if item.samples:
                 sampling_rows.append(len(input_ids) - 1)
                 sampling.append(item)
+            if seq.vision is not None:
+                first, last = seq.vision.between(start, end)
+                if first < last:
+                    placed_rows += [p + offset for p in seq.vision.positions[first:last]]
+                    placed.append(self._features(seq)[first:last])
             if seq.needs_prompt_logprobs:
                 assert seq.prompt_logprobs is not None
                 first = max(start, len(seq.prompt_logprobs))
@@ -113,7 +128,16 @@ class ModelRunner:
             layout,
             sampling,
             prompt,
+            (self._tensor(placed_rows), torch.cat(placed)) if placed else None,
         )
+
+    def _features(self, seq: Sequence) -> torch.Tensor:
+        """The sequence's image features, encoded on first use and kept while it runs."""
+        vision = seq.vision
+        if vision.features is None:
+            assert isinstance(self.model, Idefics3ForConditionalGeneration)
+            vision.features = self.model.encode_images(vision.pixel_values.to(self.device))
+        return vision.features
 
     def _prompt_logprobs(
         self, inputs: StepInputs, hidden: torch.Tensor

@@ -5,10 +5,14 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 from enum import Enum, auto
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engine.detokenizer import OutputText
 from shared.events import FinishReason, TokenLogprob
+
+if TYPE_CHECKING:
+    from engine.vision import SequenceVision
+from shared.prefix_hash import ImageSpan
 from shared.sampling import SamplingParams
 
 _arrival = itertools.count()
@@ -51,6 +55,8 @@ class Sequence:
     stop_token_ids: frozenset[int] = frozenset()
     output: OutputText | None = None
     matcher: Any = None  # the llguidance matcher of a constrained sequence (engine.constraints)
+    images: list[ImageSpan] = field(default_factory=list)  # where the prompt's images are
+    vision: SequenceVision | None = None  # the images' pixels and, once encoded, features
 
     def __post_init__(self) -> None:
         if not self.num_prompt_tokens:

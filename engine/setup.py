@@ -14,8 +14,11 @@ import torch
 from engine.attention import AttentionBackend, KVCache, make_backend
 from engine.config import DEFAULT_KV_CACHE_BYTES, EngineArgs, ModelConfig
 from engine.loader import load_checkpoint
+from engine.model.idefics3 import Idefics3ForConditionalGeneration
 from engine.model.llama import LlamaForCausalLM
 from engine.model.quantized import check_quantization, quantize_linears
+from shared.images.idefics3 import Idefics3Processing
+from shared.images.loading import image_processing_for
 from shared.registry import ModelRegistry, default_registry
 from shared.tokenizer_loader import LoadedTokenizer, load_tokenizer
 
@@ -23,12 +26,13 @@ from shared.tokenizer_loader import LoadedTokenizer, load_tokenizer
 @dataclass(slots=True)
 class LoadedModel:
     tokenizer: LoadedTokenizer
-    model: LlamaForCausalLM
+    model: LlamaForCausalLM | Idefics3ForConditionalGeneration
     attention: AttentionBackend
     device: torch.device
     dtype: torch.dtype
     max_model_len: int
     num_blocks: int
+    image_processing: Idefics3Processing | None = None  # a vision model's; None for text
 
 
 def resolve_device(name: str) -> torch.device:
@@ -66,11 +70,12 @@ def load_engine_model(args: EngineArgs) -> LoadedModel:
     checkpoint = load_checkpoint(Path(spec.weights), dtype)
     cfg = ModelConfig.from_hf(checkpoint.config)
     max_model_len = _max_model_len(args, cfg, spec.context_length)
+    architecture = LlamaForCausalLM if cfg.vision is None else Idefics3ForConditionalGeneration
     with torch.device(device):
-        model = LlamaForCausalLM(cfg, max_model_len).to(dtype)
+        model = architecture(cfg, max_model_len).to(dtype)
     model.load_weights(checkpoint.tensors)
     if args.quantization:
-        quantize_linears(model, args.quantization)
+        quantize_linears(getattr(model, "text", model), args.quantization)  # the encoder stays
     model.eval()
     num_blocks = _num_blocks(args, cfg, dtype, max_model_len)
     kv_cache = KVCache.allocate(
@@ -88,6 +93,7 @@ def load_engine_model(args: EngineArgs) -> LoadedModel:
         dtype=dtype,
         max_model_len=min(max_model_len, num_blocks * args.block_size),
         num_blocks=num_blocks,
+        image_processing=image_processing_for(spec),
     )
 
 

@@ -12,6 +12,7 @@ import json
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from shared.prefix_hash import ImageSpan
 from shared.sampling import SamplingParams
 
 
@@ -34,6 +35,26 @@ class ParsingOptions:
     single_tool_call: bool = False
 
 
+@dataclass(frozen=True, slots=True)
+class WireImage:
+    """An image of the prompt: its encoded bytes (base64), its pixels' digest (hex), and the
+    prompt positions ``[start, end)`` its tokens fill.
+
+    The encoded bytes cross, not the preprocessed tensor: a 1024x1024 JPEG is
+    a few hundred kB where its tiles, preprocessed, are tens of MB; the
+    engine's host decodes and preprocesses it again.
+    """
+
+    data: str
+    digest: str
+    start: int
+    end: int
+
+    @property
+    def span(self) -> ImageSpan:
+        return ImageSpan(self.start, self.end, bytes.fromhex(self.digest))
+
+
 @dataclass(slots=True)
 class PreparedRequest:
     """One request, ready to run: token ids, sampling and parsing options.
@@ -50,6 +71,7 @@ class PreparedRequest:
     parsing: ParsingOptions = field(default_factory=ParsingOptions)
     priority: int = 0
     created: float = 0.0
+    images: list[WireImage] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready and shallow: the dict shares this request's lists.
@@ -57,7 +79,7 @@ class PreparedRequest:
         ``dataclasses.asdict`` deep-copies every list element, which for a long
         prompt costs milliseconds on the API's event loop.
         """
-        return {
+        data = {
             "request_id": self.request_id,
             "model": self.model,
             "prompt_token_ids": self.prompt_token_ids,
@@ -66,6 +88,9 @@ class PreparedRequest:
             "priority": self.priority,
             "created": self.created,
         }
+        if self.images:  # absent otherwise: an earlier worker reads the rest unchanged
+            data["images"] = [_shallow(image) for image in self.images]
+        return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> PreparedRequest:
@@ -81,6 +106,7 @@ class PreparedRequest:
             parsing=ParsingOptions(**parsing),
             priority=int(data.get("priority", 0)),
             created=float(data.get("created", 0.0)),
+            images=[WireImage(**image) for image in data.get("images", ())],
         )
 
 

@@ -292,6 +292,7 @@ class WorkerHost:
                 request.priority,
                 generated_token_ids=resume.generated_token_ids,
                 emitted_chars=resume.emitted_chars,
+                images=request.images,
             )
         except ValueError as exc:  # the engine refuses what it cannot run
             self._publish([(run, [Error(run.request_id, str(exc), "invalid_request")])])

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from shared.events import InferenceEvent
+from shared.images.idefics3 import Idefics3Processing
 from shared.registry import ModelSpec
 from shared.tokenizer_loader import LoadedTokenizer
 from shared.wire import PreparedRequest
@@ -45,6 +46,7 @@ class ServedModel:
     spec: ModelSpec
     tokenizer: LoadedTokenizer
     context_length: int
+    image_processing: Idefics3Processing | None = None  # a vision model's; it sees images
 
 
 @dataclass(frozen=True, slots=True)

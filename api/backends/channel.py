@@ -191,7 +191,9 @@ class RequestChannel:
         request_id, limits = job.request.request_id, self.limits
         share = ticket.share if ticket is not None else None
         placer = self.placers.get(job.request.model)
-        placement = await placer.place(job.request.prompt_token_ids) if placer else SHARED
+        request = job.request
+        spans = [image.span for image in request.images]
+        placement = await placer.place(request.prompt_token_ids, spans) if placer else SHARED
         try:
             score = job.deadlines.total or time.time() + limits.total_timeout_s
             submission = await self._queue.put(job, score, bound, interrupt, share, placement)

@@ -27,6 +27,8 @@ from api.backends.placement import Placer
 from shared import keys
 from shared.events import InferenceEvent
 from shared.heap import freeze_startup_heap
+from shared.images.idefics3 import Idefics3Processing
+from shared.images.loading import image_processing_for
 from shared.registry import ModelSpec
 from shared.tokenizer_loader import LoadedTokenizer, load_tokenizer
 from shared.wire import PreparedRequest, QueuedRequest
@@ -64,6 +66,7 @@ class DistributedBackend(Backend):
             spec.name, lambda: self.snapshot, settings.max_num_seqs, placer.placed
         )
         self._tokenizer: LoadedTokenizer | None = None
+        self._image_processing: Idefics3Processing | None = None
         self._served: ServedModel | None = None
         self._load_error: str | None = None
 
@@ -72,6 +75,7 @@ class DistributedBackend(Backend):
         await self._channel.start()
         self._fleet.start()
         try:
+            self._image_processing = await asyncio.to_thread(image_processing_for, self._spec)
             self._tokenizer = await asyncio.to_thread(load_tokenizer, self._spec.tokenizer)
         except Exception as exc:  # reported by /ready, like a model that fails to load
             log.exception("loading the tokenizer failed")
@@ -135,7 +139,7 @@ class DistributedBackend(Backend):
             return []
         length = self._context_length(self.snapshot)
         if self._served is None or self._served.context_length != length:
-            self._served = ServedModel(self._spec, self._tokenizer, length)
+            self._served = ServedModel(self._spec, self._tokenizer, length, self._image_processing)
         return [self._served]
 
     def _context_length(self, snapshot: FleetSnapshot) -> int:

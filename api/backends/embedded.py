@@ -164,7 +164,9 @@ class EmbeddedBackend(Backend):
             log.exception("loading the model failed")
             self._health = BackendHealth(ready=False, detail=f"loading the model failed: {exc}")
             return
-        self._served = ServedModel(self._spec, engine.tokenizer, engine.max_model_len)
+        self._served = ServedModel(
+            self._spec, engine.tokenizer, engine.max_model_len, engine.image_processing
+        )
         self._host = EngineThread(engine, self._on_events, self._on_step_failure)
         self._publish(engine)
         self._host.start()
@@ -182,7 +184,11 @@ class EmbeddedBackend(Backend):
     def _add(self, engine: LLMEngine, request: PreparedRequest) -> None:
         try:
             engine.add_request(
-                request.request_id, request.prompt_token_ids, request.sampling, request.priority
+                request.request_id,
+                request.prompt_token_ids,
+                request.sampling,
+                request.priority,
+                images=request.images,
             )
         except ValueError as exc:  # the engine refuses what it cannot run
             self._send([Error(request.request_id, str(exc), "invalid_request")])

@@ -43,7 +43,7 @@ from redis.exceptions import RedisError
 
 from api.admission import FleetSnapshot, WorkerLoad
 from shared import keys
-from shared.prefix_hash import digest, prefix_hashes
+from shared.prefix_hash import ImageSpan, digest, prefix_hashes
 
 log = logging.getLogger(__name__)
 
@@ -131,24 +131,25 @@ class Placer:
         self.policy = policy
         self.placed: Counter[str] = Counter()  # placements by kind, for ``/metrics``
 
-    async def place(self, token_ids: Sequence[int]) -> Placement:
-        """Where a prompt of ``token_ids`` goes; the shared queue when Redis fails to say."""
+    async def place(self, token_ids: Sequence[int], images: Sequence[ImageSpan] = ()) -> Placement:
+        """Where a prompt of ``token_ids`` (with ``images``) goes; the shared queue when Redis
+        fails to say."""
         placement = SHARED
         if self.policy.enabled:
             try:
-                placement = await self._place(token_ids)
+                placement = await self._place(token_ids, images)
             except (RedisError, OSError, TimeoutError) as exc:
                 log.warning("reading the workers' caches failed; using the shared queue: %s", exc)
         self.placed[placement.kind] += 1
         return placement
 
-    async def _place(self, token_ids: Sequence[int]) -> Placement:
+    async def _place(self, token_ids: Sequence[int], images: Sequence[ImageSpan]) -> Placement:
         workers = [worker for worker in self._snapshot().live if worker.block_size > 0]
         if not workers:
             return SHARED
         if len(token_ids) - 1 < self.policy.min_match:  # the engine recomputes the last token
             return SHARED
-        chains = prompt_chains(token_ids, workers)
+        chains = prompt_chains(token_ids, workers, images)
         if not all(chains.values()):
             return SHARED
         candidates = await self._read(workers, chains)
@@ -183,7 +184,9 @@ class Placer:
         return candidates
 
 
-def prompt_chains(token_ids: Sequence[int], workers: list[WorkerLoad]) -> dict[int, list[bytes]]:
+def prompt_chains(
+    token_ids: Sequence[int], workers: list[WorkerLoad], images: Sequence[ImageSpan] = ()
+) -> dict[int, list[bytes]]:
     """The digests of the blocks a cache could serve, per block size the workers use.
 
     The engine never serves a prompt's last token from the cache, so a block
@@ -192,7 +195,8 @@ def prompt_chains(token_ids: Sequence[int], workers: list[WorkerLoad]) -> dict[i
     chains = {}
     for block_size in {worker.block_size for worker in workers}:
         usable = (len(token_ids) - 1) // block_size * block_size
-        chains[block_size] = [digest(h) for h in prefix_hashes(token_ids[:usable], block_size)]
+        hashes = prefix_hashes(token_ids[:usable], block_size, images)
+        chains[block_size] = [digest(h) for h in hashes]
     return chains
 
 

@@ -24,10 +24,10 @@ from dataclasses import dataclass, field
 from PIL import Image
 
 from api.errors import ApiError, bad_request
-from api.images.decoding import InvalidImage, TooManyPixels, decode_image
 from api.images.destinations import DestinationPolicy
 from api.images.fetching import ImageFetchError, fetch_image
 from shared.conversation import ImageSource
+from shared.images.decoding import InvalidImage, TooManyPixels, decode_image
 
 DEFAULT_MAX_IMAGES = 16
 DEFAULT_MAX_IMAGE_BYTES = 20 * 2**20
@@ -55,9 +55,11 @@ class ImageOptions:
 
 @dataclass(frozen=True, slots=True)
 class ResolvedImage:
-    """A decoded RGB picture and the digest of its pixels (the prefix cache's key for it)."""
+    """A decoded RGB picture, its encoded bytes, and the digest of its pixels (the prefix
+    cache's key for it)."""
 
     image: Image.Image
+    data: bytes
     digest: bytes
 
 
@@ -82,7 +84,7 @@ def resolve_images(sources: list[ImageSource], options: ImageOptions) -> list[Re
         except InvalidImage as exc:
             raise _invalid(index, str(exc)) from None
         used_pixels += image.width * image.height
-        resolved.append(ResolvedImage(image, _digest(image)))
+        resolved.append(ResolvedImage(image, data, _digest(image)))
     return resolved
 
 

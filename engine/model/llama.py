@@ -18,6 +18,8 @@ from engine.config import ModelConfig
 from engine.model.layers import Linear, RMSNorm, RotaryEmbedding, rotate
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # cos and sin rows of this step's positions
+# Rows of this step's tokens, and the embeddings that replace theirs (an image's features).
+Placed = tuple[torch.Tensor, torch.Tensor]
 
 
 class Attention(nn.Module):
@@ -95,9 +97,15 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,
         attention: AttentionBackend,
         rows: torch.Tensor,
+        placed: Placed | None = None,
     ) -> torch.Tensor:
-        """Final (normed) hidden states ``[len(rows), hidden]``: only the positions read out."""
+        """Final (normed) hidden states ``[len(rows), hidden]``: only the positions read out.
+
+        ``placed`` replaces the embeddings of some tokens (an image's placeholders).
+        """
         x = self.embed_tokens(input_ids)
+        if placed is not None:
+            x = x.index_copy(0, placed[0], placed[1].to(x.dtype))
         rope = self.rotary.lookup(positions)
         for layer in self.layers:
             x = layer(x, rope, attention)

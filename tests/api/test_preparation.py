@@ -28,6 +28,7 @@ from api.preparation import (
     thinking_mode,
 )
 from api.protocols.base import GenerationRequest, Protocol, ResponseBuilder
+from bench.vision_model import make_idefics3
 from shared.constraints import lltokenizer
 from shared.conversation import (
     AssistantMessage,
@@ -38,6 +39,7 @@ from shared.conversation import (
     ToolChoice,
     UserMessage,
 )
+from shared.images.loading import load_image_processing
 from shared.registry import ModelRegistry, ModelSpec, UnknownModel, default_registry
 from shared.sampling import StructuredOutputs
 from shared.tokenizer_loader import load_tokenizer
@@ -322,14 +324,39 @@ def test_a_placeholder_model_reads_unsupported_image_as_plain_text(default_spec:
     assert encoded.images == [] and encoded.rendered.image_sources == []
 
 
-def test_an_image_model_gets_its_images_decoded_in_prompt_order(default_spec: ModelSpec):
+@pytest.fixture(scope="module")
+def vision_context(tmp_path_factory: pytest.TempPathFactory) -> PreparationContext:
+    """A random-weight Idefics3 checkpoint with a short context, as the API serves it."""
+    weights = make_idefics3(tmp_path_factory.mktemp("vlm"))
+    spec = ModelSpec("seer", weights, capabilities=frozenset({"images"}))
+    processing = load_image_processing(weights)
+    served = ServedModel(spec, load_tokenizer(weights), 600, processing)
+    return PreparationContext(ModelRegistry([spec]), {spec.name: served})
+
+
+def test_an_image_becomes_its_layout_of_image_tokens(vision_context: PreparationContext):
     from api.protocols import chat_completions
 
-    seeing = ModelSpec(
-        "seer", default_spec.weights, prompt_format="chatml", capabilities=frozenset({"images"})
-    )
-    encoded = encode_request(chat_completions.PROTOCOL.parse(_image_body("seer")), _context(seeing))
-    assert [image.image.size for image in encoded.images] == [(32, 24)]
+    body = _image_body("seer")
+    body["messages"][0]["content"][0]["text"] = "What is <image> here?"  # typed, not a token
+    prepared = prepare(chat_completions.PROTOCOL, body, vision_context)
+    served = vision_context.models["seer"]
+    processing = served.image_processing
+    assert processing is not None
+    image_id = served.tokenizer.special_tokens["<image>"]
+    ids = prepared.wire.prompt_token_ids
+    (image,) = prepared.wire.images
+    rows, cols = processing.grid(32, 24)
+    tiles = rows * cols + 1
+    assert ids.count(image_id) == tiles * processing.image_seq_len  # the typed one is text
+    inside = ids[image.start : image.end]
+    assert inside.count(image_id) == ids.count(image_id)
+    assert base64.b64decode(image.data) == png_bytes()
+    assert "What is <image> here?" in served.tokenizer.tokenizer.decode(ids)
+
+    body["max_tokens"] = 600 - len(ids) + 1  # the image's tokens count against the context
+    error = _error(prepare, chat_completions.PROTOCOL, body, vision_context)
+    assert error.status == 400 and f"{len(ids)} in the messages" in error.message
 
 
 # --- constraints -----------------------------------------------------------------

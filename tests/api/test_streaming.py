@@ -345,6 +345,7 @@ class FakeEngine:
 
     def __init__(self, fail_on_step: int | None = None) -> None:
         self.tokenizer = None
+        self.image_processing = None
         self.max_model_len = 64
         self.sequences: dict[str, int] = {}
         self.scheduler = _Scheduler()
@@ -354,7 +355,9 @@ class FakeEngine:
         self._pending: list[InferenceEvent] = []
         self._fail_on_step = fail_on_step
 
-    def add_request(self, request_id: str, ids: list[int], params: Any, priority: int) -> None:
+    def add_request(
+        self, request_id: str, ids: list[int], params: Any, priority: int, images: Any = ()
+    ) -> None:
         self.threads.add(threading.get_ident())
         if not ids:
             raise ValueError("prompt_token_ids must not be empty")

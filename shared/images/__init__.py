@@ -1,0 +1,1 @@
+"""Images as both sides read them: decoding and each vision architecture's processing."""

@@ -1,0 +1,58 @@
+"""A checkpoint's image processing, read from its directory, for the API and the engine alike.
+
+A vision-language checkpoint is an HF directory: ``config.json`` names the
+architecture and the encoder's geometry, ``preprocessor_config.json`` how
+pictures become tiles. Both sides read the same files, so the API expands an
+image into exactly as many tokens as the engine's encoder produces.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from shared.images.idefics3 import Idefics3Processing
+from shared.registry import ModelSpec
+
+VISION_ARCHITECTURES = ("Idefics3ForConditionalGeneration",)
+
+
+class InvalidImageProcessing(ValueError):
+    """A vision checkpoint whose processing files are missing or unusable."""
+
+
+def load_image_processing(weights: Path) -> Idefics3Processing | None:
+    """The processing of the checkpoint at ``weights``; None for a text-only model."""
+    config_path = weights / "config.json"
+    if not weights.is_dir() or not config_path.is_file():
+        return None  # a GGUF file: text-only
+    config = json.loads(config_path.read_text())
+    if (config.get("architectures") or [""])[0] not in VISION_ARCHITECTURES:
+        return None
+    preprocessor_path = weights / "preprocessor_config.json"
+    if not preprocessor_path.is_file():
+        raise InvalidImageProcessing(
+            f"{weights} is a vision model without preprocessor_config.json"
+        )
+    try:
+        vision = config["vision_config"]
+        grid = vision["image_size"] // vision["patch_size"]
+        image_seq_len = grid * grid // config["scale_factor"] ** 2
+        return Idefics3Processing.from_hf(json.loads(preprocessor_path.read_text()), image_seq_len)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise InvalidImageProcessing(f"{weights}: unusable image processing ({exc})") from exc
+
+
+def image_processing_for(spec: ModelSpec) -> Idefics3Processing | None:
+    """The model's image processing: it sees images exactly when it has one.
+
+    A registry entry that declares ``images`` for a text-only checkpoint is
+    refused here, at load, rather than dropping every image it is sent.
+    """
+    processing = load_image_processing(spec.weights)
+    if processing is None and "images" in spec.capabilities:
+        raise InvalidImageProcessing(
+            f"model {spec.name!r} declares the 'images' capability, but {spec.weights} is not "
+            f"a vision model (supported: {', '.join(VISION_ARCHITECTURES)})"
+        )
+    return processing
