@@ -9,7 +9,9 @@ Times, per request and after a warm-up pass, on the same deterministic chats
 - Sluice render + encode of the already parsed conversation (so the
   difference is the cost of parsing and the rest of ``prepare``);
 - transformers ``apply_chat_template(..., tokenize=True)`` with the tokenizer
-  and template read from the same GGUF.
+  and template read from the same GGUF;
+- one chat with a 1024x1024 JPEG, base64 and fetched from a local server,
+  beside the same chat without it (``bench.vision``).
 
 Only the tokenizer is loaded, never the weights. The default model's own
 template ignores ``tools`` and ``tool_calls`` and writes tool results as a
@@ -34,6 +36,7 @@ from api.backends.base import ServedModel
 from api.preparation import PreparationContext, prepare, render_conversation
 from api.protocols.chat_completions import PROTOCOL
 from api.settings import Settings, load_models
+from bench import vision
 from bench.corpus import Chat, chats
 from shared.conversation import Conversation
 from shared.tokenization import encode_prompt
@@ -43,6 +46,7 @@ from shared.tokenizer_loader import load_tokenizer
 DEEPSEEK_RECIPE_P50_US = 541.0  # deepseek-recipe's Rust convert + encode
 DEEPSEEK_CORPUS_TRANSFORMERS_P50_US = 1193.0
 GOAL_FACTOR = 1.5
+IMAGE_REPEAT = 20  # the image case: one request, timed this many times
 
 SLUICE_PREPARE = "sluice prepare (chat.completions)"
 SLUICE_RENDER_ENCODE = "sluice render + encode"
@@ -229,6 +233,7 @@ def main(argv: list[str] | None = None) -> int:
         f"repetitions (seed {args.seed}), one thread, after a warm-up pass\n"
     )
     print(report(corpus, measured))
+    print("\n" + vision.preparation(IMAGE_REPEAT))
     return 0
 
 

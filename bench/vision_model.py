@@ -64,9 +64,12 @@ SHAPES: dict[str, dict[str, Any]] = {
 }
 
 
-def make_idefics3(path: Path, shape: str = "tiny", seed: int = 0) -> Path:
-    """Save a random-weight Idefics3 of ``shape`` at ``path``; returns ``path``."""
-    import torch
+def make_idefics3(path: Path, shape: str = "tiny", seed: int = 0, weights: bool = True) -> Path:
+    """Save a random-weight Idefics3 of ``shape`` at ``path``; returns ``path``.
+
+    Without ``weights`` only the files the API reads are written (config,
+    tokenizer, preprocessing): enough to prepare requests, in a second.
+    """
     import transformers
 
     sizes = SHAPES[shape]
@@ -93,6 +96,24 @@ def make_idefics3(path: Path, shape: str = "tiny", seed: int = 0) -> Path:
         image_token_id=tokenizer.token_to_id("<image>"),
         tie_word_embeddings=True,
     )
+    if weights:
+        _save_weights(config, path, seed)
+    else:
+        config.architectures = ["Idefics3ForConditionalGeneration"]
+        config.save_pretrained(path)
+    tokenizer.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(
+        json.dumps({"eos_token": "<end_of_utterance>", "chat_template": CHAT_TEMPLATE})
+    )
+    image_size = sizes["vision"]["image_size"]
+    (path / "preprocessor_config.json").write_text(json.dumps(_preprocessor(image_size, sizes)))
+    return path
+
+
+def _save_weights(config: Any, path: Path, seed: int) -> None:
+    import torch
+    import transformers
+
     torch.manual_seed(seed)
     model = transformers.Idefics3ForConditionalGeneration(config)
     with torch.no_grad():  # outputs that depend on the image: HF's init makes logits flat
@@ -102,13 +123,6 @@ def make_idefics3(path: Path, shape: str = "tiny", seed: int = 0) -> Path:
             elif param.dim() > 1:
                 param.normal_(0, param.shape[-1] ** -0.5)
     model.save_pretrained(path, safe_serialization=True)
-    tokenizer.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(
-        json.dumps({"eos_token": "<end_of_utterance>", "chat_template": CHAT_TEMPLATE})
-    )
-    image_size = sizes["vision"]["image_size"]
-    (path / "preprocessor_config.json").write_text(json.dumps(_preprocessor(image_size, sizes)))
-    return path
 
 
 def _preprocessor(image_size: int, sizes: dict[str, Any]) -> dict[str, Any]:

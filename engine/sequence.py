@@ -9,11 +9,11 @@ from typing import TYPE_CHECKING, Any
 
 from engine.detokenizer import OutputText
 from shared.events import FinishReason, TokenLogprob
+from shared.prefix_hash import ImageSpan
+from shared.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from engine.vision import SequenceVision
-from shared.prefix_hash import ImageSpan
-from shared.sampling import SamplingParams
 
 _arrival = itertools.count()
 
