@@ -15,7 +15,7 @@ from api.admission import WorkerLoad
 from api.backends.placement import prompt_chains
 from engine.block_manager import BlockManager
 from engine.sequence import Sequence
-from shared.prefix_hash import chain_hash, digest, prefix_hashes
+from shared.prefix_hash import ImageSpan, chain_hash, digest, prefix_hashes
 from shared.registry import default_registry
 from shared.sampling import SamplingParams
 from shared.tokenizer_loader import load_tokenizer
@@ -77,3 +77,24 @@ def test_the_chain_is_the_engine_s_for_prompts_of_the_corpus(block_size: int) ->
         placed = prompt_chains(token_ids, [WorkerLoad("w", "m", block_size=block_size)])
         assert placed[block_size] == [digest(h) for h in seq.block_hashes[:usable]]
         manager.release(seq)
+
+
+def test_images_enter_the_hash_of_the_blocks_they_overlap() -> None:
+    """The engine and the API's placement hash an image's blocks alike, by its digest."""
+    block_size, token_ids = 4, list(range(20))
+    image = ImageSpan(start=5, end=11, digest=bytes(16))  # blocks 1 and 2 of 0..4
+    other = ImageSpan(5, 11, bytes([1]) * 16)
+    manager = BlockManager(num_blocks=64, block_size=block_size)
+    seq = Sequence("pictured", token_ids, SamplingParams())
+    seq.images = [image]
+    manager.grow(seq, len(seq))
+    seq.num_computed_tokens = len(seq)
+    manager.commit(seq)
+    assert seq.block_hashes == prefix_hashes(token_ids, block_size, [image])
+    plain, pictured = prefix_hashes(token_ids, block_size), seq.block_hashes
+    different = prefix_hashes(token_ids, block_size, [other])
+    assert pictured[0] == plain[0] == different[0]  # before the image
+    assert len({plain[1], pictured[1], different[1]}) == 3  # the image's blocks, and every later
+    assert len({plain[4], pictured[4], different[4]}) == 3
+    placed = prompt_chains(token_ids, [WorkerLoad("w", "m", block_size=block_size)], [image])
+    assert placed[block_size] == [digest(h) for h in pictured[:4]]
