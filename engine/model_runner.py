@@ -136,7 +136,8 @@ class ModelRunner:
         vision = seq.vision
         if vision.features is None:
             assert isinstance(self.model, Idefics3ForConditionalGeneration)
-            vision.features = self.model.encode_images(vision.pixel_values.to(self.device))
+            vision.features = self.model.encode_images(vision.tiles().to(self.device))
+            vision.pictures = []
         return vision.features
 
     def _prompt_logprobs(

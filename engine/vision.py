@@ -1,10 +1,14 @@
-"""A sequence's images in the engine: preprocessed at admission, encoded when first needed.
+"""A sequence's images in the engine: decoded at admission, encoded when first needed.
 
 The prompt holds each image as a span of placeholder tokens (``WireImage``);
 the image token's positions inside the spans, in order, are where the vision
 encoder's features go. Features are computed for all of a sequence's images
 at once, the first time a chunk reaches one of those positions; a prompt
 whose images were all served from the prefix cache never runs the encoder.
+
+A decoded picture is kept until then, not its tiles: a 1024x1024 photo is
+3 MB as pixels and 53 MB as SmolVLM's float32 tiles, so a queue of waiting
+image requests holds the former, and tiles exist only while they are encoded.
 """
 
 from __future__ import annotations
@@ -16,8 +20,9 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from PIL import Image
 
-from shared.images.decoding import decode_image
+from shared.images.decoding import InvalidImage, decode_image
 from shared.images.idefics3 import Idefics3Processing
 from shared.wire import WireImage
 
@@ -27,15 +32,21 @@ _MAX_PIXELS = 2**28
 
 @dataclass(slots=True)
 class SequenceVision:
-    """One sequence's preprocessed images and where their features go."""
+    """One sequence's pictures, where their features go, and the features once encoded."""
 
-    pixel_values: torch.Tensor  # every image's tiles, [tiles, 3, S, S]
+    pictures: list[Image.Image]  # decoded and upright; dropped once encoded
+    processing: Idefics3Processing
     positions: list[int]  # prompt positions of the image tokens, ascending
     features: torch.Tensor | None = None  # [len(positions), hidden] once encoded
 
     def between(self, start: int, end: int) -> tuple[int, int]:
         """The index range of ``positions`` inside ``[start, end)``."""
         return bisect.bisect_left(self.positions, start), bisect.bisect_left(self.positions, end)
+
+    def tiles(self) -> torch.Tensor:
+        """Every picture's tiles in prompt order, ``[tiles, 3, S, S]``."""
+        processed = [self.processing.preprocess(p).pixel_values for p in self.pictures]
+        return torch.from_numpy(np.concatenate(processed))
 
 
 def sequence_vision(
@@ -45,23 +56,26 @@ def sequence_vision(
     image_token_id: int,
     tokens_per_tile: int,
 ) -> SequenceVision:
-    """Decode and preprocess ``images``; ``ValueError`` when a span does not fit its image."""
-    tiles: list[np.ndarray] = []
+    """Decode ``images``; ``ValueError`` when one is not an image or its span does not fit it."""
+    pictures: list[Image.Image] = []
     positions: list[int] = []
     for index, image in enumerate(images):
         if not 0 <= image.start < image.end <= len(prompt_token_ids):
             raise ValueError(
                 f"image {index}'s span [{image.start}, {image.end}) is not in the prompt"
             )
-        picture = decode_image(base64.b64decode(image.data), _MAX_PIXELS)
-        processed = processing.preprocess(picture)
+        try:
+            picture = decode_image(base64.b64decode(image.data), _MAX_PIXELS)
+        except InvalidImage as exc:
+            raise ValueError(f"image {index} {exc}") from None
+        rows, cols = processing.grid(*picture.size)
+        expected = (rows * cols + 1) * tokens_per_tile
         span = [p for p in range(image.start, image.end) if prompt_token_ids[p] == image_token_id]
-        expected = len(processed.pixel_values) * tokens_per_tile
         if len(span) != expected:
             raise ValueError(
                 f"image {index} needs {expected} image tokens in its span; "
                 f"the prompt has {len(span)}"
             )
-        tiles.append(processed.pixel_values)
+        pictures.append(picture)
         positions += span
-    return SequenceVision(torch.from_numpy(np.concatenate(tiles)), positions)
+    return SequenceVision(pictures, processing, positions)

@@ -198,7 +198,7 @@ def test_prefix_cache_is_keyed_by_image_content(vlm: Path) -> None:
     assert different.logprobs != pytest.approx(before.logprobs, abs=1e-3)
 
 
-def test_a_span_that_does_not_fit_its_image_is_refused(vlm: Path) -> None:
+def test_an_image_that_does_not_fit_its_span_or_is_none_is_refused(vlm: Path) -> None:
     engine = make_engine(vlm)
     prompt = build_prompt(engine, ["See", picture(100, 70, seed=7)])
     image = prompt.images[0]
@@ -208,3 +208,9 @@ def test_a_span_that_does_not_fit_its_image_is_refused(vlm: Path) -> None:
     outside = WireImage(image.data, image.digest, image.start, len(prompt.ids) + 1)
     with pytest.raises(ValueError, match="not in the prompt"):
         engine.add_request("bad", prompt.ids, GREEDY, images=[outside])
+    garbage = WireImage(
+        base64.b64encode(b"not an image").decode(), image.digest, image.start, image.end
+    )
+    with pytest.raises(ValueError, match="image 0 is not"):
+        engine.add_request("bad", prompt.ids, GREEDY, images=[garbage])
+    assert not engine.has_unfinished()
