@@ -132,6 +132,7 @@ def _serve(args: argparse.Namespace) -> int:
             ImageQuota(args.max_images, args.max_image_bytes, args.max_image_pixels),
             args.image_fetch_timeout,
         ),
+        image_token_budget=args.image_token_budget,
     )
     try:
         load_models(settings)  # a bad --model or --config fails here, with a clear message
@@ -156,7 +157,7 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _add_image_args(parser: argparse.ArgumentParser) -> None:
-    from api.images import resolution
+    from api.images import budget, resolution
 
     parser.add_argument(
         "--image-allow",
@@ -192,6 +193,14 @@ def _add_image_args(parser: argparse.ArgumentParser) -> None:
         default=resolution.DEFAULT_FETCH_TIMEOUT_S,
         metavar="S",
         help="fetching a request's image URLs must end within S seconds, or it is a 504",
+    )
+    parser.add_argument(
+        "--image-token-budget",
+        type=_at_least_one,
+        default=budget.DEFAULT_IMAGE_TOKEN_BUDGET,
+        metavar="N",
+        help="image tokens the requests running at once may hold together; past it a "
+        "request with images is a 503 to retry later",
     )
 
 

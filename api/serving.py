@@ -12,6 +12,7 @@ from fastapi import FastAPI, Request
 from api.auth import ApiKey
 from api.backends.base import Backend, Place, ServedModel
 from api.errors import ApiError
+from api.images.budget import ImageTokenBudget
 from api.metrics import ServingMetrics
 from api.output_parser import OutputParser
 from api.preparation import PreparationContext, Prepared, prepare
@@ -50,6 +51,7 @@ class Serving:
         if collector is not None:
             self.metrics.registry.register(collector)
         self.images = settings.images
+        self.image_tokens = ImageTokenBudget(settings.image_token_budget)
         self._context: PreparationContext | None = None
         self._served: list[ServedModel] = []
 
@@ -174,5 +176,7 @@ class Serving:
         backend = self.backend
         # Only a backend that takes shares sees the ticket; for others it is taken already.
         generation = backend.infer(wire, ticket) if backend.takes_shares else backend.infer(wire)
+        if wire.images:
+            generation = self.image_tokens.hold(wire, generation)
         events = self.metrics.track(prepared.protocol.name, generation, arrived)
         return processor, events

@@ -11,6 +11,7 @@ from api.connection_limits import (
     DEFAULT_KEEP_ALIVE_TIMEOUT_S,
     DEFAULT_MAX_HEADER_BYTES,
 )
+from api.images.budget import DEFAULT_IMAGE_TOKEN_BUDGET
 from api.images.resolution import ImageOptions
 from api.preparation_pool import DEFAULT_MAX_WAITING, DEFAULT_PREPARE_TIMEOUT_S
 from api.request_body import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES
@@ -40,6 +41,7 @@ class Settings:
     body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S  # a body slower to arrive is a 408
     stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S  # a client not reading this long is dropped
     images: ImageOptions = field(default_factory=ImageOptions)  # fetch policy, quota, timeout
+    image_token_budget: int = DEFAULT_IMAGE_TOKEN_BUDGET  # running requests' image tokens
     # Distributed mode (workers behind Redis) when set; see api/admission.py for the policy.
     redis_url: str | None = None
     queue_timeout_s: float = 30.0  # a worker must start the request by then: 503

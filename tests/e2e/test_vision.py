@@ -22,6 +22,7 @@ from tests.image_server import ImageServer, image_server, png_bytes
 from tests.servers import running_server
 
 MAX_IMAGES = 3
+IMAGE_TOKEN_BUDGET = 150  # one picture of these sizes (82 or 107 tokens) fits, two do not
 
 
 @pytest.fixture(scope="module")
@@ -45,6 +46,7 @@ def seer(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     args = ["--config", str(config), "--model", "seer", "--max-model-len", "1024"]
     args += ["--max-num-seqs", "4", "--image-allow", "127.0.0.2"]
     args += ["--max-images", str(MAX_IMAGES), "--image-fetch-timeout", "1"]
+    args += ["--image-token-budget", str(IMAGE_TOKEN_BUDGET)]
     with running_server(args, directory) as base_url:
         yield base_url
 
@@ -188,3 +190,28 @@ def test_a_vision_model_sees_images_in_the_anthropic_error_shape_too(seer: str, 
     assert failed.value.status_code == 502
     assert failed.value.body["type"] == "error"
     assert "image 0" in failed.value.body["error"]["message"]
+
+
+def test_images_over_the_server_s_token_budget_are_a_400(client: openai.OpenAI):
+    with pytest.raises(openai.BadRequestError) as refused:
+        ask(client, data_url(png_bytes(48, 40)), data_url(png_bytes(32, 24)))
+    assert "--image-token-budget" in refused.value.message
+    assert f"budget of {IMAGE_TOKEN_BUDGET}" in refused.value.message
+
+
+def test_the_responses_api_sees_images_too(client: openai.OpenAI):
+    image = data_url(png_bytes(48, 40, (20, 120, 220)))
+    content = [
+        {"type": "input_text", "text": "What is in this picture?"},
+        {"type": "input_image", "image_url": image, "detail": "auto"},
+    ]
+    response = client.responses.create(
+        model="seer",
+        input=[{"role": "user", "content": content}],
+        max_output_tokens=8,
+        temperature=0,
+    )
+    chat = ask(client, image)
+    assert response.output_text == chat.choices[0].message.content
+    assert response.usage is not None and chat.usage is not None
+    assert response.usage.input_tokens == chat.usage.prompt_tokens
