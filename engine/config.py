@@ -11,9 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-# Vision-language models: a vision encoder whose features stand in for image tokens of a
-# Llama-family text model.
-VISION_ARCHITECTURES = ("Idefics3ForConditionalGeneration",)
+from shared.images.loading import VISION_ARCHITECTURES
+
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
     "MistralForCausalLM",

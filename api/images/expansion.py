@@ -14,10 +14,8 @@ import base64
 from api.backends.base import ServedModel
 from api.errors import ApiError
 from api.images.resolution import ResolvedImage
-from shared.images.idefics3 import Idefics3Processing, prompt_string
+from shared.images.idefics3 import IMAGE, Idefics3Processing, prompt_string
 from shared.wire import WireImage
-
-IMAGE_TOKEN = "<image>"
 
 
 def expand_images(
@@ -27,12 +25,12 @@ def expand_images(
     processing = model.image_processing
     assert processing is not None
     tokenizer = model.tokenizer
-    image_id = tokenizer.special_tokens.get(IMAGE_TOKEN)
+    image_id = tokenizer.special_tokens.get(IMAGE)
     at = [index for index, token in enumerate(ids) if token == image_id]
     if image_id is None or len(at) != len(images):
         raise ApiError(  # the model's template or tokenizer, not the client
             500,
-            f"model {model.spec.name!r}: its prompt has {len(at)} {IMAGE_TOKEN} tokens for "
+            f"model {model.spec.name!r}: its prompt has {len(at)} {IMAGE} tokens for "
             f"{len(images)} images",
             "api_error",
         )

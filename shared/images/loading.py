@@ -14,6 +14,8 @@ from pathlib import Path
 from shared.images.idefics3 import Idefics3Processing
 from shared.registry import ModelSpec
 
+# Vision-language models: an encoder whose features stand in for a Llama text model's image
+# tokens.
 VISION_ARCHITECTURES = ("Idefics3ForConditionalGeneration",)
 
 
