@@ -22,7 +22,6 @@ from tokenizers import Tokenizer
 
 from api.backends.base import ServedModel
 from api.errors import ApiError, bad_request
-from api.images.expansion import expand_images
 from api.images.resolution import ImageOptions, check_image_count, resolve_images
 from api.output_parser import HERMES_TOOL_CALL, THINK, Delimiters, ParserConfig
 from api.protocols.base import GenerationRequest, Protocol, RawPrompt, ResponseContext
@@ -45,6 +44,7 @@ from shared.conversation import (
     has_images,
     images_as_text,
 )
+from shared.images.layout import expand_images
 from shared.prompting import PromptFormatError, RenderedPrompt, render
 from shared.registry import UNSUPPORTED_IMAGE, ModelRegistry, ModelSpec, UnknownModel
 from shared.sampling import SamplingParams, StructuredOutputs
@@ -188,7 +188,12 @@ def encode_request(request: GenerationRequest, ctx: PreparationContext) -> Encod
     if not rendered.image_sources:
         return Encoded(request, model, rendered, ids)
     resolved = resolve_images(rendered.image_sources, ctx.images)  # 400 the image, 5xx fetching
-    return Encoded(request, model, rendered, *expand_images(ids, resolved, model))
+    assert model.image_processing is not None  # _seen_images kept them: a vision model
+    try:
+        expanded, images = expand_images(ids, resolved, model.image_processing, model.tokenizer)
+    except ValueError as exc:  # the model's template or tokenizer, not the client
+        raise ApiError(500, f"model {model.spec.name!r}: {exc}", "api_error") from None
+    return Encoded(request, model, rendered, expanded, images)
 
 
 def encode_raw(request: GenerationRequest, prompt: RawPrompt, model: ServedModel) -> Encoded:

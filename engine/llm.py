@@ -6,16 +6,24 @@ continuous batching, prefix caching and preemption all apply.
 
 from __future__ import annotations
 
+import io
 import os
 from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass, field
 from typing import Any
 
+from PIL import Image
+
 from engine.config import EngineArgs
 from engine.llm_engine import LLMEngine
 from shared.events import Finish, FinishReason, Ready, Text, TokenLogprob
+from shared.images.decoding import MAX_DECODED_PIXELS, DecodedImage, decode_image
+from shared.images.layout import expand_images
 from shared.sampling import SamplingParams
 from shared.tokenization import encode_text
+from shared.wire import WireImage
+
+Picture = Image.Image | bytes  # a picture, or an image file's bytes (JPEG, PNG, GIF, WebP)
 
 
 @dataclass(slots=True)
@@ -50,21 +58,37 @@ class LLM:
         self,
         prompts: SequenceABC[str] | SequenceABC[list[int]],
         sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
+        images: SequenceABC[SequenceABC[Picture]] | None = None,
     ) -> list[RequestOutput]:
+        """Complete ``prompts``; ``images[i]`` are prompt i's pictures, one per ``<image>``
+        it writes, in order (a vision model's text prompts only)."""
         params = self._per_prompt(sampling_params, len(prompts))
+        pictures = [()] * len(prompts) if images is None else images
+        if len(pictures) != len(prompts):
+            raise ValueError(f"got images for {len(pictures)} prompts; there are {len(prompts)}")
         outputs: dict[str, RequestOutput] = {}
-        for prompt, p in zip(prompts, params, strict=True):
+        for prompt, p, seen in zip(prompts, params, pictures, strict=True):
             ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            ids, wire = self._with_images(ids, seen) if seen else (ids, [])
             request_id = f"offline-{self._counter}"
             self._counter += 1
             outputs[request_id] = RequestOutput(request_id, ids)
             if p.logprobs is not None:
                 outputs[request_id].logprobs = []
-            self.engine.add_request(request_id, ids, p)
+            self.engine.add_request(request_id, ids, p, images=wire)
         while self.engine.has_unfinished():
             for event in self.engine.step():
                 _apply(outputs[event.request_id], event)
         return list(outputs.values())
+
+    def _with_images(
+        self, ids: list[int], pictures: SequenceABC[Picture]
+    ) -> tuple[list[int], list[WireImage]]:
+        processing = self.engine.image_processing
+        if processing is None:
+            raise ValueError(f"model {self.engine.args.model!r} does not accept images")
+        decoded = [_decoded(picture) for picture in pictures]
+        return expand_images(ids, decoded, processing, self.tokenizer)
 
     @staticmethod
     def _per_prompt(
@@ -80,6 +104,16 @@ class LLM:
                 "pass one, or one per prompt"
             )
         return list(sampling_params)
+
+
+def _decoded(picture: Picture) -> DecodedImage:
+    """A picture as the server would have it: encoded bytes, upright RGB pixels, digest."""
+    if isinstance(picture, bytes):
+        return DecodedImage.of(decode_image(picture, MAX_DECODED_PIXELS), picture)
+    buffer = io.BytesIO()
+    picture.save(buffer, "PNG")
+    data = buffer.getvalue()
+    return DecodedImage.of(decode_image(data, MAX_DECODED_PIXELS), data)
 
 
 def _apply(output: RequestOutput, event: object) -> None:

@@ -22,12 +22,9 @@ import numpy as np
 import torch
 from PIL import Image
 
-from shared.images.decoding import InvalidImage, decode_image
+from shared.images.decoding import MAX_DECODED_PIXELS, InvalidImage, decode_image
 from shared.images.idefics3 import Idefics3Processing
 from shared.wire import WireImage
-
-# The API enforced the request's pixel quota; this only bounds what a decoder may allocate.
-_MAX_PIXELS = 2**28
 
 
 @dataclass(slots=True)
@@ -65,7 +62,7 @@ def sequence_vision(
                 f"image {index}'s span [{image.start}, {image.end}) is not in the prompt"
             )
         try:
-            picture = decode_image(base64.b64decode(image.data), _MAX_PIXELS)
+            picture = decode_image(base64.b64decode(image.data), MAX_DECODED_PIXELS)
         except InvalidImage as exc:
             raise ValueError(f"image {index} {exc}") from None
         rows, cols = processing.grid(*picture.size)

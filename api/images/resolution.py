@@ -17,17 +17,14 @@ from __future__ import annotations
 
 import base64
 import binascii
-import hashlib
 import time
 from dataclasses import dataclass, field
-
-from PIL import Image
 
 from api.errors import ApiError, bad_request
 from api.images.destinations import DestinationPolicy
 from api.images.fetching import ImageFetchError, fetch_image
 from shared.conversation import ImageSource
-from shared.images.decoding import InvalidImage, TooManyPixels, decode_image
+from shared.images.decoding import DecodedImage, InvalidImage, TooManyPixels, decode_image
 
 DEFAULT_MAX_IMAGES = 16
 DEFAULT_MAX_IMAGE_BYTES = 20 * 2**20
@@ -53,22 +50,12 @@ class ImageOptions:
     fetch_timeout_s: float = DEFAULT_FETCH_TIMEOUT_S  # --image-fetch-timeout: all fetches
 
 
-@dataclass(frozen=True, slots=True)
-class ResolvedImage:
-    """A decoded RGB picture, its encoded bytes, and the digest of its pixels (the prefix
-    cache's key for it)."""
-
-    image: Image.Image
-    data: bytes
-    digest: bytes
-
-
-def resolve_images(sources: list[ImageSource], options: ImageOptions) -> list[ResolvedImage]:
+def resolve_images(sources: list[ImageSource], options: ImageOptions) -> list[DecodedImage]:
     """Every source decoded, in prompt order; an ``ApiError`` naming the first that fails."""
     quota = options.quota
     check_image_count(len(sources), quota)
     deadline = time.monotonic() + options.fetch_timeout_s
-    resolved: list[ResolvedImage] = []
+    resolved: list[DecodedImage] = []
     used_bytes = used_pixels = 0
     for index, source in enumerate(sources):
         data = _bytes_of(index, source, options, quota.bytes - used_bytes, deadline)
@@ -84,7 +71,7 @@ def resolve_images(sources: list[ImageSource], options: ImageOptions) -> list[Re
         except InvalidImage as exc:
             raise _invalid(index, str(exc)) from None
         used_pixels += image.width * image.height
-        resolved.append(ResolvedImage(image, data, _digest(image)))
+        resolved.append(DecodedImage.of(image, data))
     return resolved
 
 
@@ -113,13 +100,6 @@ def _bytes_of(
         return fetch_image(source.url, options.policy, max_bytes=budget, deadline=deadline).data
     except ImageFetchError as exc:
         raise _fetch_error(index, exc) from None
-
-
-def _digest(image: Image.Image) -> bytes:
-    """Equal pixels, equal digest, whatever the encoding they came in."""
-    digest = hashlib.blake2b(image.tobytes(), digest_size=16)
-    digest.update(f"{image.width}x{image.height}".encode())
-    return digest.digest()
 
 
 def _invalid(index: int, reason: str) -> ApiError:

@@ -8,11 +8,32 @@ to gigabytes is refused for the cost of its header.
 
 from __future__ import annotations
 
+import hashlib
 import io
+from dataclasses import dataclass
 
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 FORMATS = ("JPEG", "PNG", "GIF", "WEBP")
+# What a decoder may allocate where the images were bounded before (the API's quota) or
+# chosen by the caller (offline): only a guard against a header that lies.
+MAX_DECODED_PIXELS = 2**28
+
+
+@dataclass(frozen=True, slots=True)
+class DecodedImage:
+    """A decoded RGB picture, its encoded bytes, and the digest of its pixels (the prefix
+    cache's key for it: equal pixels, equal digest, whatever the encoding they came in)."""
+
+    image: Image.Image
+    data: bytes
+    digest: bytes
+
+    @classmethod
+    def of(cls, image: Image.Image, data: bytes) -> DecodedImage:
+        digest = hashlib.blake2b(image.tobytes(), digest_size=16)
+        digest.update(f"{image.width}x{image.height}".encode())
+        return cls(image, data, digest.digest())
 
 
 class InvalidImage(Exception):

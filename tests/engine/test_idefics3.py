@@ -24,6 +24,7 @@ from transformers.models.idefics3.image_processing_pil_idefics3 import (
 )
 
 from bench.vision_model import make_idefics3
+from engine import LLM
 from engine.config import EngineArgs
 from engine.llm_engine import LLMEngine
 from shared.events import Ready, Text
@@ -214,3 +215,17 @@ def test_an_image_that_does_not_fit_its_span_or_is_none_is_refused(vlm: Path) ->
     with pytest.raises(ValueError, match="image 0 is not"):
         engine.add_request("bad", prompt.ids, GREEDY, images=[garbage])
     assert not engine.has_unfinished()
+
+
+def test_the_offline_llm_takes_pictures_for_its_image_tokens(vlm: Path) -> None:
+    llm = LLM(str(vlm), max_model_len=2048, num_kv_blocks=256)
+    pictured = picture(100, 70, seed=2)
+    prompt = "<|im_start|>User:<image>What is this?<end_of_utterance>\nAssistant:"
+    (by_picture,) = llm.generate([prompt], GREEDY, images=[[pictured]])
+    (by_bytes,) = llm.generate([prompt], GREEDY, images=[[png(pictured)]])
+    engine = make_engine(vlm)
+    expected = run(engine, {"x": build_prompt(engine, [pictured, "What is this?"])})["x"]
+    assert by_picture.token_ids == by_bytes.token_ids == expected.tokens
+    assert by_picture.cached_tokens == 0 and by_bytes.cached_tokens > 0  # the same pixels
+    with pytest.raises(ValueError, match="1 <image> tokens for 2 images"):
+        llm.generate([prompt], GREEDY, images=[[pictured, pictured]])
