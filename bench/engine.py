@@ -1,7 +1,7 @@
 """Engine throughput against Hugging Face transformers on the default model.
 
     python -m bench.engine [--new-tokens 128] [--variants float32,bfloat16,int8]
-                           [--skip-transformers]
+                           [--skip-transformers] [--skip-llama-cpp]
 
 Prints single-stream decode tok/s, aggregate tok/s at 8 and 32 concurrent
 requests and time to first token, for Sluice (in each variant asked for) and
@@ -9,6 +9,12 @@ for transformers ``generate`` (batch 1 and left-padded batches) on the same GGUF
 in fp32, with ratios. bfloat16 halves the bytes read per token and int8
 (weight-only, bfloat16 compute) halves them again; their greedy outputs may
 differ from fp32's.
+
+When ``llama-cpp-python`` is installed (not a dependency: ``CMAKE_ARGS=
+"-DGGML_NATIVE=ON" pip install llama-cpp-python`` builds it from source), llama.cpp
+runs the same GGUF file, at its own quantization, on the same prompt tokens
+with the same thread count, greedy: a single-stream baseline (it has no
+continuous batching), printed beside every variant.
 """
 
 from __future__ import annotations
@@ -90,6 +96,34 @@ def run_transformers(model, tokenizer, texts: list[str], new_tokens: int) -> Res
     return Result(generated / elapsed, ttft * 1e3)
 
 
+def run_llama_cpp(llama, token_ids: list[int], new_tokens: int) -> Result:  # noqa: ANN001
+    """One greedy stream of ``new_tokens`` after ``token_ids``, from an empty cache."""
+    llama.reset()
+    start = time.perf_counter()
+    first = 0.0
+    generated = 0
+    for _ in llama.generate(token_ids, top_k=1, temp=0.0, reset=True):
+        generated += 1
+        first = first or time.perf_counter() - start
+        if generated == new_tokens:
+            break
+    elapsed = time.perf_counter() - start
+    return Result((generated - 1) / (elapsed - first), first * 1e3)
+
+
+def load_llama_cpp():  # noqa: ANN201
+    """llama.cpp on the default GGUF with the engine's thread count; None when not installed."""
+    try:
+        import llama_cpp
+    except ImportError:
+        return None
+    gguf = default_registry().resolve("default").weights
+    threads = torch.get_num_threads()
+    return llama_cpp.Llama(
+        str(gguf), n_ctx=2048, n_threads=threads, n_threads_batch=threads, verbose=False
+    )
+
+
 def load_transformers():  # noqa: ANN201
     import transformers
 
@@ -106,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--variants", default=",".join(VARIANTS), help=", ".join(VARIANTS))
     parser.add_argument("--skip-transformers", action="store_true")
+    parser.add_argument("--skip-llama-cpp", action="store_true")
     args = parser.parse_args(argv)
     unknown = set(args.variants.split(",")) - set(VARIANTS)
     if unknown:
@@ -133,24 +168,48 @@ def main(argv: list[str] | None = None) -> int:
             "8 concurrent": run_transformers(model, tokenizer, prompts(8), args.new_tokens),
             "32 concurrent": run_transformers(model, tokenizer, prompts(32), args.new_tokens),
         }
+    llama = None if args.skip_llama_cpp else load_llama_cpp()
+    llama_cpp = None
+    if llama is not None:
+        token_ids = default_tokenizer().encode(PROMPT).ids
+        run_llama_cpp(llama, token_ids, 8)  # warm-up
+        llama_cpp = run_llama_cpp(llama, token_ids, args.new_tokens)
     print(
         f"default model, greedy, {args.new_tokens} new tokens, {torch.get_num_threads()} threads;"
-        " baseline: transformers generate in fp32"
+        " baselines: transformers generate in fp32, and llama.cpp (one stream) on the same GGUF"
+        + ("" if llama_cpp else " (not installed)")
     )
     print(
-        f"{'sluice':<14}{'workload':<15}{'sluice tok/s':>14}{'hf tok/s':>10}{'ratio':>8}"
-        f"{'sluice TTFT ms':>16}{'hf TTFT ms':>12}"
+        f"{'sluice':<10}{'workload':<15}{'sluice tok/s':>13}{'hf tok/s':>10}{'÷ hf':>7}"
+        f"{'llama.cpp tok/s':>17}{'÷ llama.cpp':>12}"
+        f"{'sluice TTFT ms':>16}{'hf TTFT ms':>12}{'llama.cpp TTFT ms':>19}"
     )
     for variant, rows in results.items():
         for name, ours in rows.items():
             ref = baseline.get(name)
-            ratio = f"{ours.tokens_per_s / ref.tokens_per_s:.2f}x" if ref else "-"
+            cpp = llama_cpp if name == "batch 1" else None
             print(
-                f"{variant:<14}{name:<15}{ours.tokens_per_s:>14.1f}"
-                f"{(f'{ref.tokens_per_s:.1f}' if ref else '-'):>10}{ratio:>8}"
-                f"{ours.ttft_ms:>16.1f}{(f'{ref.ttft_ms:.1f}' if ref else '-'):>12}"
+                f"{variant:<10}{name:<15}{ours.tokens_per_s:>13.1f}"
+                f"{_figure(ref and ref.tokens_per_s):>10}{_ratio(ours, ref):>7}"
+                f"{_figure(cpp and cpp.tokens_per_s):>17}{_ratio(ours, cpp):>12}"
+                f"{ours.ttft_ms:>16.1f}{_figure(ref and ref.ttft_ms):>12}"
+                f"{_figure(cpp and cpp.ttft_ms):>19}"
             )
     return 0
+
+
+def default_tokenizer():  # noqa: ANN201
+    from shared.tokenizer_loader import load_tokenizer
+
+    return load_tokenizer(default_registry().resolve("default").tokenizer).tokenizer
+
+
+def _figure(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
+def _ratio(ours: Result, reference: Result | None) -> str:
+    return "-" if reference is None else f"{ours.tokens_per_s / reference.tokens_per_s:.2f}x"
 
 
 if __name__ == "__main__":
