@@ -185,6 +185,7 @@ def _embedded_backend(spec: ModelSpec, settings: Settings) -> Backend:
         quantization=settings.quantization,
         max_model_len=settings.max_model_len,
         max_num_seqs=settings.max_num_seqs,
+        kv_cache_bytes=settings.kv_cache_bytes,
         registry_file=str(settings.config) if settings.config else None,
     )
     return EmbeddedBackend(spec, args, limits=Limits.of(settings))

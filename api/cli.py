@@ -10,6 +10,8 @@ import argparse
 import os
 import sys
 
+from shared.sizes import byte_size_argument
+
 
 def _at_least_one(text: str) -> int:
     """An argparse type: a whole number of at least 1."""
@@ -53,6 +55,14 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument(
+        "--kv-cache-memory",
+        type=byte_size_argument,
+        default=None,
+        metavar="SIZE",
+        help="the KV cache's size, e.g. 512MiB or 2GiB (default: --max-num-seqs sequences "
+        "of --max-model-len, at most 2 GiB)",
+    )
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -65,6 +75,7 @@ def _generate(args: argparse.Namespace) -> int:
             quantization=args.quantization,
             max_model_len=args.max_model_len,
             max_num_seqs=args.max_num_seqs,
+            kv_cache_bytes=args.kv_cache_memory,
         )
     except (ValueError, OSError) as exc:  # unknown model, missing weights, bad options
         print(f"sluice generate: {exc}", file=sys.stderr)
@@ -88,6 +99,13 @@ def _serve(args: argparse.Namespace) -> int:
     from api.server import run
     from api.settings import Settings, load_models
 
+    if args.redis and args.kv_cache_memory is not None:
+        print(
+            "sluice serve: --kv-cache-memory sizes this process's engine; with --redis the "
+            "workers run the engines: pass it to each `sluice worker`",
+            file=sys.stderr,
+        )
+        return 2
     settings = Settings(
         model=args.model,
         config=Path(args.config) if args.config else None,
@@ -97,6 +115,7 @@ def _serve(args: argparse.Namespace) -> int:
         quantization=args.quantization,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
+        kv_cache_bytes=args.kv_cache_memory,
         redis_url=args.redis,
         queue_timeout_s=args.queue_timeout,
         first_token_timeout_s=args.first_token_timeout,

@@ -31,6 +31,7 @@ class Settings:
     quantization: str | None = None
     max_model_len: int | None = None
     max_num_seqs: int = 64
+    kv_cache_bytes: int | None = None  # --kv-cache-memory; None: sized from the two above
     preparation_threads: int = 8  # concurrent preparations; more wait their turn
     max_preparing: int = DEFAULT_MAX_WAITING  # preparations waiting for a thread before a 503
     prepare_timeout_s: float = DEFAULT_PREPARE_TIMEOUT_S  # one preparation step, waiting included

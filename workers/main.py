@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 from shared import keys, logs
 from shared.heap import freeze_startup_heap
 from shared.registry import ModelRegistry, ModelSpec, default_registry
+from shared.sizes import byte_size_argument
 from workers.broker.app import create_app
 from workers.heartbeat import WorkerIdentity
 
@@ -79,6 +80,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="KV cache blocks of 16 tokens (default: --max-num-seqs sequences of --max-model-len, "
         "within a fixed memory cap)",
     )
+    parser.add_argument(
+        "--kv-cache-memory",
+        type=byte_size_argument,
+        default=None,
+        metavar="SIZE",
+        help="the KV cache's size, e.g. 512MiB or 2GiB (--num-kv-blocks wins when both are given)",
+    )
     parser.add_argument("--worker-id", default=None, help="default: <hostname>-<pid>")
     parser.add_argument(
         "--drain-grace",
@@ -103,7 +111,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         engine_args = engine_args_for(
             spec, args.dtype, args.max_model_len, args.max_num_seqs, args.quantization
         )
-        engine = load_engine(dataclasses.replace(engine_args, num_kv_blocks=args.num_kv_blocks))
+        engine_args = dataclasses.replace(
+            engine_args, num_kv_blocks=args.num_kv_blocks, kv_cache_bytes=args.kv_cache_memory
+        )
+        engine = load_engine(engine_args)
     except (ValueError, OSError, RuntimeError) as exc:  # unknown or missing model, bad config
         print(f"sluice worker: {exc}", file=sys.stderr)
         return 2

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
+import torch
 
 from api.cli import build_parser, main
 from shared import keys
@@ -60,3 +63,38 @@ def test_a_killed_worker_s_job_is_back_before_the_api_s_deadlines() -> None:
     back_within_s = keys.HEARTBEAT_TTL_S + 2 * keys.HEARTBEAT_INTERVAL_S
     assert back_within_s <= 3 < serve.queue_timeout < serve.first_token_timeout
     assert keys.HEARTBEAT_TTL_S >= 4 * keys.HEARTBEAT_INTERVAL_S
+
+
+@pytest.mark.parametrize(
+    ("text", "size"),
+    [("512MiB", 512 * 2**20), ("2GiB", 2 * 2**30), ("1.5GB", 1_500_000_000), ("4096", 4096)],
+)
+def test_kv_cache_memory_takes_sizes_as_people_write_them(text: str, size: int) -> None:
+    for command in (["serve"], ["generate", "hi"]):
+        args = build_parser().parse_args([command[0], "--kv-cache-memory", text, *command[1:]])
+        assert args.kv_cache_memory == size
+
+
+@pytest.mark.parametrize("text", ["lots", "2TB", "-1MiB", "0"])
+def test_a_kv_cache_memory_that_is_no_size_is_refused(
+    text: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--kv-cache-memory", text])
+    assert "argument --kv-cache-memory" in capsys.readouterr().err
+
+
+def test_kv_cache_memory_is_refused_where_no_engine_runs(capsys: pytest.CaptureFixture[str]):
+    assert main(["serve", "--redis", UNREACHABLE_REDIS, "--kv-cache-memory", "1GiB"]) == 2
+    assert "pass it to each `sluice worker`" in capsys.readouterr().err
+
+
+def test_kv_cache_memory_sizes_the_engine(caplog: pytest.LogCaptureFixture) -> None:
+    """``sluice generate`` loads the default model with a cache of the size asked for."""
+    from engine.attention import KVCache
+
+    with caplog.at_level(logging.INFO, logger="engine.llm_engine"):
+        assert main(["generate", "--kv-cache-memory", "8MiB", "--max-tokens", "2", "Hi"]) == 0
+    # the default model in float32: 30 layers, 3 KV heads of 64
+    per_block = KVCache.bytes_per_block(30, 16, 3, 64, torch.float32)
+    assert f"{8 * 2**20 // per_block} KV blocks of 16" in caplog.text

@@ -46,3 +46,8 @@ def test_a_queue_name_with_a_control_character_is_refused() -> None:
     spec = default_registry().resolve("default")
     with pytest.raises(ValueError, match="control character"):
         worker_queues(default_registry(), spec, ["bad\nqueue"])
+
+
+def test_kv_cache_memory_is_a_size() -> None:
+    args = build_parser().parse_args(["--redis", "redis://x", "--kv-cache-memory", "1.5GiB"])
+    assert args.kv_cache_memory == 3 * 2**29
