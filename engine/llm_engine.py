@@ -78,8 +78,9 @@ class LLMEngine:
     ) -> None:
         """Queue a request.
 
-        ``images`` are the prompt's: each is decoded and preprocessed now, and
-        its features fill the image tokens of its span.
+        ``images`` are the prompt's: each is decoded now (a ``ValueError`` if it
+        is not an image or does not fit its span), preprocessed and encoded when
+        a chunk first reaches its tokens, and its features fill them.
 
         ``generated_token_ids`` resumes a request that another engine began:
         they count as output already produced (budget, penalties and the seeded
@@ -123,18 +124,15 @@ class LLMEngine:
         self.scheduler.add(seq)
 
     def _vision(self, images: SequenceABC[WireImage], prompt: list[int]) -> SequenceVision:
-        model = self.runner.model
-        if self.image_processing is None or not isinstance(model, Idefics3ForConditionalGeneration):
+        model, processing = self.runner.model, self.image_processing
+        if processing is None or not isinstance(model, Idefics3ForConditionalGeneration):
             raise ValueError(f"model {self.args.model!r} does not accept images")
         assert self.model_config.image_token_id is not None
-        vision = model.vision
-        return sequence_vision(
-            images,
-            prompt,
-            self.image_processing,
+        image_token_id, tokens_per_tile = (
             self.model_config.image_token_id,
-            vision.tokens_per_tile,
+            model.vision.tokens_per_tile,
         )
+        return sequence_vision(images, prompt, processing, image_token_id, tokens_per_tile)
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now: its blocks are free when this returns."""

@@ -56,7 +56,7 @@ class Sequence:
     output: OutputText | None = None
     matcher: Any = None  # the llguidance matcher of a constrained sequence (engine.constraints)
     images: list[ImageSpan] = field(default_factory=list)  # where the prompt's images are
-    vision: SequenceVision | None = None  # the images' pixels and, once encoded, features
+    vision: SequenceVision | None = None  # decoded pictures, then their features
 
     def __post_init__(self) -> None:
         if not self.num_prompt_tokens:

@@ -49,12 +49,15 @@ def chain_hash(parent: int | None, tokens: Sequence[int], images: bytes = b"") -
     prefix = _ROOT if parent is None else parent.to_bytes(DIGEST_BYTES, "little")
     digest = hashlib.blake2b(prefix, digest_size=DIGEST_BYTES)
     digest.update(packed.tobytes())
-    digest.update(images)
+    if images:
+        digest.update(images)
     return int.from_bytes(digest.digest(), "little")
 
 
 def images_in(spans: Sequence[ImageSpan], start: int, end: int) -> bytes:
     """The digests of the images overlapping positions ``[start, end)``, in prompt order."""
+    if not spans:  # a text prompt: every block of every prompt asks
+        return b""
     return b"".join(span.digest for span in spans if span.start < end and start < span.end)
 
 
