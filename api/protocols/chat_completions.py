@@ -51,6 +51,7 @@ from api.protocols.openai_common import (
     apply_effort,
     chat_usage,
     error_body,
+    image_detail,
     image_source,
     read_effort,
     read_function,
@@ -281,6 +282,7 @@ def _image(part: Fields) -> ImageSource:
     if isinstance(value, str):
         return image_source(value, part.where("image_url"))
     image = Fields(value, part.where("image_url"))
+    image_detail(image)
     return image_source(image.required("url"), image.where("url"))
 
 

@@ -263,6 +263,16 @@ def apply_effort(conversation: Conversation, effort: str | None) -> None:
     conversation.reasoning_effort = REASONING_EFFORTS[effort]  # type: ignore[assignment]
 
 
+def image_detail(part: Fields) -> None:
+    """``detail``: images are always read at the model's full resolution, which is what
+    ``auto`` and ``high`` ask for; ``low`` (fewer image tokens) is not served."""
+    if part.get("detail") not in (None, "auto", "high"):
+        raise part.error(
+            "detail",
+            "'auto' or 'high': images are read at full resolution ('low' is not supported)",
+        )
+
+
 def image_source(url: Any, where: str) -> ImageSource:
     """An ``http(s)`` URL is passed on for preparation to fetch; a data URL is split here."""
     if not isinstance(url, str):

@@ -52,6 +52,7 @@ from api.protocols.openai_common import (
     Fields,
     apply_effort,
     error_body,
+    image_detail,
     image_source,
     read_effort,
     read_function,
@@ -284,6 +285,7 @@ def _part(part: Fields, role: str) -> ContentPart:
 def _input_image(part: Fields) -> ImageSource:
     if part.has("file_id") and not part.has("image_url"):
         raise part.error("file_id", "absent: files are not stored here; send image_url instead")
+    image_detail(part)
     return image_source(part.required("image_url"), part.where("image_url"))
 
 

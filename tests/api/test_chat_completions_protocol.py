@@ -90,7 +90,7 @@ def test_every_role_and_content_shape() -> None:
             "content": [
                 {"type": "text", "text": "look"},
                 {"type": "image_url", "image_url": {"url": "https://x.test/a.jpg"}},
-                {"type": "image_url", "image_url": {"url": PNG, "detail": "low"}},
+                {"type": "image_url", "image_url": {"url": PNG, "detail": "high"}},
             ],
         },
         {

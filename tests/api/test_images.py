@@ -344,3 +344,24 @@ def test_equal_pixels_have_equal_digests_whatever_their_encoding():
     assert encoded["PNG"] != encoded["WEBP"] and png.digest == webp.digest
     [other] = resolve_images([_inline(png_bytes(16, 16))], ImageOptions())
     assert other.digest != png.digest
+
+
+def test_detail_low_is_refused_where_images_are_read_at_full_resolution():
+    from api.protocols import chat_completions, responses
+
+    url = "data:image/png;base64," + base64.b64encode(png_bytes()).decode()
+    for detail, accepted in (("auto", True), ("high", True), ("low", False)):
+        chat = {"type": "image_url", "image_url": {"url": url, "detail": detail}}
+        answer = {"type": "input_image", "image_url": url, "detail": detail}
+        bodies = [
+            (chat_completions, {"model": "m", "messages": [{"role": "user", "content": [chat]}]}),
+            (responses, {"model": "m", "input": [{"role": "user", "content": [answer]}]}),
+        ]
+        for protocol, body in bodies:
+            if accepted:
+                protocol.PROTOCOL.parse(body)
+                continue
+            with pytest.raises(ApiError) as refused:
+                protocol.PROTOCOL.parse(body)
+            assert refused.value.status == 400 and "'low' is not supported" in refused.value.message
+            assert refused.value.param.endswith("detail")
