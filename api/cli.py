@@ -10,6 +10,7 @@ import argparse
 import os
 import sys
 
+from engine.config import QUANTIZATION_CHOICES, default_dtype
 from shared.sizes import byte_size_argument
 
 
@@ -46,12 +47,18 @@ def _generation_time(text: str) -> float:
 
 def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="default", help="model name, alias or path")
-    parser.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
+    parser.add_argument(
+        "--dtype",
+        default=default_dtype(),
+        help="auto (bfloat16 where the hardware computes it natively, else float32), float32, "
+        "bfloat16 or float16; SLUICE_DTYPE sets the default",
+    )
     parser.add_argument(
         "--quantization",
-        default=None,
-        choices=["int8"],
-        help="int8: weight-only int8 linear layers, bfloat16 compute (CPU; fastest single stream)",
+        default="auto",
+        choices=QUANTIZATION_CHOICES,
+        help="auto: a bfloat16 CPU engine keeps a GGUF's quantized weights quantized; "
+        "int8 or int4: quantize every linear layer (CPU, bfloat16); none: dense weights",
     )
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--max-num-seqs", type=int, default=64)

@@ -16,6 +16,7 @@ from api.images.resolution import ImageOptions
 from api.preparation_pool import DEFAULT_MAX_WAITING, DEFAULT_PREPARE_TIMEOUT_S
 from api.request_body import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES
 from api.stall_guard import DEFAULT_STALL_TIMEOUT_S
+from engine.config import default_dtype
 from shared.registry import ModelRegistry, ModelSpec, default_registry
 
 
@@ -27,8 +28,8 @@ class Settings:
     config: Path | None = None
     host: str = "127.0.0.1"
     port: int = 8000
-    dtype: str = "auto"
-    quantization: str | None = None
+    dtype: str = field(default_factory=default_dtype)
+    quantization: str = "auto"
     max_model_len: int | None = None
     max_num_seqs: int = 64
     kv_cache_bytes: int | None = None  # --kv-cache-memory; None: sized from the two above

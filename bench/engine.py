@@ -1,6 +1,6 @@
 """Engine throughput against Hugging Face transformers on the default model.
 
-    python -m bench.engine [--new-tokens 128] [--variants float32,bfloat16,int8]
+    python -m bench.engine [--new-tokens 128] [--variants auto,float32,bfloat16,int8,int4]
                            [--skip-transformers] [--skip-llama-cpp]
 
 Prints single-stream decode tok/s, aggregate tok/s at 8 and 32 concurrent
@@ -32,9 +32,11 @@ from shared.events import Text
 from shared.registry import default_registry
 
 VARIANTS = {  # name -> engine arguments
+    "auto": {"dtype": "auto", "quantization": "auto"},  # the default configuration
     "float32": {"dtype": "float32"},
-    "bfloat16": {"dtype": "bfloat16"},
+    "bfloat16": {"dtype": "bfloat16", "quantization": "none"},
     "int8": {"dtype": "bfloat16", "quantization": "int8"},
+    "int4": {"dtype": "bfloat16", "quantization": "int4"},
 }
 
 PROMPT = "Write a detailed story about a lighthouse keeper who finds a message in a bottle."

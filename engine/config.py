@@ -8,6 +8,7 @@ file format the weights came in.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -128,8 +129,8 @@ class EngineArgs:
 
     model: str = "default"  # a registry name or alias, or a local checkpoint path
     registry_file: str | None = None  # TOML registry adding models to the built-in ones
-    dtype: str = "auto"  # auto → float32 on CPU, bfloat16 on CUDA or with quantization
-    quantization: str | None = None  # "int8": weight-only int8 linear layers (CPU, bfloat16)
+    dtype: str = field(default_factory=lambda: default_dtype())  # see engine.precision
+    quantization: str = "auto"  # auto, none, int8 or int4; see engine.precision
     device: str = "auto"
     max_model_len: int | None = None
     max_num_seqs: int = 64
@@ -144,3 +145,9 @@ class EngineArgs:
 
 
 DEFAULT_KV_CACHE_BYTES = 2 * 1024**3
+QUANTIZATION_CHOICES = ("auto", "none", "int8", "int4")
+
+
+def default_dtype() -> str:
+    """``SLUICE_DTYPE`` when set (a deployment, or a test run pinning float32), else auto."""
+    return os.environ.get("SLUICE_DTYPE", "auto")

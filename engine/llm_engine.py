@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import random
 import time
+from collections import Counter
 from collections.abc import Sequence as SequenceABC
 
 from engine.block_manager import BlockManager
@@ -37,6 +38,7 @@ class LLMEngine:
         self.tokenizer = loaded.tokenizer
         self.model_config = loaded.model.cfg
         self.max_model_len = loaded.max_model_len
+        self.precision = loaded.precision
         self.block_manager = BlockManager(
             loaded.num_blocks, args.block_size, args.enable_prefix_caching
         )
@@ -55,8 +57,9 @@ class LLMEngine:
         self.stats = EngineStats()
         self.description = (
             f"{args.model}: attention {loaded.attention.name}, "
-            f"{str(loaded.dtype).removeprefix('torch.')} on {loaded.device}, "
-            f"quantization {args.quantization or 'none'}, max_model_len {self.max_model_len}, "
+            f"{str(loaded.dtype).removeprefix('torch.')} on {loaded.device} "
+            f"({loaded.precision.reason}), weights {_weights(loaded.quantized)}, "
+            f"max_model_len {self.max_model_len}, "
             f"{loaded.num_blocks} KV blocks of {args.block_size}"
         )
         log.info("engine ready: %s", self.description)
@@ -308,3 +311,9 @@ class EngineStats:
             self.preemptions,
         )
         self._logged_at, self._logged_tokens = now, self.tokens
+
+
+def _weights(quantized: dict[str, str] | None) -> str:
+    """How the linear layers are stored, e.g. "int4 x120, int8 x1" or "dense"."""
+    counts = Counter((quantized or {}).values())
+    return ", ".join(f"{method} x{count}" for method, count in sorted(counts.items())) or "dense"

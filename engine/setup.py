@@ -6,6 +6,7 @@ once and hand it to several engines.
 
 from __future__ import annotations
 
+from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,7 +17,8 @@ from engine.config import DEFAULT_KV_CACHE_BYTES, EngineArgs, ModelConfig
 from engine.loader import load_checkpoint
 from engine.model.idefics3 import Idefics3ForConditionalGeneration
 from engine.model.llama import LlamaForCausalLM
-from engine.model.quantized import check_quantization, quantize_linears
+from engine.model.quantized import quantize_linears
+from engine.precision import Precision, native_bf16_flag, resolve_precision, stored_methods
 from shared.images.idefics3 import Idefics3Processing
 from shared.images.loading import image_processing_for
 from shared.registry import ModelRegistry, default_registry
@@ -29,10 +31,15 @@ class LoadedModel:
     model: LlamaForCausalLM | Idefics3ForConditionalGeneration
     attention: AttentionBackend
     device: torch.device
-    dtype: torch.dtype
+    precision: Precision
     max_model_len: int
     num_blocks: int
     image_processing: Idefics3Processing | None = None  # a vision model's; None for text
+    quantized: dict[str, str] | None = None  # the method each quantized layer got
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.precision.dtype
 
 
 def resolve_device(name: str) -> torch.device:
@@ -41,23 +48,10 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def resolve_dtype(name: str, device: torch.device, quantization: str | None = None) -> torch.dtype:
-    """The activation dtype: quantized weights compute in bfloat16, on CPU only."""
-    if quantization is not None:
-        check_quantization(quantization)
-        if device.type != "cpu":
-            raise ValueError(f"quantization {quantization!r} runs on CPU only, not {device.type}")
-        if name not in ("auto", "bfloat16"):
-            raise ValueError(
-                f"quantization {quantization!r} computes in bfloat16; use dtype auto or bfloat16"
-            )
-        return torch.bfloat16
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    dtypes = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-    if name not in dtypes:
-        raise ValueError(f"dtype {name!r} is not supported; use auto, {', '.join(dtypes)}")
-    return dtypes[name]
+def resolve_dtype(name: str, device: torch.device, quantization: str = "auto") -> torch.dtype:
+    """The activation dtype ``name`` and ``quantization`` give on ``device``."""
+    flag = native_bf16_flag() if device.type == "cpu" else None
+    return resolve_precision(name, quantization, device, flag).dtype
 
 
 def load_engine_model(args: EngineArgs) -> LoadedModel:
@@ -66,16 +60,24 @@ def load_engine_model(args: EngineArgs) -> LoadedModel:
     )
     spec = registry.resolve(args.model)
     device = resolve_device(args.device)
-    dtype = resolve_dtype(args.dtype, device, args.quantization)
+    flag = native_bf16_flag() if device.type == "cpu" else None
+    precision = resolve_precision(args.dtype, args.quantization, device, flag)
+    dtype = precision.dtype
     checkpoint = load_checkpoint(Path(spec.weights), dtype)
     cfg = ModelConfig.from_hf(checkpoint.config)
     max_model_len = _max_model_len(args, cfg, spec.context_length)
     architecture = LlamaForCausalLM if cfg.vision is None else Idefics3ForConditionalGeneration
     with torch.device(device):
         model = architecture(cfg, max_model_len).to(dtype)
+    stored_bits = checkpoint.stored_bits
     model.load_weights(checkpoint.tensors)
-    if args.quantization:
-        quantize_linears(getattr(model, "text", model), args.quantization)  # the encoder stays
+    text_model = getattr(model, "text", model)  # a vision encoder stays dense
+    quantized = None
+    if precision.quantization == "stored":
+        methods = stored_methods(layer_bits(text_model, stored_bits))
+        quantized = quantize_linears(text_model, methods)
+    elif precision.quantization != "none":
+        quantized = quantize_linears(text_model, precision.quantization)
     model.eval()
     num_blocks = _num_blocks(args, cfg, dtype, max_model_len)
     kv_cache = KVCache.allocate(
@@ -90,11 +92,23 @@ def load_engine_model(args: EngineArgs) -> LoadedModel:
         model=model,
         attention=make_backend(kv_cache, device),
         device=device,
-        dtype=dtype,
+        precision=precision,
         max_model_len=min(max_model_len, num_blocks * args.block_size),
         num_blocks=num_blocks,
         image_processing=image_processing_for(spec),
+        quantized=quantized,
     )
+
+
+def layer_bits(model: LlamaForCausalLM, stored_bits: dict[str, float | None]) -> dict[str, list]:
+    """The stored widths of the checkpoint tensors fused into each layer, by layer name."""
+    layers: dict[str, list[float | None]] = defaultdict(list)
+    for hf_name, bits in stored_bits.items():
+        parameter, _ = model.target(hf_name.removeprefix("model."))
+        layers[parameter.rpartition(".")[0]].append(bits)
+    if model.cfg.tie_word_embeddings:
+        layers["lm_head"] = layers["embed_tokens"]
+    return layers
 
 
 def _max_model_len(args: EngineArgs, cfg: ModelConfig, context_length: int) -> int:

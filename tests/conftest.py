@@ -10,6 +10,11 @@ import pytest
 # waits keep a descheduled thread from stalling every parallel region.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Engines, servers and workers the suite starts compute in float32 unless a test
+# asks otherwise: float32 matches transformers token for token and its outputs do
+# not depend on the batch a request shares. The tests of the default precision
+# (bfloat16 with quantized weights, on CPUs that compute bfloat16 natively) ask.
+os.environ["SLUICE_DTYPE"] = "float32"
 
 # Property tests draw the same examples on every run in CI, so a red build is reproducible.
 try:

@@ -25,6 +25,7 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from engine.config import QUANTIZATION_CHOICES, default_dtype
 from shared import keys, logs
 from shared.heap import freeze_startup_heap
 from shared.registry import ModelRegistry, ModelSpec, default_registry
@@ -61,12 +62,18 @@ def build_parser() -> argparse.ArgumentParser:
         default=[],
         help="extra queues to consume besides the model's own (names, or comma-separated)",
     )
-    parser.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
+    parser.add_argument(
+        "--dtype",
+        default=default_dtype(),
+        help="auto (bfloat16 where the hardware computes it natively, else float32), float32, "
+        "bfloat16 or float16; SLUICE_DTYPE sets the default",
+    )
     parser.add_argument(
         "--quantization",
-        default=None,
-        choices=["int8"],
-        help="int8: weight-only int8 linear layers, bfloat16 compute (CPU; fastest single stream)",
+        default="auto",
+        choices=QUANTIZATION_CHOICES,
+        help="auto: a bfloat16 CPU engine keeps a GGUF's quantized weights quantized; "
+        "int8 or int4: quantize every linear layer (CPU, bfloat16); none: dense weights",
     )
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument(
@@ -219,7 +226,7 @@ def engine_args_for(
     dtype: str,
     max_model_len: int | None,
     max_num_seqs: int,
-    quantization: str | None = None,
+    quantization: str = "auto",
 ) -> EngineArgs:
     """Engine arguments that load ``spec``.
 

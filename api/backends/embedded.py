@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 
 from api.admission import Limits, api_error, rate_limited_message
 from api.backends.base import Backend, BackendHealth, Place, ServedModel
-from engine.config import EngineArgs
+from engine.config import EngineArgs, default_dtype
 from shared.events import Error, Finish, InferenceEvent, Ready, Text
 from shared.heap import freeze_startup_heap
 from shared.registry import ModelSpec
@@ -45,8 +45,8 @@ EngineFactory = Callable[[], "LLMEngine"]
 def engine_args_for(
     spec: ModelSpec,
     *,
-    dtype: str = "auto",
-    quantization: str | None = None,
+    dtype: str | None = None,
+    quantization: str = "auto",
     max_model_len: int | None = None,
     max_num_seqs: int = 64,
     kv_cache_bytes: int | None = None,
@@ -59,7 +59,7 @@ def engine_args_for(
     return EngineArgs(
         model=spec.name,
         registry_file=registry_file,
-        dtype=dtype,
+        dtype=dtype or default_dtype(),
         quantization=quantization,
         max_model_len=max_model_len or spec.context_length or None,
         max_num_seqs=max_num_seqs,

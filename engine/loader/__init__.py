@@ -10,7 +10,7 @@ each format (llama.cpp's Q/K row order, shards) stay in its own module here.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -32,6 +32,8 @@ class Checkpoint:
     config: dict[str, Any]
     tensors: Iterator[tuple[str, torch.Tensor]]
     gguf: GGUFReader | None = None  # a GGUF file's open reader, for its tokenizer
+    stored_bits: dict[str, float | None] = field(default_factory=dict)
+    """Bits per weight of each GGUF tensor, by HF name, scales included; None for float ones."""
 
 
 def load_checkpoint(path: str | Path, dtype: torch.dtype = torch.float32) -> Checkpoint:

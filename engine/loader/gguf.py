@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGUFReader, ReaderTensor
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, ReaderTensor
 from gguf.quants import dequantize
 
 from engine.config import ModelConfig
@@ -49,6 +49,7 @@ _LAYER_NAMES = {
 }
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _ROPE_FREQS = "rope_freqs.weight"
+_FLOAT_TYPES = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16}
 
 
 def load_gguf(path: Path, dtype: torch.dtype) -> Checkpoint:
@@ -65,7 +66,20 @@ def load_gguf(path: Path, dtype: torch.dtype) -> Checkpoint:
     ModelConfig.from_hf(config)
     names = {tensor.name: hf_name(tensor.name) for tensor in reader.tensors}
     tensors = _iter_tensors(reader, names, config, dtype)
-    return Checkpoint(config=config, tensors=tensors, gguf=reader)
+    stored_bits = {
+        names[tensor.name]: bits_per_weight(tensor.tensor_type)
+        for tensor in reader.tensors
+        if names[tensor.name]
+    }
+    return Checkpoint(config=config, tensors=tensors, gguf=reader, stored_bits=stored_bits)
+
+
+def bits_per_weight(kind: GGMLQuantizationType) -> float | None:
+    """A block-quantized type's bits per weight, scales included; None for float types."""
+    if kind in _FLOAT_TYPES:
+        return None
+    block_size, block_bytes = GGML_QUANT_SIZES[kind]
+    return 8 * block_bytes / block_size
 
 
 def hf_name(gguf_name: str) -> str | None:
@@ -276,6 +290,7 @@ def _llama3_factors(head_dim: int, rope_theta: float, scaling: dict[str, Any]) -
 
 __all__ = [
     "SUPPORTED_GGUF_ARCHITECTURES",
+    "bits_per_weight",
     "dequantize_tensor",
     "hf_name",
     "llama3_scaling_from_factors",

@@ -45,7 +45,7 @@ class Idefics3ForConditionalGeneration(nn.Module):
 
     def encode_images(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """Features ``[tiles * tokens_per_tile, hidden]``, in the order of the image tokens."""
-        dtype = self.text.embed_tokens.weight.dtype
+        dtype = self.text.norm.weight.dtype  # the embedding may be quantized
         features = self.vision(pixel_values.to(dtype))
         return features.reshape(-1, features.shape[-1])
 

@@ -123,7 +123,7 @@ class LlamaForCausalLM(nn.Module):
             name = hf_name.removeprefix("model.")
             if name == "lm_head.weight" and self.cfg.tie_word_embeddings:
                 continue
-            name, rows = self._target(name)
+            name, rows = self.target(name)
             if name not in params:
                 raise KeyError(f"tensor {hf_name!r} has no place in {self.cfg.architecture}")
             params[name].data[rows].copy_(tensor)
@@ -132,7 +132,7 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:4]}")
 
-    def _target(self, name: str) -> tuple[str, slice]:
+    def target(self, name: str) -> tuple[str, slice]:
         """Our parameter for an HF tensor name, and the rows the tensor fills."""
         cfg = self.cfg
         q, kv, inter = (

@@ -1,16 +1,24 @@
-"""Weight-only int8 linear layers for CPU decoding.
+"""Weight-only int8 and int4 linear layers for CPU decoding.
 
 Single-stream decode reads every weight once per token, so its speed is the
-memory bandwidth divided by the model's bytes. Storing weights as int8 with one
-bfloat16 scale per output row halves the bytes of a bfloat16 model while the
-activations stay bfloat16, so outputs stay close to the bfloat16 model's.
+memory bandwidth divided by the model's bytes. Low-bit weights with bfloat16
+scales cut those bytes while the activations stay bfloat16:
 
-PyTorch's int8-weight kernel (``_weight_int8pack_mm``) is fast only with
-bfloat16 inputs (20x slower with float32 ones) and works like a
-matrix-vector kernel: its cost grows with every row of input. Prefill chunks of
+- ``Int8Linear``: int8 with one scale per output row (PyTorch's
+  ``_weight_int8pack_mm``);
+- ``Int4Linear``: 4-bit codes in groups of 32 inputs, each group with its own
+  scale and minimum (``_weight_int4pack_mm_for_cpu``). This is GGUF's Q4_1
+  layout, and Q4_0 and Q4_K blocks are expressible in it too, so a 4-bit GGUF
+  keeps its codes up to the rounding of its scales to bfloat16.
+
+Both kernels work like matrix-vector products: their cost grows with every row
+of input and they are fast only with bfloat16 inputs. Prefill chunks of
 ``DENSE_FROM_ROWS`` rows or more dequantize the weight and run the dense GEMM
-instead; decode batches stay on the int8 kernel, because dequantizing every
+instead; decode batches stay on the low-bit kernel, because dequantizing every
 weight on every step costs more than it saves below that size.
+
+A tied embedding reads its rows from the quantized head (``QuantizedEmbedding``)
+instead of keeping a dense copy of the largest matrix.
 """
 
 from __future__ import annotations
@@ -22,12 +30,18 @@ from torch import nn
 from engine.model.layers import Linear
 from shared.versions import require
 
-require("torch")  # aten._weight_int8pack_mm is private
+require("torch")  # aten._weight_int8pack_mm and the int4 pack layout are private
 
 DENSE_FROM_ROWS = 64
-"""Input rows from which dequantize-then-GEMM beats the int8 kernel (measured on AVX-512)."""
+"""Input rows from which dequantize-then-GEMM beats the low-bit kernels (measured on AVX-512)."""
 
-QUANTIZATIONS = ("int8",)
+GROUP_SIZE = 32
+"""Inputs sharing one int4 scale and minimum: GGUF's block size."""
+
+_PACK_ROWS = 64
+"""The int4 pack interleaves output rows in blocks of 64 (two nibbles of 32 lanes)."""
+
+QUANTIZATIONS = ("int8", "int4")
 
 
 class Int8Linear(nn.Module):
@@ -42,16 +56,95 @@ class Int8Linear(nn.Module):
         self.register_buffer("scale", scale.to(torch.bfloat16))
         self.register_buffer("bias", None if bias is None else bias.to(torch.bfloat16))
 
-    @classmethod
-    def from_linear(cls, linear: Linear) -> Int8Linear:
-        return cls(linear.weight.data, None if linear.bias is None else linear.bias.data)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] < DENSE_FROM_ROWS:
             y = torch.ops.aten._weight_int8pack_mm(x, self.weight, self.scale)
             return y if self.bias is None else y + self.bias
-        dense = self.weight.to(x.dtype) * self.scale[:, None]
-        return F.linear(x, dense, self.bias)
+        return F.linear(x, self.dequantized(), self.bias)
+
+    def dequantized(self) -> torch.Tensor:
+        return self.weight.to(torch.bfloat16) * self.scale[:, None]
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Dequantized weight rows ``ids`` (an embedding lookup on a tied head)."""
+        return self.weight[ids].to(torch.bfloat16) * self.scale[ids, None]
+
+
+class Int4Linear(nn.Module):
+    """y = x Wᵀ (+ b) with w = q·s + m, q ∈ 0..15, one (s, m) per group of 32 inputs.
+
+    The codes are stored in PyTorch's CPU int4 pack, ``[out/64, in, 32]``
+    bytes: byte ``[b, k, j]`` holds row ``64b + j`` in its low nibble and row
+    ``64b + 32 + j`` in its high nibble. The kernel takes (s, m + 8s) per
+    group, as it subtracts 8 from each code.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        if not self.fits(weight):
+            shape = tuple(weight.shape)
+            raise ValueError(f"int4 needs rows in 64s and columns in 32s, not {shape}")
+        self.out_features, self.in_features = weight.shape
+        groups = weight.float().reshape(self.out_features, -1, GROUP_SIZE)
+        low, high = groups.amin(dim=-1), groups.amax(dim=-1)
+        scale = ((high - low) / 15).clamp(min=torch.finfo(torch.bfloat16).tiny).to(torch.bfloat16)
+        low = low.to(torch.bfloat16)
+        codes = (groups - low.float()[..., None]) / scale.float()[..., None]
+        codes = codes.round().clamp(0, 15).to(torch.int32).reshape(weight.shape)
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+        zero = (low.float() + 8 * scale.float()).to(torch.bfloat16)
+        self.register_buffer("weight", packed)
+        self.register_buffer("scales_and_zeros", torch.stack((scale.T, zero.T), -1).contiguous())
+        self.register_buffer("bias", None if bias is None else bias.to(torch.bfloat16))
+
+    @staticmethod
+    def fits(weight: torch.Tensor) -> bool:
+        rows, columns = weight.shape
+        return rows % _PACK_ROWS == 0 and columns % GROUP_SIZE == 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] < DENSE_FROM_ROWS:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+                x, self.weight, GROUP_SIZE, self.scales_and_zeros
+            )
+        else:
+            y = x @ self.dequantized_transposed()
+        return y if self.bias is None else y + self.bias
+
+    def dequantized_transposed(self) -> torch.Tensor:
+        """Wᵀ ``[in, out]`` in bfloat16: the pack's lane order is already the output order."""
+        rows, columns = self.out_features, self.in_features
+        packed = self.weight.view(rows // _PACK_ROWS, columns, _PACK_ROWS // 2)
+        codes = torch.cat((packed & 15, packed >> 4), dim=2).transpose(0, 1).reshape(columns, rows)
+        scale, zero = self.scales_and_zeros.unsqueeze(1).unbind(-1)  # [in/32, 1, out] each
+        grouped = codes.view(-1, GROUP_SIZE, rows).to(torch.bfloat16)
+        return ((grouped - 8) * scale + zero).view(columns, rows)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Dequantized weight rows ``ids`` (an embedding lookup on a tied head)."""
+        packed = self.weight.view(-1, self.in_features, _PACK_ROWS // 2)
+        lane = ids % (_PACK_ROWS // 2)
+        lanes = lane.view(-1, 1, 1).expand(-1, self.in_features, 1)
+        pairs = packed[ids // _PACK_ROWS].gather(2, lanes).squeeze(2)  # [len(ids), in]
+        high = (ids % _PACK_ROWS >= _PACK_ROWS // 2).view(-1, 1)
+        codes = torch.where(high, pairs >> 4, pairs & 15)
+        scale, zero = self.scales_and_zeros[:, ids].unbind(-1)  # [in/32, len(ids)] each
+        grouped = codes.view(len(ids), -1, GROUP_SIZE).to(torch.bfloat16) - 8
+        return (grouped * scale.T[..., None] + zero.T[..., None]).view(len(ids), -1)
+
+
+QuantizedLinear = Int8Linear | Int4Linear
+
+
+class QuantizedEmbedding(nn.Module):
+    """An embedding whose table is a tied, quantized head's weight."""
+
+    def __init__(self, head: QuantizedLinear):
+        super().__init__()
+        self.head = [head]  # a list, so the head is not registered twice
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head[0].rows(ids)
 
 
 def check_quantization(method: str) -> None:
@@ -61,10 +154,32 @@ def check_quantization(method: str) -> None:
         )
 
 
-def quantize_linears(model: nn.Module, method: str) -> None:
-    """Replace every ``Linear`` of ``model`` in place (tied embeddings keep their copy)."""
-    check_quantization(method)
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, Linear):
-                setattr(parent, name, Int8Linear.from_linear(child))
+def quantize(linear: Linear, method: str) -> QuantizedLinear:
+    """``linear`` as ``method``; int4 falls back to int8 for shapes its pack cannot hold."""
+    weight, bias = linear.weight.data, None if linear.bias is None else linear.bias.data
+    if method == "int4" and Int4Linear.fits(weight):
+        return Int4Linear(weight, bias)
+    return Int8Linear(weight, bias)
+
+
+def quantize_linears(model: nn.Module, methods: dict[str, str] | str) -> dict[str, str]:
+    """Replace ``Linear`` layers of ``model`` in place; return the method each one got.
+
+    ``methods`` names one method for every layer or maps layer names to
+    theirs (layers it leaves out stay dense). A tied embedding then reads its
+    rows from the quantized head.
+    """
+    chosen: dict[str, str] = {}
+    for name, module in list(model.named_modules()):
+        method = methods if isinstance(methods, str) else methods.get(name)
+        if not isinstance(module, Linear) or method is None:
+            continue
+        check_quantization(method)
+        parent, _, attribute = name.rpartition(".")
+        replacement = quantize(module, method)
+        setattr(model.get_submodule(parent), attribute, replacement)
+        chosen[name] = "int4" if isinstance(replacement, Int4Linear) else "int8"
+    head = getattr(model, "lm_head", None)
+    if getattr(model.cfg, "tie_word_embeddings", False) and "lm_head" in chosen:
+        model.embed_tokens = QuantizedEmbedding(head)
+    return chosen

@@ -41,7 +41,7 @@ def make_engine(loaded_model: LoadedModel) -> EngineFactory:
 
     def build(num_blocks: int = DEFAULT_BLOCKS, **engine_args: Any) -> LLMEngine:
         cfg = loaded_model.model.cfg
-        dtype = loaded_model.model.embed_tokens.weight.dtype
+        dtype = loaded_model.dtype
         args = EngineArgs(max_model_len=MAX_MODEL_LEN, num_kv_blocks=num_blocks, **engine_args)
         cache = KVCache.allocate(
             cfg.num_layers,

@@ -512,5 +512,5 @@ def test_the_engine_names_what_it_runs_on_at_start(
         engine = make_engine(num_blocks=8)
     line = f"engine ready: {engine.description}"
     assert line in caplog.messages
-    assert "attention torch, float32 on cpu, quantization none" in engine.description
+    assert "attention torch, float32 on cpu (dtype float32), weights dense" in engine.description
     assert "8 KV blocks of 16" in engine.description

@@ -14,6 +14,9 @@ from gguf.quants import quantize
 from engine.config import SUPPORTED_ARCHITECTURES, ModelConfig, UnsupportedArchitecture
 from engine.loader import Checkpoint, load_checkpoint
 from engine.loader.gguf import llama3_scaling_from_factors, unpermute_rows
+from engine.model.llama import LlamaForCausalLM
+from engine.precision import stored_methods
+from engine.setup import layer_bits
 from shared.registry import smollm2_gguf_path
 
 Q = GGMLQuantizationType
@@ -308,6 +311,34 @@ def test_bf16_is_exact_round_to_nearest(mixed_gguf):
     tensors = dict(load_checkpoint(path).tensors)
     up = torch.from_numpy(expected["model.layers.0.mlp.up_proj.weight"][0])
     assert torch.equal(tensors["model.layers.0.mlp.up_proj.weight"], up.bfloat16().float())
+
+
+def test_stored_widths_decide_which_layers_stay_quantized(mixed_gguf):
+    """Each tensor's bits per weight; a fused layer takes the widest of its parts."""
+    path, _ = mixed_gguf
+    checkpoint = load_checkpoint(path)
+    bits = {name.split(".")[-2]: width for name, width in checkpoint.stored_bits.items()}
+    assert bits == {
+        "embed_tokens": None,  # F16
+        "q_proj": 4.5,  # Q4_K
+        "k_proj": 6.5625,  # Q6_K
+        "v_proj": 8.5,  # Q8_0
+        "o_proj": 4.5,  # Q4_0
+        "gate_proj": 5.0,  # Q4_1
+        "up_proj": None,  # BF16
+        "down_proj": None,  # F32
+        "input_layernorm": None,
+        "post_attention_layernorm": None,
+        "norm": None,
+        "lm_head": 8.5,  # Q8_0
+    }
+    model = LlamaForCausalLM(ModelConfig.from_hf(checkpoint.config), 64)
+    methods = stored_methods(layer_bits(model, checkpoint.stored_bits))
+    assert methods == {
+        "layers.0.self_attn.qkv_proj": "int8",
+        "layers.0.self_attn.o_proj": "int4",
+        "lm_head": "int8",
+    }
 
 
 def test_untied_gguf_config(mixed_gguf):

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from engine import LLM, SamplingParams
 from engine.model import quantized
 from engine.model.layers import Linear
-from engine.model.quantized import Int8Linear, quantize_linears
+from engine.model.quantized import Int8Linear, QuantizedEmbedding, quantize_linears
 from engine.setup import LoadedModel, resolve_dtype
 
 CPU = torch.device("cpu")
@@ -38,7 +38,7 @@ def _random_linear(out_features: int, in_features: int, bias: bool) -> Linear:
 def test_int8_linear_matches_dense_arithmetic(rows: int, bias: bool) -> None:
     """Both the int8 kernel (few rows) and the dequantized GEMM (many) compute x·Wᵀ+b."""
     dense = _random_linear(96, 64, bias)
-    layer = Int8Linear.from_linear(dense)
+    layer = quantized.quantize(dense, "int8")
     assert layer.weight.dtype == torch.int8 and layer.scale.shape == (96,)
 
     x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(rows)).bfloat16()
@@ -56,19 +56,24 @@ def test_int8_linear_matches_dense_arithmetic(rows: int, bias: bool) -> None:
 
 
 def test_quantize_linears_replaces_every_projection(loaded_model: LoadedModel) -> None:
-    """Every Linear (tied lm_head included) becomes int8; the embedding stays dense."""
+    """Every Linear (tied lm_head included) becomes int8; the embedding reads the head's rows."""
     model = loaded_model.model
     cfg = model.cfg
     small = type(model)(cfg, 64)
     small.load_state_dict(model.state_dict())
     embedding = small.embed_tokens.weight.clone()
 
-    quantize_linears(small, "int8")
+    chosen = quantize_linears(small, "int8")
 
     assert not [name for name, m in small.named_modules() if isinstance(m, Linear)]
     int8 = [m for m in small.modules() if isinstance(m, Int8Linear)]
-    assert len(int8) == 4 * cfg.num_layers + 1
-    assert torch.equal(small.embed_tokens.weight, embedding)
+    assert len(int8) == len(chosen) == 4 * cfg.num_layers + 1
+    assert isinstance(small.embed_tokens, QuantizedEmbedding)
+    ids = torch.tensor([0, 7, cfg.vocab_size - 1])
+    rows = small.embed_tokens(ids).float()
+    torch.testing.assert_close(
+        rows, embedding[ids], atol=embedding.abs().max().item() / 127, rtol=0
+    )
 
 
 def test_quantized_default_model_follows_fp32(loaded_model: LoadedModel) -> None:
@@ -76,8 +81,8 @@ def test_quantized_default_model_follows_fp32(loaded_model: LoadedModel) -> None
     params = SamplingParams(temperature=0, max_tokens=12, logprobs=20)
     encode = loaded_model.tokenizer.tokenizer.encode
     prompts = [encode(p).ids for p in PROMPTS]
-    int8 = LLM(quantization="int8", max_model_len=256, num_kv_blocks=64)
-    assert int8.engine.runner.model.embed_tokens.weight.dtype == torch.bfloat16
+    int8 = LLM(quantization="int8", dtype="auto", max_model_len=256, num_kv_blocks=64)
+    assert int8.engine.precision.dtype == torch.bfloat16
     fp32 = LLM(max_model_len=256, num_kv_blocks=64)
 
     ours, reference = int8.generate(prompts, params), fp32.generate(prompts, params)
@@ -95,8 +100,8 @@ def test_quantized_default_model_follows_fp32(loaded_model: LoadedModel) -> None
 
 
 def test_quantization_is_checked_before_loading() -> None:
-    with pytest.raises(ValueError, match="'int4' is not supported; use one of int8"):
-        resolve_dtype("auto", CPU, "int4")
+    with pytest.raises(ValueError, match="'int3' is not supported; use one of int8, int4"):
+        resolve_dtype("auto", CPU, "int3")
     with pytest.raises(ValueError, match="computes in bfloat16"):
         resolve_dtype("float32", CPU, "int8")
     with pytest.raises(ValueError, match="runs on CPU only"):

@@ -123,14 +123,14 @@ def engine_on_the_same_weights(engine: LLMEngine, num_blocks: int = KV_BLOCKS) -
     weights = engine.runner.model
     cache = KVCache.allocate(
         cfg.num_layers, num_blocks, engine.args.block_size, cfg.num_kv_heads, cfg.head_dim,
-        weights.embed_tokens.weight.dtype, engine.runner.device,
+        engine.precision.dtype, engine.runner.device,
     )  # fmt: skip
     loaded = LoadedModel(
         tokenizer=engine.tokenizer,
         model=weights,
         attention=make_backend(cache, engine.runner.device),
         device=engine.runner.device,
-        dtype=weights.embed_tokens.weight.dtype,
+        precision=engine.precision,
         max_model_len=engine.max_model_len,
         num_blocks=num_blocks,
     )

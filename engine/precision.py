@@ -1,0 +1,87 @@
+"""Which dtype the engine computes in and which width its weights keep.
+
+``dtype="auto"`` picks bfloat16 where the hardware computes it natively
+(CUDA; CPUs with AVX512-BF16 or AMX) and float32 elsewhere, because bfloat16
+emulated on an older CPU is slower than float32. ``quantization="auto"`` keeps
+a checkpoint's block-quantized weights quantized whenever the engine computes
+in bfloat16 on a CPU: a 4-bit GGUF tensor stays 4-bit (``Int4Linear``), an
+8-bit one 8-bit (``Int8Linear``), and float tensors stay dense. ``float32``
+keeps exact parity with transformers; the parity tests pin it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine.model.quantized import check_quantization
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+NATIVE_BF16_FLAGS = ("amx_bf16", "avx512_bf16")
+INT4_MAX_BITS = 5.0
+"""Stored widths up to this become int4: Q4_0 and Q4_K are 4.5 bits per weight, Q4_1 5.0."""
+INT8_MAX_BITS = 8.5
+"""Wider block types up to this (Q5_*, Q6_K, Q8_0) become int8; wider ones stay dense."""
+
+
+@dataclass(frozen=True, slots=True)
+class Precision:
+    dtype: torch.dtype
+    quantization: str  # "none", "int8", "int4", or "stored": each layer at its checkpoint's width
+    reason: str  # why, for the engine's start line
+
+
+def native_bf16_flag(cpuinfo: Path = Path("/proc/cpuinfo")) -> str | None:
+    """The CPU flag that makes bfloat16 native here, or None (or when the CPU cannot be read)."""
+    try:
+        text = cpuinfo.read_text()
+    except OSError:
+        return None
+    lines = (line for line in text.splitlines() if line.startswith("flags"))
+    flags = next((line.split(":", 1)[1].split() for line in lines), [])
+    return next((flag for flag in NATIVE_BF16_FLAGS if flag in flags), None)
+
+
+def resolve_precision(
+    dtype: str, quantization: str, device: torch.device, bf16_flag: str | None = None
+) -> Precision:
+    """Check the pair before anything loads; ``bf16_flag`` is the CPU's, as ``native_bf16_flag``."""
+    if quantization not in ("auto", "none"):
+        check_quantization(quantization)
+        if device.type != "cpu":
+            raise ValueError(f"quantization {quantization!r} runs on CPU only, not {device.type}")
+        if dtype not in ("auto", "bfloat16"):
+            raise ValueError(
+                f"quantization {quantization!r} computes in bfloat16; use dtype auto or bfloat16"
+            )
+        return Precision(torch.bfloat16, quantization, f"quantization {quantization}")
+    if dtype == "auto":
+        if device.type == "cuda":
+            return Precision(torch.bfloat16, "none", "dtype auto: bfloat16 on CUDA")
+        if bf16_flag is None:
+            reason = "dtype auto: float32, no native bfloat16 on this CPU"
+            return Precision(torch.float32, "none", reason)
+        chosen = Precision(torch.bfloat16, "none", f"dtype auto: bfloat16, the CPU has {bf16_flag}")
+    elif dtype in DTYPES:
+        chosen = Precision(DTYPES[dtype], "none", f"dtype {dtype}")
+    else:
+        raise ValueError(f"dtype {dtype!r} is not supported; use auto, {', '.join(DTYPES)}")
+    bf16_cpu = chosen.dtype == torch.bfloat16 and device.type == "cpu"
+    if quantization == "none" or not bf16_cpu:
+        return chosen
+    return Precision(chosen.dtype, "stored", f"{chosen.reason}; quantized weights kept quantized")
+
+
+def stored_methods(layer_bits: dict[str, list[float | None]]) -> dict[str, str]:
+    """A method per layer from the stored widths of the tensors fused into it (None: float)."""
+    methods = {}
+    for layer, widths in layer_bits.items():
+        if any(bits is None for bits in widths):
+            continue
+        if max(widths) <= INT4_MAX_BITS:
+            methods[layer] = "int4"
+        elif max(widths) <= INT8_MAX_BITS:
+            methods[layer] = "int8"
+    return methods
