@@ -295,7 +295,9 @@ def run_configuration(
         processes.stop()
 
 
-async def run_streams(base_url: str, model: str, count: int, max_tokens: int) -> list[StreamTiming]:
+async def run_streams(
+    base_url: str, model: str, count: int, max_tokens: int, ignore_eos: bool = False
+) -> list[StreamTiming]:
     """``count`` concurrent streams over aiohttp.
 
     The client shares its cores with what it measures, so it should cost
@@ -307,7 +309,7 @@ async def run_streams(base_url: str, model: str, count: int, max_tokens: int) ->
     timeout = aiohttp.ClientTimeout(total=600)
     async with aiohttp.ClientSession(base_url, connector=connector, timeout=timeout) as session:
         return await asyncio.gather(
-            *(one_stream(session, model, i, max_tokens) for i in range(count))
+            *(one_stream(session, model, i, max_tokens, ignore_eos) for i in range(count))
         )
 
 
@@ -340,9 +342,16 @@ async def run_steady(
 
 
 async def one_stream(
-    session: aiohttp.ClientSession, model: str, index: int, max_tokens: int
+    session: aiohttp.ClientSession,
+    model: str,
+    index: int,
+    max_tokens: int,
+    ignore_eos: bool = False,
 ) -> StreamTiming:
-    """One greedy stream; times every chunk that carries content."""
+    """One greedy stream; times every chunk that carries content.
+
+    ``ignore_eos`` makes every stream ``max_tokens`` long, for a throughput figure.
+    """
     body = {
         "model": model,
         "messages": [
@@ -352,6 +361,7 @@ async def one_stream(
         "temperature": 0,
         "stream": True,
         "stream_options": {"include_usage": True},
+        "ignore_eos": ignore_eos,
     }
     sent = time.perf_counter()
     arrivals: list[float] = []

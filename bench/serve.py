@@ -1,0 +1,200 @@
+"""What ``sluice serve`` delivers over HTTP, beside llama.cpp and transformers in the same run.
+
+    python -m bench.serve [--variants auto,float32] [--new-tokens 128] [--streams 32]
+                          [--skip-transformers] [--skip-llama-cpp]
+
+For each variant (engine flags, ``auto`` being the default configuration) it
+starts ``sluice serve`` on the default model, reads its resident memory once
+ready, streams one greedy Chat Completions request of ``--new-tokens`` tokens
+(three times; decode tok/s is the median, counted between the first and the
+last content chunk), then ``--streams`` concurrent ones (aggregate tok/s over
+the burst), and reads the resident peak and the server's CPU seconds per
+streamed token. With every server stopped, the baselines run on the same
+machine: llama.cpp (``llama-cpp-python``, when installed) on the same GGUF with
+the same prompt and thread count, one stream, and its resident memory at the
+server's context length; transformers ``generate`` in float32 as a static
+batch of ``--streams`` (``bench.engine``'s prompts and token count).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from bench.queue import Processes, cpu_seconds, free_port, run_streams, wait_ready
+
+VARIANTS = {  # name -> sluice serve flags
+    "auto": [],
+    "float32": ["--dtype", "float32"],
+    "bfloat16": ["--dtype", "bfloat16", "--quantization", "none"],
+    "int8": ["--quantization", "int8"],
+}
+CONTEXT = 8192  # the default model's context length: both servers are sized for it
+SINGLE_STREAM_RUNS = 3
+
+
+@dataclass(slots=True)
+class Served:
+    idle_rss_mib: float
+    peak_rss_mib: float
+    single_tokens_per_s: float
+    single_ttft_ms: float
+    concurrent_tokens_per_s: float
+    cpu_ms_per_token: float
+
+
+def rss_mib(pid: int, field: str = "VmRSS") -> float:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(re.search(rf"{field}:\s+(\d+) kB", status).group(1)) / 1024
+
+
+def serve(flags: list[str], args: argparse.Namespace, workdir: Path) -> Served:
+    """Start ``sluice serve`` with ``flags``, measure it over HTTP, stop it."""
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+    env.pop("SLUICE_DTYPE", None)  # the variant's flags decide
+    port = free_port()
+    log = workdir / f"serve-{port}.log"
+    command = [sys.executable, "-m", "api.server", "--port", str(port),
+               "--max-num-seqs", str(args.streams), *flags]  # fmt: skip
+    processes = Processes()
+    try:
+        server = processes.spawn(command, log, env)
+        base_url = f"http://127.0.0.1:{port}"
+        wait_ready(base_url, server, log)
+        idle = rss_mib(server.pid)
+        asyncio.run(run_streams(base_url, "default", 1, 8))  # warm-up
+        singles = [
+            asyncio.run(run_streams(base_url, "default", 1, args.new_tokens, ignore_eos=True))[0]
+            for _ in range(SINGLE_STREAM_RUNS)
+        ]
+        asyncio.run(run_streams(base_url, "default", args.streams, 8))  # warm-up at full batch
+        before = cpu_seconds(server.pid)
+        started = time.perf_counter()
+        burst = asyncio.run(
+            run_streams(base_url, "default", args.streams, args.new_tokens, ignore_eos=True)
+        )
+        wall = time.perf_counter() - started
+        tokens = sum(stream.tokens for stream in burst)
+        cpu = cpu_seconds(server.pid) - before
+        return Served(
+            idle_rss_mib=idle,
+            peak_rss_mib=rss_mib(server.pid, "VmHWM"),
+            single_tokens_per_s=statistics.median((len(s.gaps_s)) / sum(s.gaps_s) for s in singles),
+            single_ttft_ms=statistics.median(s.ttft_s for s in singles) * 1e3,
+            concurrent_tokens_per_s=tokens / wall,
+            cpu_ms_per_token=cpu / tokens * 1e3,
+        )
+    finally:
+        processes.stop()
+
+
+LLAMA_CPP_RSS = textwrap.dedent(
+    """
+    import re, sys
+    from pathlib import Path
+    import llama_cpp
+    llama = llama_cpp.Llama(sys.argv[1], n_ctx=int(sys.argv[2]), n_threads=int(sys.argv[3]),
+                            verbose=False)
+    for _ in zip(range(8), llama.generate(llama.tokenize(b"Hello"), top_k=1, temp=0.0)):
+        pass
+    status = Path("/proc/self/status").read_text()
+    print(int(re.search(r"VmHWM:\\s+(\\d+) kB", status).group(1)) / 1024)
+    """
+)
+
+
+def llama_cpp_baseline(new_tokens: int, threads: int) -> tuple[float, float, float] | None:
+    """llama.cpp's single-stream decode tok/s and TTFT, and its resident peak at ``CONTEXT``."""
+    from bench.engine import PROMPT, default_tokenizer, load_llama_cpp, run_llama_cpp
+
+    llama = load_llama_cpp()
+    if llama is None:
+        return None
+    chat = f"<|im_start|>user\n{PROMPT}<|im_end|>\n<|im_start|>assistant\n"
+    token_ids = default_tokenizer().encode(chat).ids
+    run_llama_cpp(llama, token_ids, 8)  # warm-up
+    runs = [run_llama_cpp(llama, token_ids, new_tokens) for _ in range(SINGLE_STREAM_RUNS)]
+    del llama
+    from shared.registry import default_registry
+
+    gguf = str(default_registry().resolve("default").weights)
+    measured = subprocess.run(
+        [sys.executable, "-c", LLAMA_CPP_RSS, gguf, str(CONTEXT), str(threads)],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    return (
+        statistics.median(r.tokens_per_s for r in runs),
+        statistics.median(r.ttft_ms for r in runs),
+        float(measured.stdout.split()[-1]),
+    )
+
+
+def transformers_baseline(new_tokens: int, streams: int) -> float:
+    from bench.engine import load_transformers, prompts, run_transformers
+
+    model, tokenizer = load_transformers()
+    run_transformers(model, tokenizer, ["warm up"], 4)
+    return run_transformers(model, tokenizer, prompts(streams), new_tokens).tokens_per_s
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--variants", default="auto", help=", ".join(VARIANTS))
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--streams", type=int, default=32)
+    parser.add_argument("--skip-transformers", action="store_true")
+    parser.add_argument("--skip-llama-cpp", action="store_true")
+    args = parser.parse_args(argv)
+    unknown = set(args.variants.split(",")) - set(VARIANTS)
+    if unknown:
+        parser.error(f"unknown variants {sorted(unknown)}; choose from {', '.join(VARIANTS)}")
+    with tempfile.TemporaryDirectory(prefix="sluice-bench-serve-") as directory:
+        served = {
+            name: serve(VARIANTS[name], args, Path(directory)) for name in args.variants.split(",")
+        }
+    import torch
+
+    threads = torch.get_num_threads()
+    cpp = None if args.skip_llama_cpp else llama_cpp_baseline(args.new_tokens, threads)
+    hf = None if args.skip_transformers else transformers_baseline(args.new_tokens, args.streams)
+
+    print(
+        f"sluice serve over HTTP, default model, greedy, {args.new_tokens} new tokens, "
+        f"{threads} threads, context {CONTEXT}"
+    )
+    if cpp:
+        print(f"llama.cpp, same GGUF, one stream: {cpp[0]:.1f} tok/s, TTFT {cpp[1]:.1f} ms, "
+              f"resident peak {cpp[2]:.0f} MiB at n_ctx {CONTEXT}")  # fmt: skip
+    if hf:
+        print(f"transformers float32, static batch of {args.streams}: {hf:.1f} tok/s")
+    print(f"{'variant':<10}{'1 stream tok/s':>15}{'÷ llama.cpp':>12}{'TTFT ms':>9}"
+          f"{f'{args.streams} streams tok/s':>18}{'÷ hf':>7}{'idle MiB':>10}{'peak MiB':>10}"
+          f"{'÷ llama.cpp':>12}{'CPU ms/token':>14}")  # fmt: skip
+    for name, s in served.items():
+        single = _ratio(s.single_tokens_per_s, cpp and cpp[0])
+        print(
+            f"{name:<10}{s.single_tokens_per_s:>15.1f}{single:>12}"
+            f"{s.single_ttft_ms:>9.1f}{s.concurrent_tokens_per_s:>18.1f}"
+            f"{_ratio(s.concurrent_tokens_per_s, hf):>7}{s.idle_rss_mib:>10.0f}"
+            f"{s.peak_rss_mib:>10.0f}{_ratio(s.peak_rss_mib, cpp and cpp[2]):>12}"
+            f"{s.cpu_ms_per_token:>14.2f}"
+        )
+    return 0
+
+
+def _ratio(ours: float, reference: float | None) -> str:
+    return f"{ours / reference:.2f}x" if reference else "-"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
