@@ -7,6 +7,8 @@ once and hand it to several engines.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -55,6 +57,28 @@ def resolve_dtype(name: str, device: torch.device, quantization: str = "auto") -
 
 
 def load_engine_model(args: EngineArgs) -> LoadedModel:
+    """Load on one CPU thread, so that only the thread that steps the model runs parallel ops.
+
+    OpenMP keeps a team of worker threads for each thread that runs a parallel
+    region. A server loads on one thread and steps on another, and with the
+    loading thread's team left behind, every step ran at half speed (single
+    stream, 2 cores). A serial load creates no team.
+    """
+    with _one_cpu_thread():
+        return _load(args)
+
+
+@contextmanager
+def _one_cpu_thread() -> Iterator[None]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _load(args: EngineArgs) -> LoadedModel:
     registry = (
         ModelRegistry.from_toml(args.registry_file) if args.registry_file else default_registry()
     )

@@ -6,9 +6,8 @@ from typing import Any
 
 import pytest
 
-# Tests share two cores with server and worker processes: sleeping OpenMP
-# waits keep a descheduled thread from stalling every parallel region.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# As the engine sets it (engine/__init__.py), before anything here imports torch.
+os.environ.setdefault("GOMP_SPINCOUNT", "10000")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Engines, servers and workers the suite starts compute in float32 unless a test
 # asks otherwise: float32 matches transformers token for token and its outputs do

@@ -187,3 +187,21 @@ def test_the_default_precision_stays_near_float32() -> None:
     assert same_first >= len(PROMPTS) - 1
     assert max(differences) < LOGPROB_BOUND, max(differences)
     print(f"max |Δ logprob| {max(differences):.3f}, mean {sum(differences) / len(differences):.4f}")
+
+
+def test_loading_leaves_the_thread_count_as_it_was() -> None:
+    """The model loads on one thread (no OpenMP team beside the stepping thread's), then
+    the process's thread count is back for the steps."""
+    from engine.config import EngineArgs
+    from engine.setup import load_engine_model
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        load_engine_model(EngineArgs(max_model_len=64, num_kv_blocks=1))
+        assert torch.get_num_threads() == 2
+        with pytest.raises(ValueError, match="not supported"):
+            load_engine_model(EngineArgs(dtype="double"))
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)
