@@ -67,8 +67,8 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
         type=byte_size_argument,
         default=None,
         metavar="SIZE",
-        help="the KV cache's size, e.g. 512MiB or 2GiB (default: --max-num-seqs sequences "
-        "of --max-model-len, at most 2 GiB)",
+        help="the KV cache's size, e.g. 512MiB or 2GiB (default: one --max-model-len "
+        "sequence or --max-num-seqs sequences of 128 tokens, whichever is more, at most 2 GiB)",
     )
 
 

@@ -38,6 +38,7 @@ VARIANTS = {  # name -> sluice serve flags
     "float32": ["--dtype", "float32"],
     "bfloat16": ["--dtype", "bfloat16", "--quantization", "none"],
     "int8": ["--quantization", "int8"],
+    "kv64m": ["--kv-cache-memory", "64MiB"],  # what the server holds apart from its KV cache
 }
 CONTEXT = 8192  # the default model's context length: both servers are sized for it
 SINGLE_STREAM_RUNS = 3

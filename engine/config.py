@@ -122,9 +122,13 @@ class EngineArgs:
     """Knobs shared by every entry point.
 
     ``kv_cache_bytes`` and ``num_kv_blocks`` are alternatives: the block count
-    wins when both are set; with neither, the cache is sized to hold
-    ``max_num_seqs`` sequences of ``max_model_len`` tokens, capped by
-    ``DEFAULT_KV_CACHE_BYTES``.
+    wins when both are set. With neither, the cache holds one sequence of
+    ``max_model_len`` tokens or ``max_num_seqs`` sequences of
+    ``KV_TOKENS_PER_SEQUENCE``, whichever is more, and never more than
+    ``DEFAULT_KV_CACHE_BYTES``: the sequences share it block by block, so a few
+    long ones fit beside many short ones, and when they outgrow it the
+    scheduler preempts the newest. Its bytes then follow the model's layers,
+    KV heads and dtype, the context length and the batch.
     """
 
     model: str = "default"  # a registry name or alias, or a local checkpoint path
@@ -145,6 +149,8 @@ class EngineArgs:
 
 
 DEFAULT_KV_CACHE_BYTES = 2 * 1024**3
+KV_TOKENS_PER_SEQUENCE = 128
+"""What the default KV cache reserves per sequence of the batch: a short chat turn."""
 QUANTIZATION_CHOICES = ("auto", "none", "int8", "int4")
 
 

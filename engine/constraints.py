@@ -15,7 +15,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import llguidance
-import llguidance.torch
+import llguidance.numpy  # not llguidance.torch: it imports torch.compile's stack (~100 MB)
 import numpy as np
 import torch
 
@@ -48,7 +48,7 @@ class GrammarMask:
 class PendingMasks:
     """Masks being filled for some sequences while the model runs."""
 
-    def __init__(self, seqs: list[Sequence], bitmask: torch.Tensor, filled: Future[None]):
+    def __init__(self, seqs: list[Sequence], bitmask: np.ndarray, filled: Future[None]):
         self.seqs = seqs
         self._bitmask = bitmask
         self._filled = filled
@@ -56,7 +56,7 @@ class PendingMasks:
     def result(self, row_of: dict[int, int], vocab_size: int) -> GrammarMask:
         """Wait for the masks; ``row_of`` maps ``id(seq)`` to its logits row."""
         self._filled.result()
-        bits = np.unpackbits(self._bitmask.numpy().view(np.uint8), axis=1, bitorder="little")
+        bits = np.unpackbits(self._bitmask.view(np.uint8), axis=1, bitorder="little")
         ruled_out = torch.from_numpy(bits[:, :vocab_size] == 0)
         return GrammarMask([row_of[id(seq)] for seq in self.seqs], ruled_out)
 
@@ -109,10 +109,10 @@ class Constraints:
         if self._thread is None:
             self._thread = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
             self._executor = llguidance.LLExecutor()
-        bitmask = llguidance.torch.allocate_token_bitmask(len(constrained), self.vocab_size)
+        bitmask = llguidance.numpy.allocate_token_bitmask(len(constrained), self.vocab_size)
         pairs = [(seq.matcher, index) for index, seq in enumerate(constrained)]
         filled = self._thread.submit(
-            llguidance.torch.fill_next_token_bitmask_par, self._executor, pairs, bitmask
+            llguidance.numpy.fill_next_token_bitmask_par, self._executor, pairs, bitmask
         )
         return PendingMasks(constrained, bitmask, filled)
 

@@ -15,12 +15,13 @@ from pathlib import Path
 import torch
 
 from engine.attention import AttentionBackend, KVCache, make_backend
-from engine.config import DEFAULT_KV_CACHE_BYTES, EngineArgs, ModelConfig
+from engine.config import DEFAULT_KV_CACHE_BYTES, KV_TOKENS_PER_SEQUENCE, EngineArgs, ModelConfig
 from engine.loader import load_checkpoint
 from engine.model.idefics3 import Idefics3ForConditionalGeneration
 from engine.model.llama import LlamaForCausalLM
 from engine.model.quantized import quantize_linears
 from engine.precision import Precision, native_bf16_flag, resolve_precision, stored_methods
+from shared.heap import return_free_memory
 from shared.images.idefics3 import Idefics3Processing
 from shared.images.loading import image_processing_for
 from shared.registry import ModelRegistry, default_registry
@@ -111,6 +112,7 @@ def _load(args: EngineArgs) -> LoadedModel:
     same_file = Path(spec.tokenizer) == Path(spec.weights)
     tokenizer = load_tokenizer(spec.tokenizer, checkpoint.gguf if same_file else None)
     del checkpoint  # and its reader: the parsed header is ~160 MB of objects
+    return_free_memory()
     return LoadedModel(
         tokenizer=tokenizer,
         model=model,
@@ -155,5 +157,6 @@ def _num_blocks(args: EngineArgs, cfg: ModelConfig, dtype: torch.dtype, max_mode
     )
     if args.kv_cache_bytes is not None:
         return max(1, args.kv_cache_bytes // per_block)
-    wanted = args.max_num_seqs * -(-max_model_len // args.block_size)
+    tokens = max(max_model_len, args.max_num_seqs * KV_TOKENS_PER_SEQUENCE)
+    wanted = -(-min(tokens, args.max_num_seqs * max_model_len) // args.block_size)
     return max(1, min(wanted, DEFAULT_KV_CACHE_BYTES // per_block))

@@ -1,4 +1,4 @@
-"""Keeping the garbage collector off a serving process's startup heap.
+"""A serving process's startup heap: kept off the garbage collector, its free memory returned.
 
 What a server builds before its first request (torch, the model, the
 tokenizer, Celery or FastAPI and everything they import) lives until the
@@ -13,6 +13,8 @@ scans, so a full collection only walks what serving itself allocated.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import gc
 import logging
 
@@ -31,3 +33,19 @@ def freeze_startup_heap() -> int:
     frozen = gc.get_freeze_count()
     log.info("froze the startup heap: %d objects the collector no longer scans", frozen)
     return frozen
+
+
+def return_free_memory() -> None:
+    """Hand the C heap's free pages back to the system (glibc's ``malloc_trim``).
+
+    Loading a model frees far more than it keeps: a GGUF tensor is dequantized
+    to float32, cast, then quantized again, one at a time. glibc keeps freed
+    blocks below its mmap threshold for reuse, so without a trim a server held
+    about 450 MB it would never use again. Elsewhere it does nothing.
+    """
+    name = ctypes.util.find_library("c")
+    try:
+        trim = ctypes.CDLL(name).malloc_trim
+    except (OSError, AttributeError, TypeError):  # not glibc
+        return
+    trim(0)

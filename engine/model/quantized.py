@@ -43,17 +43,23 @@ _PACK_ROWS = 64
 
 QUANTIZATIONS = ("int8", "int4")
 
+_CHUNK_ROWS = 4096
+"""Rows quantized at a time: a whole 49152-row head in float32 would cost ~450 MB of temporaries."""
+
 
 class Int8Linear(nn.Module):
     """y = x (s ⊙ W_int8)ᵀ (+ b), with symmetric per-output-row scales s."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
-        weight = weight.float()
-        scale = (weight.abs().amax(dim=1) / 127).clamp(min=torch.finfo(torch.float32).tiny)
-        quantized = (weight / scale[:, None]).round().clamp(-127, 127).to(torch.int8)
-        self.register_buffer("weight", quantized)
-        self.register_buffer("scale", scale.to(torch.bfloat16))
+        rows, scales = [], []
+        for chunk in weight.split(_CHUNK_ROWS):
+            chunk = chunk.float()
+            scale = (chunk.abs().amax(dim=1) / 127).clamp(min=torch.finfo(torch.float32).tiny)
+            rows.append((chunk / scale[:, None]).round().clamp(-127, 127).to(torch.int8))
+            scales.append(scale.to(torch.bfloat16))
+        self.register_buffer("weight", torch.cat(rows))
+        self.register_buffer("scale", torch.cat(scales))
         self.register_buffer("bias", None if bias is None else bias.to(torch.bfloat16))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -85,7 +91,15 @@ class Int4Linear(nn.Module):
             shape = tuple(weight.shape)
             raise ValueError(f"int4 needs rows in 64s and columns in 32s, not {shape}")
         self.out_features, self.in_features = weight.shape
-        groups = weight.float().reshape(self.out_features, -1, GROUP_SIZE)
+        packed, scales_and_zeros = zip(*map(self._quantize, weight.split(_CHUNK_ROWS)), strict=True)
+        self.register_buffer("weight", torch.cat(packed))  # blocks of 64 rows pack alone
+        self.register_buffer("scales_and_zeros", torch.cat(scales_and_zeros, dim=1))
+        self.register_buffer("bias", None if bias is None else bias.to(torch.bfloat16))
+
+    @staticmethod
+    def _quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows (a multiple of 64) → their pack and ``[in/32, rows, 2]`` scales and zeros."""
+        groups = weight.float().reshape(weight.shape[0], -1, GROUP_SIZE)
         low, high = groups.amin(dim=-1), groups.amax(dim=-1)
         scale = ((high - low) / 15).clamp(min=torch.finfo(torch.bfloat16).tiny).to(torch.bfloat16)
         low = low.to(torch.bfloat16)
@@ -93,9 +107,7 @@ class Int4Linear(nn.Module):
         codes = codes.round().clamp(0, 15).to(torch.int32).reshape(weight.shape)
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
         zero = (low.float() + 8 * scale.float()).to(torch.bfloat16)
-        self.register_buffer("weight", packed)
-        self.register_buffer("scales_and_zeros", torch.stack((scale.T, zero.T), -1).contiguous())
-        self.register_buffer("bias", None if bias is None else bias.to(torch.bfloat16))
+        return packed, torch.stack((scale.T, zero.T), -1)
 
     @staticmethod
     def fits(weight: torch.Tensor) -> bool:
