@@ -8,11 +8,13 @@ starts ``sluice serve`` on the default model, reads its resident memory once
 ready, streams one greedy Chat Completions request of ``--new-tokens`` tokens
 (three times; decode tok/s is the median, counted between the first and the
 last content chunk), then ``--streams`` concurrent ones (aggregate tok/s over
-the burst), and reads the resident peak and the server's CPU seconds per
-streamed token. With every server stopped, the baselines run on the same
-machine: llama.cpp (``llama-cpp-python``, when installed) on the same GGUF with
-the same prompt and thread count, one stream, and its resident memory at the
-server's context length; transformers ``generate`` in float32 as a static
+the burst), and reads the resident peak and, over the burst, the CPU seconds
+per streamed token of the engine's threads (the engine thread and the OpenMP
+workers it starts, named ``sluice-engine``) and of the rest of the server.
+With every server stopped, the baselines run on the same machine: llama.cpp
+(``llama-cpp-python``, when installed) on the same GGUF with the same prompt
+and thread count, one stream, and its resident memory at the server's
+context length; transformers ``generate`` in float32 as a static
 batch of ``--streams`` (``bench.engine``'s prompts and token count).
 """
 
@@ -31,7 +33,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.queue import Processes, cpu_seconds, free_port, run_streams, wait_ready
+from bench.queue import Processes, free_port, run_streams, wait_ready
 
 VARIANTS = {  # name -> sluice serve flags
     "auto": [],
@@ -51,7 +53,28 @@ class Served:
     single_tokens_per_s: float
     single_ttft_ms: float
     concurrent_tokens_per_s: float
-    cpu_ms_per_token: float
+    api_cpu_ms_per_token: float  # outside the engine's threads
+    engine_cpu_ms_per_token: float
+
+
+ENGINE_THREAD = "sluice-engine"  # the OS name of the engine thread and of the workers it starts
+
+
+def thread_cpu_seconds(pid: int) -> tuple[float, float]:
+    """CPU seconds so far of the engine's threads and of the rest of the process (Linux)."""
+    engine = rest = 0.0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            name = (task / "comm").read_text().strip()
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:  # the thread ended
+            continue
+        seconds = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        if name == ENGINE_THREAD:
+            engine += seconds
+        else:
+            rest += seconds
+    return engine, rest
 
 
 def rss_mib(pid: int, field: str = "VmRSS") -> float:
@@ -79,21 +102,25 @@ def serve(flags: list[str], args: argparse.Namespace, workdir: Path) -> Served:
             for _ in range(SINGLE_STREAM_RUNS)
         ]
         asyncio.run(run_streams(base_url, "default", args.streams, 8))  # warm-up at full batch
-        before = cpu_seconds(server.pid)
+        before = thread_cpu_seconds(server.pid)
         started = time.perf_counter()
         burst = asyncio.run(
             run_streams(base_url, "default", args.streams, args.new_tokens, ignore_eos=True)
         )
         wall = time.perf_counter() - started
         tokens = sum(stream.tokens for stream in burst)
-        cpu = cpu_seconds(server.pid) - before
+        engine_cpu, api_cpu = (
+            after - earlier
+            for after, earlier in zip(thread_cpu_seconds(server.pid), before, strict=True)
+        )
         return Served(
             idle_rss_mib=idle,
             peak_rss_mib=rss_mib(server.pid, "VmHWM"),
             single_tokens_per_s=statistics.median((len(s.gaps_s)) / sum(s.gaps_s) for s in singles),
             single_ttft_ms=statistics.median(s.ttft_s for s in singles) * 1e3,
             concurrent_tokens_per_s=tokens / wall,
-            cpu_ms_per_token=cpu / tokens * 1e3,
+            api_cpu_ms_per_token=api_cpu / tokens * 1e3,
+            engine_cpu_ms_per_token=engine_cpu / tokens * 1e3,
         )
     finally:
         processes.stop()
@@ -180,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"transformers float32, static batch of {args.streams}: {hf:.1f} tok/s")
     print(f"{'variant':<10}{'1 stream tok/s':>15}{'÷ llama.cpp':>12}{'TTFT ms':>9}"
           f"{f'{args.streams} streams tok/s':>18}{'÷ hf':>7}{'idle MiB':>10}{'peak MiB':>10}"
-          f"{'÷ llama.cpp':>12}{'CPU ms/token':>14}")  # fmt: skip
+          f"{'÷ llama.cpp':>12}{'API CPU ms/tok':>16}{'engine CPU ms/tok':>19}")  # fmt: skip
     for name, s in served.items():
         single = _ratio(s.single_tokens_per_s, cpp and cpp[0])
         print(
@@ -188,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{s.single_ttft_ms:>9.1f}{s.concurrent_tokens_per_s:>18.1f}"
             f"{_ratio(s.concurrent_tokens_per_s, hf):>7}{s.idle_rss_mib:>10.0f}"
             f"{s.peak_rss_mib:>10.0f}{_ratio(s.peak_rss_mib, cpp and cpp[2]):>12}"
-            f"{s.cpu_ms_per_token:>14.2f}"
+            f"{s.api_cpu_ms_per_token:>16.3f}{s.engine_cpu_ms_per_token:>19.2f}"
         )
     return 0
 

@@ -41,7 +41,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-import llguidance.torch
+import llguidance.numpy
 import torch
 
 from engine.constraints import GrammarMask, PendingMasks
@@ -185,7 +185,7 @@ def timed(owner: object, name: str, samples: list[float]) -> Iterator[None]:
 def step_times() -> Iterator[StepTimes]:
     times = StepTimes()
     with (
-        timed(llguidance.torch, "fill_next_token_bitmask_par", times.fill),
+        timed(llguidance.numpy, "fill_next_token_bitmask_par", times.fill),
         timed(PendingMasks, "result", times.wait),
         timed(GrammarMask, "apply", times.apply),
     ):
