@@ -69,21 +69,26 @@ class RotaryEmbedding(nn.Module):
         self.sin = sin.to(self.sin.device)
         return self
 
-    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Tables for these positions, shaped to broadcast over heads."""
-        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+    def lookup(
+        self, positions: torch.Tensor, dtype: torch.dtype = torch.float32
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows for these positions in ``dtype``, shaped to broadcast over heads."""
+        return (
+            self.cos[positions].unsqueeze(1).to(dtype),
+            self.sin[positions].unsqueeze(1).to(dtype),
+        )
 
 
 def rotate(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     """x ``[tokens, heads, head_dim]`` rotated: x·cos + rotate_half(x)·sin.
 
-    Computed in float32 (the tables stay float32) and cast back, as the
-    reference does for half-precision models.
+    Computed in the dtype of the tables, which is the model's: transformers
+    casts its float32 tables to a half-precision model's dtype too.
     """
     cos, sin = rope
     half = x.shape[-1] // 2
     swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
-    return (x.float() * cos + swapped.float() * sin).to(x.dtype)
+    return x * cos + swapped * sin
 
 
 def _scale_inv_freq(inv_freq: torch.Tensor, scaling: RopeScaling | None) -> torch.Tensor:

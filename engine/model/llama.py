@@ -106,7 +106,7 @@ class LlamaForCausalLM(nn.Module):
         x = self.embed_tokens(input_ids)
         if placed is not None:
             x = x.index_copy(0, placed[0], placed[1].to(x.dtype))
-        rope = self.rotary.lookup(positions)
+        rope = self.rotary.lookup(positions, x.dtype)
         for layer in self.layers:
             x = layer(x, rope, attention)
         return self.norm(x[rows])
