@@ -19,7 +19,6 @@ from typing import Any
 import anyio
 from fastapi import Request, Response
 from fastapi.responses import JSONResponse
-from sse_starlette import EventSourceResponse, ServerSentEvent
 
 from api.access_log import AccessRecord
 from api.auth import caller_key
@@ -28,6 +27,7 @@ from api.protocols import completions
 from api.protocols.base import SSEChunk, Usage
 from api.protocols.openai_common import chat_usage
 from api.serving import Serving
+from api.sse import SSEResponse
 from api.streaming import StreamProcessor, collect, sse_event
 from shared.events import InferenceEvent
 
@@ -88,7 +88,7 @@ async def _streamed(
     joined: JoinedUsage,
     include_usage: bool,
 ) -> Response:
-    return EventSourceResponse(_interleaved(runs, first, joined, include_usage), sep="\n")
+    return SSEResponse(_interleaved(runs, first, joined, include_usage), sep="\n")
 
 
 async def _whole(
@@ -115,7 +115,7 @@ async def _interleaved(
     first: Prepared,
     joined: JoinedUsage,
     include_usage: bool,
-) -> AsyncIterator[ServerSentEvent]:
+) -> AsyncIterator[bytes]:
     """The choices' chunks as they come.
 
     Each choice is pumped by a task of its own, which closes its events however it
@@ -150,7 +150,7 @@ async def _interleaved(
                 yield sse_event(chunk)
         if include_usage:
             yield sse_event(SSEChunk(_usage_chunk(first, joined)))
-        yield ServerSentEvent(data=first.protocol.done_marker or "[DONE]")
+        yield sse_event(SSEChunk(first.protocol.done_marker or "[DONE]"))
     finally:
         for task in tasks:
             task.cancel()

@@ -67,6 +67,7 @@ class ServingMetrics:
         Closing this iterator closes ``events`` (which cancels the request).
         """
         last_token: float | None = None
+        inter_token = self.inter_token_latency.labels(protocol)  # looked up once, not per token
         try:
             async for event in events:
                 now = time.monotonic()
@@ -74,7 +75,7 @@ class ServingMetrics:
                     if last_token is None:
                         self.time_to_first_token.labels(protocol).observe(now - arrived)
                     else:
-                        self.inter_token_latency.labels(protocol).observe(now - last_token)
+                        inter_token.observe(now - last_token)
                     last_token = now
                 elif isinstance(event, Ready):
                     self.prompt_tokens.labels(self.model, protocol).inc(event.prompt_tokens)

@@ -10,12 +10,12 @@ same processor, which is why a streamed and a whole response say the same.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import AsyncIterator
 from dataclasses import replace
 from functools import lru_cache
 
 import anyio
-from sse_starlette import EventSourceResponse, ServerSentEvent
 from tokenizers import Tokenizer, decoders
 
 from api.admission import error_for
@@ -30,8 +30,11 @@ from api.output_parser import (
     ToolCallStart,
 )
 from api.protocols.base import FinishKind, LogprobEntry, ResponseBuilder, SSEChunk, Usage
+from api.sse import SSEResponse
 from shared.events import Error, Finish, FinishReason, InferenceEvent, Ready, Text, TokenLogprob
 from shared.tokenizer_loader import LoadedTokenizer
+
+_LINE_BREAK = re.compile(r"\r\n|\r|\n")  # where SSE splits a field into lines
 
 
 class StreamProcessor:
@@ -220,11 +223,23 @@ def _byte_alphabet() -> dict[str, int]:
     return {char: byte for byte, char in table.items()}
 
 
-def sse_event(chunk: SSEChunk) -> ServerSentEvent:
+def chunk_data(chunk: SSEChunk) -> str:
+    """The text of a chunk's ``data:`` field."""
     data = chunk.data
-    if not isinstance(data, str):
-        data = json.dumps(data, ensure_ascii=False, separators=(",", ":"))
-    return ServerSentEvent(data=data, event=chunk.event)
+    return (
+        data
+        if isinstance(data, str)
+        else json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+    )
+
+
+def sse_event(chunk: SSEChunk) -> bytes:
+    """The chunk as an SSE frame: the bytes ``ServerSentEvent(data, event).encode()`` writes,
+    built directly, since it runs once per streamed token."""
+    data = chunk_data(chunk)
+    lines = _LINE_BREAK.split(data) if "\n" in data or "\r" in data else (data,)
+    event = "" if chunk.event is None else f"event: {chunk.event}\r\n"
+    return (event + "".join(f"data: {line}\r\n" for line in lines) + "\r\n").encode()
 
 
 async def sse_stream(
@@ -232,7 +247,7 @@ async def sse_stream(
     events: AsyncIterator[InferenceEvent],
     done_marker: str | None = None,
     first: list[SSEChunk] | None = None,
-) -> AsyncIterator[ServerSentEvent]:
+) -> AsyncIterator[bytes]:
     """The SSE body of one streamed response.
 
     Ownership: this generator owns ``events`` and ``processor``. However it
@@ -254,7 +269,7 @@ async def sse_stream(
         for chunk in processor.finish():
             yield sse_event(chunk)
         if done_marker is not None:
-            yield ServerSentEvent(data=done_marker)
+            yield sse_event(SSEChunk(done_marker))
     finally:
         with anyio.CancelScope(shield=True):
             await _aclose(events)
@@ -265,7 +280,7 @@ async def event_source(
     processor: StreamProcessor,
     events: AsyncIterator[InferenceEvent],
     done_marker: str | None = None,
-) -> EventSourceResponse:
+) -> SSEResponse:
     """The streamed response, once the first event has come.
 
     Waiting for it lets a request the backend refuses at once (an ``Error``
@@ -287,7 +302,7 @@ async def event_source(
         with anyio.CancelScope(shield=True):
             await _aclose(events)
         raise processor.error
-    return EventSourceResponse(sse_stream(processor, events, done_marker, chunks), sep="\n")
+    return SSEResponse(sse_stream(processor, events, done_marker, chunks), sep="\n")
 
 
 async def collect(processor: StreamProcessor, events: AsyncIterator[InferenceEvent]) -> dict:

@@ -2,8 +2,9 @@
 
 ``workers/broker`` subclasses kombu's Redis transport and Celery's request
 (private methods and attributes included); ``shared/prompting/jinja.py``
-subclasses jinja2's code generator; the int8 linear layers call a private
-aten op of torch. Each works on the minor versions below only, which
+subclasses jinja2's code generator; ``api/sse.py`` overrides a private method
+of sse-starlette's response; the quantized linear layers call private aten ops
+of torch. Each works on the minor versions below only, which
 ``pyproject.toml`` pins and ``infra/requirements.lock`` locks; a module that
 relies on one calls ``require`` at import, so another version fails at start
 with a message naming it, instead of misbehaving while it serves.
@@ -16,6 +17,7 @@ from importlib.metadata import PackageNotFoundError, version
 SUPPORTED: dict[str, str] = {  # package -> the minor version its internals were read in
     "celery": "5.7",
     "kombu": "5.7",
+    "sse-starlette": "3.7",
     "jinja2": "3.1",
     "torch": "2.13",
     "uvicorn": "0.54",

@@ -140,8 +140,9 @@ class EmbeddedBackend(Backend):
         try:
             while not finished:
                 kind, deadline = _next_deadline(deadlines, started, first_token)
-                try:
-                    event = await asyncio.wait_for(queue.get(), max(deadline - time.time(), 0))
+                try:  # asyncio.timeout, not wait_for, which starts a task for every event
+                    async with asyncio.timeout(max(deadline - time.time(), 0)):
+                        event = await queue.get()
                 except TimeoutError:
                     yield Error(request_id, _DEADLINE_MESSAGES[kind](self._limits), kind)
                     return

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, Query, Request, Response
 from fastapi.responses import JSONResponse
-from sse_starlette import EventSourceResponse, ServerSentEvent
+from sse_starlette import ServerSentEvent
 
 from api.auth import caller_name
 from api.batches.files import list_page
@@ -39,6 +39,7 @@ from api.jobs.records import JobOutcome, JobRecord, JobStatus
 from api.jobs.runner import usage_of
 from api.protocols import responses
 from api.protocols.base import ResponseContext
+from api.sse import SSEResponse
 
 if TYPE_CHECKING:
     from api.auth import ApiKey
@@ -207,7 +208,7 @@ def responses_router(stored: StoredResponses) -> APIRouter:
         owner = caller_name(request)
         if stream:
             events = await stored.events(response_id, owner, starting_after)
-            return EventSourceResponse(events, sep="\n")
+            return SSEResponse(events, sep="\n")
         return JSONResponse(stored.view(await stored.get(response_id, owner)))
 
     @router.get("/{response_id}/input_items")

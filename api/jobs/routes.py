@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
-from sse_starlette import EventSourceResponse, ServerSentEvent
+from sse_starlette import ServerSentEvent
 
 from api.auth import caller_key, caller_name
 from api.errors import ApiError, bad_request
@@ -37,6 +37,7 @@ from api.jobs.records import JobRecord, JobStatus, StoredChunk, read_metadata
 from api.jobs.responses import StoredResponses
 from api.protocols import responses
 from api.protocols.base import Protocol
+from api.sse import SSEResponse
 
 if TYPE_CHECKING:
     from api.auth import ApiKey
@@ -93,7 +94,7 @@ def jobs_router(manager: JobManager, stored: StoredResponses, settings: Settings
     async def job_events(job_id: str, request: Request, after: str | None = None) -> Response:
         start = _last_event_id(request.headers.get("last-event-id", after))
         chunks = await manager.events(job_id, caller_name(request), start)
-        return EventSourceResponse(_sse(chunks), sep="\n")
+        return SSEResponse(_sse(chunks), sep="\n")
 
     @router.delete("/{job_id}")
     async def cancel_job(job_id: str, request: Request) -> Response:

@@ -41,7 +41,7 @@ from api.jobs.store import JobEnded, JobStore
 from api.output_parser import OutputParser
 from api.preparation import Prepared
 from api.protocols.base import SSEChunk
-from api.streaming import StreamProcessor, sse_event
+from api.streaming import StreamProcessor, chunk_data
 from shared.events import Finish, FinishReason, InferenceEvent
 
 log = logging.getLogger(__name__)
@@ -85,8 +85,7 @@ def job_processor(prepared: Prepared, record: JobRecord) -> StreamProcessor:
 
 def stored(chunk: SSEChunk) -> StoredChunk:
     """Serialised by the synchronous stream's own function: the same bytes."""
-    event = sse_event(chunk)
-    return StoredChunk(event.data, event.event)
+    return StoredChunk(chunk_data(chunk), chunk.event)
 
 
 class IdAligner:

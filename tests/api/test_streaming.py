@@ -282,8 +282,8 @@ def test_sse_stream_ends_with_the_done_marker_and_closes_the_events(tokenizer):
     processor, _ = _processor(tokenizer)
     events = ScriptedEvents([Ready(RID, 3, 0), _text("hi"), Finish(RID, FinishReason.STOP, 1)])
     sent = _run(_drain(sse_stream(processor, events, "[DONE]")))
-    assert [event.data for event in sent][-1] == "[DONE]"
-    assert sent[-2].event == "done"
+    assert sent[-1] == b"data: [DONE]\r\n\r\n"
+    assert sent[-2].startswith(b"event: done\r\n")
     assert events.closed
 
 
@@ -556,3 +556,23 @@ def test_generation_before_the_model_is_ready_is_a_503():
     assert response.status_code == 503
     assert response.headers["retry-after"] == "5"
     assert response.json()["error"]["type"] == "overloaded_error"
+
+
+@pytest.mark.parametrize(
+    ("data", "event"),
+    [
+        ({"choices": [{"delta": {"content": "a\nb \u2028 ü"}}]}, None),
+        ({"type": "content_block_delta", "delta": {"text": "x"}}, "content_block_delta"),
+        ("[DONE]", None),
+        ("two\nlines\r\nand\rthree", "message"),
+        ("", None),
+    ],
+)
+def test_sse_frames_are_the_bytes_sse_starlette_writes(data, event):
+    from sse_starlette import ServerSentEvent
+
+    from api.protocols.base import SSEChunk
+    from api.streaming import chunk_data, sse_event
+
+    chunk = SSEChunk(data, event) if event else SSEChunk(data)
+    assert sse_event(chunk) == ServerSentEvent(data=chunk_data(chunk), event=event).encode()
