@@ -75,10 +75,14 @@ def resolve_precision(
 
 
 def stored_methods(layer_bits: dict[str, list[float | None]]) -> dict[str, str]:
-    """A method per layer from the stored widths of the tensors fused into it (None: float)."""
+    """A method per layer from the stored widths of the tensors fused into it (None: float).
+
+    A layer with a float part, or with no stored widths at all (an HF
+    checkpoint's), stays dense.
+    """
     methods = {}
     for layer, widths in layer_bits.items():
-        if any(bits is None for bits in widths):
+        if not widths or any(bits is None for bits in widths):
             continue
         if max(widths) <= INT4_MAX_BITS:
             methods[layer] = "int4"

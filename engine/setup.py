@@ -132,7 +132,7 @@ def layer_bits(model: LlamaForCausalLM, stored_bits: dict[str, float | None]) ->
     for hf_name, bits in stored_bits.items():
         parameter, _ = model.target(hf_name.removeprefix("model."))
         layers[parameter.rpartition(".")[0]].append(bits)
-    if model.cfg.tie_word_embeddings:
+    if model.cfg.tie_word_embeddings and "embed_tokens" in layers:
         layers["lm_head"] = layers["embed_tokens"]
     return layers
 

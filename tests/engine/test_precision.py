@@ -81,7 +81,7 @@ def test_native_bfloat16_is_read_from_the_cpu_flags(tmp_path: Path) -> None:
 def test_stored_widths_choose_each_layers_method() -> None:
     """All 4-bit → int4; up to 8.5 bits → int8; any float tensor keeps the layer dense."""
     methods = stored_methods(
-        {"a": [4.5, 5.0], "b": [4.5, 8.5], "c": [6.5625], "d": [5.0, None], "e": [16.5]}
+        {"a": [4.5, 5.0], "b": [4.5, 8.5], "c": [6.5625], "d": [5.0, None], "e": [16.5], "f": []}
     )
     assert methods == {"a": "int4", "b": "int8", "c": "int8"}
 

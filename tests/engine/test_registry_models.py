@@ -49,3 +49,12 @@ def test_toml_registry_model_generates(tmp_path: Path) -> None:
     by_path = LLM(str(weights), max_num_seqs=4).generate(["hello there"], params)[0]
     assert len(by_name.token_ids) == 12
     assert by_name.token_ids == by_path.token_ids
+
+
+def test_an_hf_checkpoint_in_bfloat16_keeps_its_weights_dense(tmp_path: Path) -> None:
+    """With dtype bfloat16 a GGUF's quantized layers stay quantized; an HF checkpoint has none."""
+    weights = make_tiny_model(tmp_path / "tiny")
+    llm = LLM(str(weights), dtype="bfloat16", max_num_seqs=4)
+    assert "weights dense" in llm.engine.description
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    assert len(llm.generate(["hello there"], params)[0].token_ids) == 4
