@@ -5,9 +5,10 @@ threads never call the engine; they queue a command, a function of the
 engine, and the thread runs the queued commands between steps, in order.
 While the engine has work the thread steps it and hands each step's events
 to ``on_events``; when it has none the thread sleeps on a condition, so an
-idle host costs no CPU. Callbacks run on the engine thread: they may call
-the engine directly but must not block for long, since every request waits
-for them.
+idle host costs no CPU, and returns the C heap's free pages to the system
+first, so an idle host holds no more memory than before its last burst.
+Callbacks run on the engine thread: they may call the engine directly but
+must not block for long, since every request waits for them.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from shared.events import InferenceEvent
+from shared.heap import return_free_memory
 
 if TYPE_CHECKING:
     from engine.llm_engine import LLMEngine
@@ -79,6 +81,8 @@ class EngineThread:
                 self._apply(command)
             if engine.has_unfinished():
                 self._step()
+                if not engine.has_unfinished():  # drained: hand back what the steps freed
+                    return_free_memory()
 
     def _next_commands(self) -> list[Command] | None:
         """Sleep until there is a command or engine work; None when stopping."""
