@@ -177,9 +177,9 @@ def _environment_key() -> tuple[str, ...]:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from bench.engine import main as bench_engine
+    import importlib
 
-    return bench_engine(args.rest)
+    return importlib.import_module(f"bench.{args.which}").main(args.rest)
 
 
 def _add_image_args(parser: argparse.ArgumentParser) -> None:
@@ -437,8 +437,8 @@ def build_parser() -> argparse.ArgumentParser:
     # Listed for --help; its options belong to workers.main, which main() hands them to.
     commands.add_parser("worker", help="run a GPU worker for distributed mode (--redis URL)")
 
-    bench = commands.add_parser("bench", help="run a benchmark (engine)")
-    bench.add_argument("which", choices=["engine"])
+    bench = commands.add_parser("bench", help="run a benchmark (engine, or serve: over HTTP)")
+    bench.add_argument("which", choices=["engine", "serve"])
     bench.add_argument("rest", nargs=argparse.REMAINDER)
     bench.set_defaults(run=_bench)
     return parser
