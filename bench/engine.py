@@ -137,6 +137,14 @@ def load_transformers():  # noqa: ANN201
     return model, tokenizer
 
 
+def chosen_variants(parser: argparse.ArgumentParser, text: str, known: dict) -> list[str]:
+    """``--variants``' comma-separated names; an unknown one is a usage error."""
+    names = text.split(",")
+    if unknown := sorted(set(names) - set(known)):
+        parser.error(f"unknown variants {unknown}; choose from {', '.join(known)}")
+    return names
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--new-tokens", type=int, default=128)
@@ -144,13 +152,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--skip-llama-cpp", action="store_true")
     args = parser.parse_args(argv)
-    unknown = set(args.variants.split(",")) - set(VARIANTS)
-    if unknown:
-        parser.error(f"unknown variants {sorted(unknown)}; choose from {', '.join(VARIANTS)}")
+    variants = chosen_variants(parser, args.variants, VARIANTS)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
     results: dict[str, dict[str, Result]] = {}
-    for variant in args.variants.split(","):
+    for variant in variants:
         engine = LLMEngine(
             EngineArgs(max_num_seqs=32, max_num_batched_tokens=2048, **VARIANTS[variant])
         )

@@ -34,6 +34,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from bench.engine import chosen_variants
 from bench.queue import Processes, free_port, run_streams, wait_ready
 
 VARIANTS = {  # name -> sluice serve flags
@@ -186,13 +187,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--skip-llama-cpp", action="store_true")
     args = parser.parse_args(argv)
-    unknown = set(args.variants.split(",")) - set(VARIANTS)
-    if unknown:
-        parser.error(f"unknown variants {sorted(unknown)}; choose from {', '.join(VARIANTS)}")
+    variants = chosen_variants(parser, args.variants, VARIANTS)
     with tempfile.TemporaryDirectory(prefix="sluice-bench-serve-") as directory:
-        served = {
-            name: serve(VARIANTS[name], args, Path(directory)) for name in args.variants.split(",")
-        }
+        served = {name: serve(VARIANTS[name], args, Path(directory)) for name in variants}
     import torch
 
     threads = torch.get_num_threads()
