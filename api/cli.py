@@ -10,7 +10,7 @@ import argparse
 import os
 import sys
 
-from engine.config import QUANTIZATION_CHOICES, default_dtype
+from shared.precision import QUANTIZATION_CHOICES, default_dtype
 from shared.sizes import byte_size_argument
 
 

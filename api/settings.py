@@ -16,7 +16,7 @@ from api.images.resolution import ImageOptions
 from api.preparation_pool import DEFAULT_MAX_WAITING, DEFAULT_PREPARE_TIMEOUT_S
 from api.request_body import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES
 from api.stall_guard import DEFAULT_STALL_TIMEOUT_S
-from engine.config import default_dtype
+from shared.precision import default_dtype
 from shared.registry import ModelRegistry, ModelSpec, default_registry
 
 

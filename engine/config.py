@@ -8,11 +8,11 @@ file format the weights came in.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import Any
 
 from shared.images.loading import VISION_ARCHITECTURES
+from shared.precision import default_dtype
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -133,7 +133,7 @@ class EngineArgs:
 
     model: str = "default"  # a registry name or alias, or a local checkpoint path
     registry_file: str | None = None  # TOML registry adding models to the built-in ones
-    dtype: str = field(default_factory=lambda: default_dtype())  # see engine.precision
+    dtype: str = field(default_factory=default_dtype)  # see engine.precision
     quantization: str = "auto"  # auto, none, int8 or int4; see engine.precision
     device: str = "auto"
     max_model_len: int | None = None
@@ -151,9 +151,3 @@ class EngineArgs:
 DEFAULT_KV_CACHE_BYTES = 2 * 1024**3
 KV_TOKENS_PER_SEQUENCE = 128
 """What the default KV cache reserves per sequence of the batch: a short chat turn."""
-QUANTIZATION_CHOICES = ("auto", "none", "int8", "int4")
-
-
-def default_dtype() -> str:
-    """``SLUICE_DTYPE`` when set (a deployment, or a test run pinning float32), else auto."""
-    return os.environ.get("SLUICE_DTYPE", "auto")

@@ -25,9 +25,9 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from engine.config import QUANTIZATION_CHOICES, default_dtype
 from shared import keys, logs
 from shared.heap import freeze_startup_heap
+from shared.precision import QUANTIZATION_CHOICES, default_dtype
 from shared.registry import ModelRegistry, ModelSpec, default_registry
 from shared.sizes import byte_size_argument
 from workers.broker.app import create_app

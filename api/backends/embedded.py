@@ -27,9 +27,10 @@ from typing import TYPE_CHECKING
 
 from api.admission import Limits, api_error, rate_limited_message
 from api.backends.base import Backend, BackendHealth, Place, ServedModel
-from engine.config import EngineArgs, default_dtype
+from engine.config import EngineArgs
 from shared.events import Error, Finish, InferenceEvent, Ready, Text
 from shared.heap import freeze_startup_heap
+from shared.precision import default_dtype
 from shared.registry import ModelSpec
 from shared.wire import Deadlines, PreparedRequest
 
