@@ -13,8 +13,8 @@ must not block for long, since every request waits for them.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
-import ctypes.util
 import logging
 import sys
 import threading
@@ -128,8 +128,5 @@ def _name_os_thread(name: str) -> None:
     """
     if not sys.platform.startswith("linux"):
         return
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-        libc.prctl(_PR_SET_NAME, name.encode()[:15], 0, 0, 0)
-    except (OSError, AttributeError):
-        pass
+    with contextlib.suppress(OSError, AttributeError):  # no prctl: the name is a nicety
+        ctypes.CDLL(None).prctl(_PR_SET_NAME, name.encode()[:15], 0, 0, 0)

@@ -313,7 +313,7 @@ class EngineStats:
         self._logged_at, self._logged_tokens = now, self.tokens
 
 
-def _weights(quantized: dict[str, str] | None) -> str:
+def _weights(quantized: dict[str, str]) -> str:
     """How the linear layers are stored, e.g. "int4 x120, int8 x1" or "dense"."""
-    counts = Counter((quantized or {}).values())
+    counts = Counter(quantized.values())
     return ", ".join(f"{method} x{count}" for method, count in sorted(counts.items())) or "dense"

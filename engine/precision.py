@@ -74,6 +74,12 @@ def resolve_precision(
     return Precision(chosen.dtype, "stored", f"{chosen.reason}; quantized weights kept quantized")
 
 
+def precision_for(dtype: str, quantization: str, device: torch.device) -> Precision:
+    """``resolve_precision`` for this machine's CPU."""
+    flag = native_bf16_flag() if device.type == "cpu" else None
+    return resolve_precision(dtype, quantization, device, flag)
+
+
 def stored_methods(layer_bits: dict[str, list[float | None]]) -> dict[str, str]:
     """A method per layer from the stored widths of the tensors fused into it (None: float).
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -20,7 +20,7 @@ from engine.loader import load_checkpoint
 from engine.model.idefics3 import Idefics3ForConditionalGeneration
 from engine.model.llama import LlamaForCausalLM
 from engine.model.quantized import quantize_linears
-from engine.precision import Precision, native_bf16_flag, resolve_precision, stored_methods
+from engine.precision import Precision, precision_for, stored_methods
 from shared.heap import return_free_memory
 from shared.images.idefics3 import Idefics3Processing
 from shared.images.loading import image_processing_for
@@ -38,7 +38,7 @@ class LoadedModel:
     max_model_len: int
     num_blocks: int
     image_processing: Idefics3Processing | None = None  # a vision model's; None for text
-    quantized: dict[str, str] | None = None  # the method each quantized layer got
+    quantized: dict[str, str] = field(default_factory=dict)  # the method of each quantized layer
 
     @property
     def dtype(self) -> torch.dtype:
@@ -49,12 +49,6 @@ def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)
-
-
-def resolve_dtype(name: str, device: torch.device, quantization: str = "auto") -> torch.dtype:
-    """The activation dtype ``name`` and ``quantization`` give on ``device``."""
-    flag = native_bf16_flag() if device.type == "cpu" else None
-    return resolve_precision(name, quantization, device, flag).dtype
 
 
 def load_engine_model(args: EngineArgs) -> LoadedModel:
@@ -85,8 +79,7 @@ def _load(args: EngineArgs) -> LoadedModel:
     )
     spec = registry.resolve(args.model)
     device = resolve_device(args.device)
-    flag = native_bf16_flag() if device.type == "cpu" else None
-    precision = resolve_precision(args.dtype, args.quantization, device, flag)
+    precision = precision_for(args.dtype, args.quantization, device)
     dtype = precision.dtype
     checkpoint = load_checkpoint(Path(spec.weights), dtype)
     cfg = ModelConfig.from_hf(checkpoint.config)
@@ -97,7 +90,7 @@ def _load(args: EngineArgs) -> LoadedModel:
     stored_bits = checkpoint.stored_bits
     model.load_weights(checkpoint.tensors)
     text_model = getattr(model, "text", model)  # a vision encoder stays dense
-    quantized = None
+    quantized: dict[str, str] = {}
     if precision.quantization == "stored":
         methods = stored_methods(layer_bits(text_model, stored_bits))
         quantized = quantize_linears(text_model, methods)

@@ -14,7 +14,6 @@ scans, so a full collection only walks what serving itself allocated.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import gc
 import logging
 
@@ -43,9 +42,8 @@ def return_free_memory() -> None:
     blocks below its mmap threshold for reuse, so without a trim a server held
     about 450 MB it would never use again. Elsewhere it does nothing.
     """
-    name = ctypes.util.find_library("c")
     try:
-        trim = ctypes.CDLL(name).malloc_trim
-    except (OSError, AttributeError, TypeError):  # not glibc
+        trim = ctypes.CDLL(None).malloc_trim  # the symbols already loaded: no library lookup
+    except (OSError, AttributeError):  # not glibc
         return
     trim(0)

@@ -1,4 +1,4 @@
-"""Weight-only int8: the layer against dense arithmetic, the model against fp32."""
+"""Weight-only int8 and int4: the layers against dense arithmetic, the int8 model against fp32."""
 
 from __future__ import annotations
 
@@ -9,10 +9,8 @@ import torch.nn.functional as F
 from engine import LLM, SamplingParams
 from engine.model import quantized
 from engine.model.layers import Linear
-from engine.model.quantized import Int8Linear, QuantizedEmbedding, quantize_linears
-from engine.setup import LoadedModel, resolve_dtype
-
-CPU = torch.device("cpu")
+from engine.model.quantized import Int4Linear, Int8Linear, QuantizedEmbedding, quantize_linears
+from engine.setup import LoadedModel
 
 PROMPTS = [
     "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n",
@@ -26,8 +24,9 @@ def _random_linear(out_features: int, in_features: int, bias: bool) -> Linear:
     torch.manual_seed(0)
     layer = Linear(in_features, out_features, bias)
     layer.weight.data.normal_(0, 0.05)
-    # One loud row per layer, as trained models have: its scale must not leak into others.
-    layer.weight.data[3] *= 40
+    # One loud group of 32 inputs, as trained models have: its scale must leak neither
+    # into other rows (int8 scales rows) nor into the row's other groups (int4 scales groups).
+    layer.weight.data[3, :32] *= 40
     if bias:
         layer.bias.data.normal_(0, 0.5)
     return layer
@@ -99,11 +98,52 @@ def test_quantized_default_model_follows_fp32(loaded_model: LoadedModel) -> None
     assert same_first >= len(PROMPTS) - 1
 
 
-def test_quantization_is_checked_before_loading() -> None:
-    with pytest.raises(ValueError, match="'int3' is not supported; use one of int8, int4"):
-        resolve_dtype("auto", CPU, "int3")
-    with pytest.raises(ValueError, match="computes in bfloat16"):
-        resolve_dtype("float32", CPU, "int8")
-    with pytest.raises(ValueError, match="runs on CPU only"):
-        resolve_dtype("auto", torch.device("cuda"), "int8")
-    assert resolve_dtype("auto", CPU, "int8") is torch.bfloat16
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [1, 5, quantized.DENSE_FROM_ROWS, 150])
+def test_int4_linear_matches_its_dequantized_weight(rows: int, bias: bool) -> None:
+    """The int4 kernel (few rows) and the dequantized GEMM (many) both compute x·Wᵀ+b."""
+    dense = _random_linear(192, 96, bias)
+    layer = quantized.quantize(dense, "int4")
+    assert isinstance(layer, Int4Linear) and layer.weight.dtype == torch.uint8
+
+    x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows)).bfloat16()
+    weight = layer.dequantized_transposed().float().T
+    expected = F.linear(x.float(), weight, None if layer.bias is None else layer.bias.float())
+    torch.testing.assert_close(layer(x).float(), expected, atol=0.05, rtol=0.02)
+    # Each group of 32 has its own scale: quiet weights stay within half a quiet step.
+    quiet = weight - dense.weight
+    quiet[3, :32] = 0
+    assert quiet.abs().max() < 0.6 * (0.05 * 8 / 15), quiet.abs().max()
+
+
+def test_int4_keeps_the_codes_of_a_q4_1_grid() -> None:
+    """A weight on a Q4_1 grid (w = q·s + m, bfloat16 s and m) keeps every code q.
+
+    The kernel's zero point m + 8s, the product (q - 8)·s and their sum are each
+    rounded to bfloat16 once; a code is never lost.
+    """
+    generator = torch.Generator().manual_seed(3)
+    rows, columns = 128, 64
+    codes = torch.randint(0, 16, (rows, columns), generator=generator)
+    codes[:, ::32] = 0  # every group spans the whole range, as Q4_1's min and max do
+    codes[:, 1::32] = 15
+    scale = (torch.rand(rows, columns // 32, generator=generator) / 10).bfloat16().float()
+    # As in trained weights, a group's minimum is near minus half its range.
+    offset = 5 + 5 * torch.rand(rows, columns // 32, generator=generator)
+    low = (-offset * scale).bfloat16().float()
+    scale, low = scale.repeat_interleave(32, 1), low.repeat_interleave(32, 1)
+    weight = codes * scale + low
+
+    layer = Int4Linear(weight, None)
+
+    dequantized = layer.dequantized_transposed().float().T
+    assert torch.equal(((dequantized - low) / scale).round(), codes.float())
+    terms = (low + 8 * scale).abs() + ((codes - 8) * scale).abs() + weight.abs()
+    rounding = 2**-8 * terms  # each term is rounded once to bfloat16
+    assert ((dequantized - weight).abs() <= rounding).all()
+    ids = torch.tensor([0, 5, 31, 32, 63, 64, 100, 127])
+    assert torch.equal(layer.rows(ids), layer.dequantized_transposed().T[ids])
+
+
+def test_int4_falls_back_to_int8_where_the_pack_cannot_hold_the_shape() -> None:
+    assert isinstance(quantized.quantize(_random_linear(8, 96, False), "int4"), Int8Linear)
