@@ -3,10 +3,12 @@
 ``dtype="auto"`` picks bfloat16 where the hardware computes it natively
 (CUDA; CPUs with AVX512-BF16 or AMX) and float32 elsewhere, because bfloat16
 emulated on an older CPU is slower than float32. ``quantization="auto"`` keeps
-a checkpoint's block-quantized weights quantized whenever the engine computes
-in bfloat16 on a CPU: a 4-bit GGUF tensor stays 4-bit (``Int4Linear``), an
-8-bit one 8-bit (``Int8Linear``), and float tensors stay dense. ``float32``
-keeps exact parity with transformers; the parity tests pin it.
+a checkpoint's block-quantized weights quantized on a CPU unless float32 was
+asked for by name: a 4-bit GGUF tensor stays 4-bit (``Int4Linear``), an 8-bit
+one 8-bit (``Int8Linear``), and float tensors stay dense. The low-bit kernels
+take bfloat16 inputs on every CPU, so a float32 model keeps its weights
+quantized too. ``--dtype float32`` keeps exact parity with transformers; the
+parity tests pin it.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from engine.model.quantized import check_quantization
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 NATIVE_BF16_FLAGS = ("amx_bf16", "avx512_bf16")
+QUANTIZED_DTYPES = ("auto", "bfloat16", "float32")
+"""What a model with low-bit layers may compute in: the layers return their model's dtype."""
 INT4_MAX_BITS = 5.0
 """Stored widths up to this become int4: Q4_0 and Q4_K are 4.5 bits per weight, Q4_1 5.0."""
 INT8_MAX_BITS = 8.5
@@ -52,26 +56,30 @@ def resolve_precision(
         check_quantization(quantization)
         if device.type != "cpu":
             raise ValueError(f"quantization {quantization!r} runs on CPU only, not {device.type}")
-        if dtype not in ("auto", "bfloat16"):
+        if dtype not in QUANTIZED_DTYPES:
             raise ValueError(
-                f"quantization {quantization!r} computes in bfloat16; use dtype auto or bfloat16"
+                f"quantization {quantization!r} computes in bfloat16 or float32, not {dtype}"
             )
-        return Precision(torch.bfloat16, quantization, f"quantization {quantization}")
+        chosen = _dtype_for(dtype, device, bf16_flag)
+        return Precision(
+            chosen.dtype, quantization, f"quantization {quantization}; {chosen.reason}"
+        )
+    chosen = _dtype_for(dtype, device, bf16_flag)
+    if quantization == "none" or device.type != "cpu" or dtype == "float32":
+        return chosen
+    return Precision(chosen.dtype, "stored", f"{chosen.reason}; quantized weights kept quantized")
+
+
+def _dtype_for(dtype: str, device: torch.device, bf16_flag: str | None) -> Precision:
     if dtype == "auto":
         if device.type == "cuda":
             return Precision(torch.bfloat16, "none", "dtype auto: bfloat16 on CUDA")
         if bf16_flag is None:
-            reason = "dtype auto: float32, no native bfloat16 on this CPU"
-            return Precision(torch.float32, "none", reason)
-        chosen = Precision(torch.bfloat16, "none", f"dtype auto: bfloat16, the CPU has {bf16_flag}")
-    elif dtype in DTYPES:
-        chosen = Precision(DTYPES[dtype], "none", f"dtype {dtype}")
-    else:
-        raise ValueError(f"dtype {dtype!r} is not supported; use auto, {', '.join(DTYPES)}")
-    bf16_cpu = chosen.dtype == torch.bfloat16 and device.type == "cpu"
-    if quantization == "none" or not bf16_cpu:
-        return chosen
-    return Precision(chosen.dtype, "stored", f"{chosen.reason}; quantized weights kept quantized")
+            return Precision(torch.float32, "none", "dtype auto: float32, no native bfloat16 here")
+        return Precision(torch.bfloat16, "none", f"dtype auto: bfloat16, the CPU has {bf16_flag}")
+    if dtype in DTYPES:
+        return Precision(DTYPES[dtype], "none", f"dtype {dtype}")
+    raise ValueError(f"dtype {dtype!r} is not supported; use auto, {', '.join(DTYPES)}")
 
 
 def precision_for(dtype: str, quantization: str, device: torch.device) -> Precision:

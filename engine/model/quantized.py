@@ -2,7 +2,7 @@
 
 Single-stream decode reads every weight once per token, so its speed is the
 memory bandwidth divided by the model's bytes. Low-bit weights with bfloat16
-scales cut those bytes while the activations stay bfloat16:
+scales cut those bytes:
 
 - ``Int8Linear``: int8 with one scale per output row (PyTorch's
   ``_weight_int8pack_mm``);
@@ -12,16 +12,22 @@ scales cut those bytes while the activations stay bfloat16:
   keeps its codes up to the rounding of its scales to bfloat16.
 
 Both kernels work like matrix-vector products: their cost grows with every row
-of input and they are fast only with bfloat16 inputs. Prefill chunks of
-``DENSE_FROM_ROWS`` rows or more dequantize the weight and run the dense GEMM
-instead; decode batches stay on the low-bit kernel, because dequantizing every
-weight on every step costs more than it saves below that size.
+of input. They are vectorized for bfloat16 inputs only (with float32 inputs
+they run 5-15x slower, measured on AVX2), so a layer hands them its input in
+bfloat16 whatever the model computes in, and returns the model's dtype. Prefill
+chunks of ``DENSE_FROM_ROWS`` rows or more dequantize the weight and run the
+dense GEMM in the model's dtype instead; decode batches stay on the low-bit
+kernel, because dequantizing every weight on every step costs more than it
+saves below that size.
 
 A tied embedding reads its rows from the quantized head (``QuantizedEmbedding``)
 instead of keeping a dense copy of the largest matrix.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cache
 
 import torch
 import torch.nn.functional as F
@@ -39,9 +45,12 @@ GROUP_SIZE = 32
 """Inputs sharing one int4 scale and minimum: GGUF's block size."""
 
 _PACK_ROWS = 64
-"""The int4 pack interleaves output rows in blocks of 64 (two nibbles of 32 lanes)."""
+"""Output rows an int4 weight holds in multiples of: every CPU's pack block divides it."""
 
 QUANTIZATIONS = ("int8", "int4")
+
+KERNEL_DTYPE = torch.bfloat16
+"""The activations and the scales the low-bit kernels take."""
 
 _CHUNK_ROWS = 4096
 """Rows quantized at a time: a whole 49152-row head in float32 would cost ~450 MB of temporaries."""
@@ -51,62 +60,104 @@ class Int8Linear(nn.Module):
     """y = x (s ⊙ W_int8)ᵀ (+ b), with symmetric per-output-row scales s."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        """Quantize ``weight``; its dtype is the one the layer takes and returns."""
         super().__init__()
+        self.dtype = weight.dtype
         rows, scales = [], []
         for chunk in weight.split(_CHUNK_ROWS):
             chunk = chunk.float()
             scale = (chunk.abs().amax(dim=1) / 127).clamp(min=torch.finfo(torch.float32).tiny)
             rows.append((chunk / scale[:, None]).round().clamp(-127, 127).to(torch.int8))
-            scales.append(scale.to(torch.bfloat16))
+            scales.append(scale.to(KERNEL_DTYPE))
         self.register_buffer("weight", torch.cat(rows))
         self.register_buffer("scale", torch.cat(scales))
-        self.register_buffer("bias", None if bias is None else bias.to(torch.bfloat16))
+        self.register_buffer("bias", None if bias is None else bias.to(self.dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] < DENSE_FROM_ROWS:
-            y = torch.ops.aten._weight_int8pack_mm(x, self.weight, self.scale)
+            y = torch.ops.aten._weight_int8pack_mm(x.to(KERNEL_DTYPE), self.weight, self.scale)
+            y = y.to(self.dtype)
             return y if self.bias is None else y + self.bias
         return F.linear(x, self.dequantized(), self.bias)
 
     def dequantized(self) -> torch.Tensor:
-        return self.weight.to(torch.bfloat16) * self.scale[:, None]
+        return self.weight.to(self.dtype) * self.scale[:, None]
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Dequantized weight rows ``ids`` (an embedding lookup on a tied head)."""
-        return self.weight[ids].to(torch.bfloat16) * self.scale[ids, None]
+        return self.weight[ids].to(self.dtype) * self.scale[ids, None]
+
+
+@dataclass(frozen=True, slots=True)
+class PackLayout:
+    """Where PyTorch's CPU int4 pack keeps each output row; it follows the CPU's vector width.
+
+    The pack is ``[out/block, in, block/2]`` bytes. The low nibbles of a
+    block's ``block/2`` bytes, then their high nibbles, are its lanes;
+    ``lane_of_row[r]`` is the lane of the block's row ``r`` (AVX-512: blocks of
+    64 with rows j and j + 32 in one byte; AVX2: 32, rows j and j + 16;
+    unvectorized builds: 32, rows 2j and 2j + 1).
+    """
+
+    block: int
+    lane_of_row: torch.Tensor
+    in_order: bool  # the lanes are the rows: no reordering
+
+
+@cache
+def pack_layout() -> PackLayout:
+    """Read off the pack of a probe whose two columns spell each row's number in nibbles."""
+    number = torch.arange(_PACK_ROWS, dtype=torch.int32)
+    low_digit, high_digit = (
+        torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+            digit[:, None].expand(-1, 2).contiguous(), 1
+        ).flatten()
+        for digit in (number % 16, number // 16)
+    )
+    low_nibble = (low_digit & 15).long() + 16 * (high_digit & 15).long()
+    high_nibble = (low_digit >> 4).long() + 16 * (high_digit >> 4).long()
+    # A block holds column 0 of its rows, then column 1 of the same rows.
+    same = (low_nibble == low_nibble[0]) & (high_nibble == high_nibble[0])
+    half = int(same[1:].nonzero()[0]) + 1
+    lanes = torch.cat((low_nibble[:half], high_nibble[:half]))
+    block = 2 * half
+    if _PACK_ROWS % block or not torch.equal(lanes.sort().values, torch.arange(block)):
+        raise RuntimeError(f"unknown int4 pack layout: lanes {lanes.tolist()}")
+    lane_of_row = lanes.argsort()
+    return PackLayout(block, lane_of_row, torch.equal(lane_of_row, torch.arange(block)))
 
 
 class Int4Linear(nn.Module):
     """y = x Wᵀ (+ b) with w = q·s + m, q ∈ 0..15, one (s, m) per group of 32 inputs.
 
-    The codes are stored in PyTorch's CPU int4 pack, ``[out/64, in, 32]``
-    bytes: byte ``[b, k, j]`` holds row ``64b + j`` in its low nibble and row
-    ``64b + 32 + j`` in its high nibble. The kernel takes (s, m + 8s) per
-    group, as it subtracts 8 from each code.
+    The codes are stored in PyTorch's CPU int4 pack (``PackLayout``). The
+    kernel takes (s, m + 8s) per group, as it subtracts 8 from each code.
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        """Quantize ``weight``; its dtype is the one the layer takes and returns."""
         super().__init__()
         if not self.fits(weight):
             shape = tuple(weight.shape)
             raise ValueError(f"int4 needs rows in 64s and columns in 32s, not {shape}")
         self.out_features, self.in_features = weight.shape
+        self.dtype = weight.dtype
         packed, scales_and_zeros = zip(*map(self._quantize, weight.split(_CHUNK_ROWS)), strict=True)
         self.register_buffer("weight", torch.cat(packed))  # blocks of 64 rows pack alone
         self.register_buffer("scales_and_zeros", torch.cat(scales_and_zeros, dim=1))
-        self.register_buffer("bias", None if bias is None else bias.to(torch.bfloat16))
+        self.register_buffer("bias", None if bias is None else bias.to(self.dtype))
 
     @staticmethod
     def _quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows (a multiple of 64) → their pack and ``[in/32, rows, 2]`` scales and zeros."""
         groups = weight.float().reshape(weight.shape[0], -1, GROUP_SIZE)
         low, high = groups.amin(dim=-1), groups.amax(dim=-1)
-        scale = ((high - low) / 15).clamp(min=torch.finfo(torch.bfloat16).tiny).to(torch.bfloat16)
-        low = low.to(torch.bfloat16)
+        scale = ((high - low) / 15).clamp(min=torch.finfo(KERNEL_DTYPE).tiny).to(KERNEL_DTYPE)
+        low = low.to(KERNEL_DTYPE)
         codes = (groups - low.float()[..., None]) / scale.float()[..., None]
         codes = codes.round().clamp(0, 15).to(torch.int32).reshape(weight.shape)
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
-        zero = (low.float() + 8 * scale.float()).to(torch.bfloat16)
+        zero = (low.float() + 8 * scale.float()).to(KERNEL_DTYPE)
         return packed, torch.stack((scale.T, zero.T), -1)
 
     @staticmethod
@@ -117,31 +168,35 @@ class Int4Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] < DENSE_FROM_ROWS:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(
-                x, self.weight, GROUP_SIZE, self.scales_and_zeros
-            )
+                x.to(KERNEL_DTYPE), self.weight, GROUP_SIZE, self.scales_and_zeros
+            ).to(self.dtype)
         else:
             y = x @ self.dequantized_transposed()
         return y if self.bias is None else y + self.bias
 
     def dequantized_transposed(self) -> torch.Tensor:
-        """Wᵀ ``[in, out]`` in bfloat16: the pack's lane order is already the output order."""
+        """Wᵀ ``[in, out]`` in the layer's dtype."""
         rows, columns = self.out_features, self.in_features
-        packed = self.weight.view(rows // _PACK_ROWS, columns, _PACK_ROWS // 2)
-        codes = torch.cat((packed & 15, packed >> 4), dim=2).transpose(0, 1).reshape(columns, rows)
+        layout = pack_layout()
+        packed = self.weight.view(rows // layout.block, columns, layout.block // 2)
+        lanes = torch.cat((packed & 15, packed >> 4), dim=2)
+        codes = lanes if layout.in_order else lanes[..., layout.lane_of_row]
+        codes = codes.transpose(0, 1).reshape(columns, rows)
         scale, zero = self.scales_and_zeros.unsqueeze(1).unbind(-1)  # [in/32, 1, out] each
-        grouped = codes.view(-1, GROUP_SIZE, rows).to(torch.bfloat16)
+        grouped = codes.view(-1, GROUP_SIZE, rows).to(self.dtype)
         return ((grouped - 8) * scale + zero).view(columns, rows)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Dequantized weight rows ``ids`` (an embedding lookup on a tied head)."""
-        packed = self.weight.view(-1, self.in_features, _PACK_ROWS // 2)
-        lane = ids % (_PACK_ROWS // 2)
-        lanes = lane.view(-1, 1, 1).expand(-1, self.in_features, 1)
-        pairs = packed[ids // _PACK_ROWS].gather(2, lanes).squeeze(2)  # [len(ids), in]
-        high = (ids % _PACK_ROWS >= _PACK_ROWS // 2).view(-1, 1)
-        codes = torch.where(high, pairs >> 4, pairs & 15)
+        layout = pack_layout()
+        half = layout.block // 2
+        lane = layout.lane_of_row[ids % layout.block]
+        packed = self.weight.view(-1, self.in_features, half)
+        byte = (lane % half).view(-1, 1, 1).expand(-1, self.in_features, 1)
+        pairs = packed[ids // layout.block].gather(2, byte).squeeze(2)  # [len(ids), in]
+        codes = torch.where((lane >= half).view(-1, 1), pairs >> 4, pairs & 15)
         scale, zero = self.scales_and_zeros[:, ids].unbind(-1)  # [in/32, len(ids)] each
-        grouped = codes.view(len(ids), -1, GROUP_SIZE).to(torch.bfloat16) - 8
+        grouped = codes.view(len(ids), -1, GROUP_SIZE).to(self.dtype) - 8
         return (grouped * scale.T[..., None] + zero.T[..., None]).view(len(ids), -1)
 
 

@@ -25,8 +25,10 @@ PROMPTS = [
     "<|im_start|>user\nWrite a haiku about the sea.<|im_end|>\n<|im_start|>assistant\n",
     "Once upon a time, in a small village by the sea,",
 ]
-LOGPROB_BOUND = 0.5
-"""Largest per-token logprob difference from float32 on PROMPTS' continuations (0.26 measured)."""
+LOGPROB_BOUNDS = {torch.bfloat16: 0.5, torch.float32: 0.5}
+"""Largest per-token logprob difference from float32 on PROMPTS' continuations, by the dtype
+the default computes in (measured: 0.24-0.26 in bfloat16, 0.30 in float32, where every
+low-bit layer still takes its input in bfloat16)."""
 
 
 @pytest.mark.parametrize(
@@ -34,15 +36,17 @@ LOGPROB_BOUND = 0.5
     [
         ("auto", "auto", CPU, "avx512_bf16", (torch.bfloat16, "stored")),
         ("auto", "auto", CPU, "amx_bf16", (torch.bfloat16, "stored")),
-        ("auto", "auto", CPU, None, (torch.float32, "none")),
+        ("auto", "auto", CPU, None, (torch.float32, "stored")),
         ("auto", "auto", CUDA, None, (torch.bfloat16, "none")),
         ("auto", "none", CPU, "avx512_bf16", (torch.bfloat16, "none")),
         ("bfloat16", "auto", CPU, None, (torch.bfloat16, "stored")),
         ("float32", "auto", CPU, "avx512_bf16", (torch.float32, "none")),
         ("float16", "auto", CUDA, None, (torch.float16, "none")),
-        ("auto", "int4", CPU, None, (torch.bfloat16, "int4")),
+        ("auto", "int4", CPU, None, (torch.float32, "int4")),
+        ("auto", "int4", CPU, "amx_bf16", (torch.bfloat16, "int4")),
         ("bfloat16", "int8", CPU, "avx512_bf16", (torch.bfloat16, "int8")),
-        ("auto", "int8", CPU, None, (torch.bfloat16, "int8")),
+        ("float32", "int8", CPU, "avx512_bf16", (torch.float32, "int8")),
+        ("auto", "int8", CPU, None, (torch.float32, "int8")),
     ],
 )
 def test_precision_follows_the_hardware(dtype, quantization, device, flag, expected) -> None:
@@ -55,7 +59,7 @@ def test_precision_follows_the_hardware(dtype, quantization, device, flag, expec
 @pytest.mark.parametrize(
     ("dtype", "quantization", "device", "message"),
     [
-        ("float32", "int8", CPU, "computes in bfloat16"),
+        ("float16", "int8", CPU, "computes in bfloat16 or float32, not float16"),
         ("auto", "int8", CUDA, "runs on CPU only"),
         ("auto", "int3", CPU, "'int3' is not supported; use one of int8, int4"),
         ("double", "auto", CPU, "dtype 'double' is not supported"),
@@ -90,15 +94,22 @@ def _teacher_forced_logprobs(llm: LLM, token_ids: list[list[int]]) -> list[list[
     ]
 
 
-def test_the_default_precision_stays_near_float32() -> None:
-    """bfloat16 with the GGUF's Q4_1 layers as int4 and its Q8_0 head as int8, against float32.
+@pytest.mark.parametrize("flag", ["avx512_bf16", None])
+def test_the_default_precision_stays_near_float32(
+    monkeypatch: pytest.MonkeyPatch, flag: str | None
+) -> None:
+    """The default on a CPU with and without native bfloat16 (bfloat16 or float32 with the
+    GGUF's Q4_1 layers as int4 and its Q8_0 head as int8), against dense float32.
 
     Both models score the float32 model's own greedy continuations (teacher
     forcing), so one early difference cannot snowball; the first greedy token
     must agree for all prompts but one.
     """
-    fast = LLM(dtype="bfloat16", max_model_len=256, num_kv_blocks=64)
+    monkeypatch.setattr("engine.precision.native_bf16_flag", lambda: flag)
+    fast = LLM(dtype="auto", max_model_len=256, num_kv_blocks=64)
     reference = LLM(dtype="float32", max_model_len=256, num_kv_blocks=64)
+    dtype = fast.engine.precision.dtype
+    assert dtype == (torch.float32 if flag is None else torch.bfloat16)
     assert "weights int4 x120, int8 x1" in fast.engine.description
     model = fast.engine.runner.model
     assert isinstance(model.embed_tokens, QuantizedEmbedding)  # no dense copy of the tied head
@@ -121,7 +132,7 @@ def test_the_default_precision_stays_near_float32() -> None:
     assert "Paris" in got[0].text, got[0].text
     same_first = sum(g.token_ids[0] == w.token_ids[0] for g, w in zip(got, wanted, strict=True))
     assert same_first >= len(PROMPTS) - 1
-    assert max(differences) < LOGPROB_BOUND, max(differences)
+    assert max(differences) < LOGPROB_BOUNDS[dtype], max(differences)
     print(f"max |Δ logprob| {max(differences):.3f}, mean {sum(differences) / len(differences):.4f}")
 
 

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -20,7 +25,9 @@ PROMPTS = [
 ]
 
 
-def _random_linear(out_features: int, in_features: int, bias: bool) -> Linear:
+def _random_linear(
+    out_features: int, in_features: int, bias: bool, dtype: torch.dtype = torch.float32
+) -> Linear:
     torch.manual_seed(0)
     layer = Linear(in_features, out_features, bias)
     layer.weight.data.normal_(0, 0.05)
@@ -29,20 +36,29 @@ def _random_linear(out_features: int, in_features: int, bias: bool) -> Linear:
     layer.weight.data[3, :32] *= 40
     if bias:
         layer.bias.data.normal_(0, 0.5)
-    return layer
+    return layer.to(dtype)
 
 
+DTYPES = [torch.bfloat16, torch.float32]
+"""What a model with low-bit layers computes in: each layer takes and returns its model's dtype."""
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("rows", [1, 5, quantized.DENSE_FROM_ROWS, 150])
-def test_int8_linear_matches_dense_arithmetic(rows: int, bias: bool) -> None:
+def test_int8_linear_matches_dense_arithmetic(rows: int, bias: bool, dtype: torch.dtype) -> None:
     """Both the int8 kernel (few rows) and the dequantized GEMM (many) compute x·Wᵀ+b."""
-    dense = _random_linear(96, 64, bias)
+    dense = _random_linear(96, 64, bias, dtype)
     layer = quantized.quantize(dense, "int8")
     assert layer.weight.dtype == torch.int8 and layer.scale.shape == (96,)
 
-    x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(rows)).bfloat16()
-    got = layer(x).float()
-    exact = F.linear(x.float(), dense.weight, dense.bias)
+    x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(rows)).to(dtype)
+    y = layer(x)
+    assert y.dtype == dtype
+    got = y.float()
+    exact = F.linear(
+        x.float(), dense.weight.float(), None if dense.bias is None else dense.bias.float()
+    )
     dequantized = layer.weight.float() * layer.scale.float()[:, None]
     expected = F.linear(x.float(), dequantized, None if layer.bias is None else layer.bias.float())
 
@@ -80,7 +96,7 @@ def test_quantized_default_model_follows_fp32(loaded_model: LoadedModel) -> None
     params = SamplingParams(temperature=0, max_tokens=12, logprobs=20)
     encode = loaded_model.tokenizer.tokenizer.encode
     prompts = [encode(p).ids for p in PROMPTS]
-    int8 = LLM(quantization="int8", dtype="auto", max_model_len=256, num_kv_blocks=64)
+    int8 = LLM(quantization="int8", dtype="bfloat16", max_model_len=256, num_kv_blocks=64)
     assert int8.engine.precision.dtype == torch.bfloat16
     fp32 = LLM(max_model_len=256, num_kv_blocks=64)
 
@@ -98,20 +114,25 @@ def test_quantized_default_model_follows_fp32(loaded_model: LoadedModel) -> None
     assert same_first >= len(PROMPTS) - 1
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("rows", [1, 5, quantized.DENSE_FROM_ROWS, 150])
-def test_int4_linear_matches_its_dequantized_weight(rows: int, bias: bool) -> None:
+def test_int4_linear_matches_its_dequantized_weight(
+    rows: int, bias: bool, dtype: torch.dtype
+) -> None:
     """The int4 kernel (few rows) and the dequantized GEMM (many) both compute x·Wᵀ+b."""
-    dense = _random_linear(192, 96, bias)
+    dense = _random_linear(192, 96, bias, dtype)
     layer = quantized.quantize(dense, "int4")
     assert isinstance(layer, Int4Linear) and layer.weight.dtype == torch.uint8
 
-    x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows)).bfloat16()
+    x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows)).to(dtype)
     weight = layer.dequantized_transposed().float().T
     expected = F.linear(x.float(), weight, None if layer.bias is None else layer.bias.float())
-    torch.testing.assert_close(layer(x).float(), expected, atol=0.05, rtol=0.02)
+    y = layer(x)
+    assert y.dtype == dtype
+    torch.testing.assert_close(y.float(), expected, atol=0.05, rtol=0.02)
     # Each group of 32 has its own scale: quiet weights stay within half a quiet step.
-    quiet = weight - dense.weight
+    quiet = weight - dense.weight.float()
     quiet[3, :32] = 0
     assert quiet.abs().max() < 0.6 * (0.05 * 8 / 15), quiet.abs().max()
 
@@ -147,3 +168,34 @@ def test_int4_keeps_the_codes_of_a_q4_1_grid() -> None:
 
 def test_int4_falls_back_to_int8_where_the_pack_cannot_hold_the_shape() -> None:
     assert isinstance(quantized.quantize(_random_linear(8, 96, False), "int4"), Int8Linear)
+
+
+PACK_CHECK = """
+import torch
+from engine.model.quantized import Int4Linear, pack_layout
+torch.manual_seed(0)
+layer = Int4Linear(torch.randn(192, 96) * 0.05, None)
+x = torch.randn(3, 96)
+expected = x @ layer.dequantized_transposed()
+torch.testing.assert_close(layer(x), expected, atol=0.02, rtol=0.02)
+ids = torch.tensor([0, 5, 16, 31, 32, 63, 64, 100, 191])
+assert torch.equal(layer.rows(ids), layer.dequantized_transposed().T[ids])
+print(torch.backends.cpu.get_cpu_capability(), pack_layout().block)
+"""
+
+
+@pytest.mark.parametrize("capability", ["default", "avx2", "avx512"])
+def test_int4_reads_the_pack_layout_of_every_cpu_capability(capability: str) -> None:
+    """PyTorch packs int4 rows by the vector width it dispatches to; dequantizing and
+    embedding lookups read the pack the kernel reads, whichever that is."""
+    flags = Path("/proc/cpuinfo").read_text()
+    needed = {"avx2": " avx2 ", "avx512": " avx512f "}.get(capability, " ")
+    if needed not in flags:
+        pytest.skip(f"this CPU has no {capability}")
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": capability}
+    done = subprocess.run(
+        [sys.executable, "-c", PACK_CHECK], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    expected_block = 64 if capability == "avx512" else 32
+    assert done.stdout.split() == [capability.upper(), str(expected_block)]
