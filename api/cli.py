@@ -10,7 +10,12 @@ import argparse
 import os
 import sys
 
-from shared.precision import QUANTIZATION_CHOICES, default_dtype
+from shared.precision import (
+    DTYPE_HELP,
+    QUANTIZATION_CHOICES,
+    QUANTIZATION_HELP,
+    default_dtype,
+)
 from shared.sizes import byte_size_argument
 
 
@@ -50,15 +55,13 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--dtype",
         default=default_dtype(),
-        help="auto (bfloat16 where the hardware computes it natively, else float32), float32, "
-        "bfloat16 or float16; SLUICE_DTYPE sets the default",
+        help=DTYPE_HELP,
     )
     parser.add_argument(
         "--quantization",
         default="auto",
         choices=QUANTIZATION_CHOICES,
-        help="auto: a bfloat16 CPU engine keeps a GGUF's quantized weights quantized; "
-        "int8 or int4: quantize every linear layer (CPU, bfloat16); none: dense weights",
+        help=QUANTIZATION_HELP,
     )
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--max-num-seqs", type=int, default=64)

@@ -17,7 +17,7 @@ UNREACHABLE_REDIS = "redis://127.0.0.1:1/0"  # never contacted: the options fail
     ("options", "message"),
     [
         (["--model", "nope"], "The supported API model names are default"),
-        (["--quantization", "int8", "--dtype", "float32"], "computes in bfloat16"),
+        (["--quantization", "int8", "--dtype", "float16"], "computes in bfloat16 or float32"),
     ],
 )
 def test_generate_refuses_bad_options(
