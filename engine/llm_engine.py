@@ -60,7 +60,8 @@ class LLMEngine:
             f"{str(loaded.dtype).removeprefix('torch.')} on {loaded.device} "
             f"({loaded.precision.reason}), weights {_weights(loaded.quantized)}, "
             f"max_model_len {self.max_model_len}, "
-            f"{loaded.num_blocks} KV blocks of {args.block_size}"
+            f"{loaded.num_blocks} KV blocks of {args.block_size} "
+            f"in {str(loaded.precision.kv_dtype).removeprefix('torch.')}"
         )
         log.info("engine ready: %s", self.description)
 

@@ -7,7 +7,10 @@ a checkpoint's block-quantized weights quantized on a CPU unless float32 was
 asked for by name: a 4-bit GGUF tensor stays 4-bit (``Int4Linear``), an 8-bit
 one 8-bit (``Int8Linear``), and float tensors stay dense. The low-bit kernels
 take bfloat16 inputs on every CPU, so a float32 model keeps its weights
-quantized too. ``--dtype float32`` keeps exact parity with transformers; the
+quantized too. A model with low-bit layers keeps its KV cache in bfloat16
+(as llama.cpp keeps its in float16): its activations already meet bfloat16 at
+every such layer, and a float32 cache would double the server's largest
+allocation. ``--dtype float32`` keeps exact parity with transformers; the
 parity tests pin it.
 """
 
@@ -18,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from engine.model.quantized import check_quantization
+from engine.model.quantized import KERNEL_DTYPE, check_quantization
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 NATIVE_BF16_FLAGS = ("amx_bf16", "avx512_bf16")
@@ -35,6 +38,11 @@ class Precision:
     dtype: torch.dtype
     quantization: str  # "none", "int8", "int4", or "stored": each layer at its checkpoint's width
     reason: str  # why, for the engine's start line
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        """What the KV cache stores; attention computes in ``dtype`` all the same."""
+        return self.dtype if self.quantization == "none" else KERNEL_DTYPE
 
 
 def native_bf16_flag(cpuinfo: Path = Path("/proc/cpuinfo")) -> str | None:

@@ -97,9 +97,16 @@ def _load(args: EngineArgs) -> LoadedModel:
     elif precision.quantization != "none":
         quantized = quantize_linears(text_model, precision.quantization)
     model.eval()
-    num_blocks = _num_blocks(args, cfg, dtype, max_model_len)
+    kv_dtype = precision.kv_dtype
+    num_blocks = _num_blocks(args, cfg, kv_dtype, max_model_len)
     kv_cache = KVCache.allocate(
-        cfg.num_layers, num_blocks, args.block_size, cfg.num_kv_heads, cfg.head_dim, dtype, device
+        cfg.num_layers,
+        num_blocks,
+        args.block_size,
+        cfg.num_kv_heads,
+        cfg.head_dim,
+        kv_dtype,
+        device,
     )
     # A tokenizer in the weights' own GGUF is read through the reader the weights used.
     same_file = Path(spec.tokenizer) == Path(spec.weights)

@@ -4,7 +4,10 @@ Decodes are batched: each sequence's context is gathered from the cache into
 a padded ``[batch, context, kv_heads, dim]`` tensor, whole blocks at a time,
 with block tables built once in ``plan`` and reused by every layer. Prefill
 chunks attend one sequence at a time; a chunk with no cached prefix attends
-to its own keys without touching the cache.
+to its own keys without touching the cache. The cache may store a narrower
+dtype than the model computes in (bfloat16 under a float32 model with low-bit
+layers); keys and values are cast on the way in and out, and attention
+computes in the queries' dtype.
 """
 
 from __future__ import annotations
@@ -58,14 +61,14 @@ class TorchBackend(AttentionBackend):
     ) -> torch.Tensor:
         plan = self._plan
         k_cache, v_cache = self.kv_cache.k[layer], self.kv_cache.v[layer]
-        k_cache.index_copy_(0, plan.slot_mapping, k)
-        v_cache.index_copy_(0, plan.slot_mapping, v)
+        k_cache.index_copy_(0, plan.slot_mapping, k.to(k_cache.dtype))
+        v_cache.index_copy_(0, plan.slot_mapping, v.to(v_cache.dtype))
         out = torch.empty_like(q)
         if plan.num_decodes:
             n = plan.num_decodes
             keys, values = (
-                self._gather(k_cache, plan.decode_gather),
-                self._gather(v_cache, plan.decode_gather),
+                self._gather(k_cache, plan.decode_gather, q.dtype),
+                self._gather(v_cache, plan.decode_gather, q.dtype),
             )
             out[:n] = _attend_decode(q[:n], keys, values, plan.decode_mask)
         for chunk in plan.prefills:
@@ -74,22 +77,24 @@ class TorchBackend(AttentionBackend):
                 keys = k[chunk.start : chunk.end].unsqueeze(0)
                 values = v[chunk.start : chunk.end].unsqueeze(0)
             else:
-                keys = self._gather(k_cache, chunk.gather)
-                values = self._gather(v_cache, chunk.gather)
+                keys = self._gather(k_cache, chunk.gather, q.dtype)
+                values = self._gather(v_cache, chunk.gather, q.dtype)
             out[chunk.start : chunk.end] = _attend(queries, keys, values, chunk.mask)[0]
         return out
 
-    def _gather(self, cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    def _gather(
+        self, cache: torch.Tensor, blocks: torch.Tensor, dtype: torch.dtype
+    ) -> torch.Tensor:
         """Whole blocks ``[seqs, blocks]`` → ``[seqs, blocks * block_size, kv_heads, dim]``.
 
         Copying blocks (``index_select`` of contiguous rows) is an order of
         magnitude faster than gathering token by token; the mask hides the
-        slots past each sequence's length.
+        slots past each sequence's length. The copy comes back in ``dtype``.
         """
         block_size = self.kv_cache.block_size
         by_block = cache.view(-1, block_size, *cache.shape[1:])
         picked = by_block.index_select(0, blocks.view(-1))
-        return picked.view(blocks.shape[0], -1, *cache.shape[1:])
+        return picked.view(blocks.shape[0], -1, *cache.shape[1:]).to(dtype)
 
     def _decode_index(
         self, layout: BatchLayout, num_decodes: int, device: torch.device

@@ -57,6 +57,22 @@ def test_precision_follows_the_hardware(dtype, quantization, device, flag, expec
 
 
 @pytest.mark.parametrize(
+    ("dtype", "quantization", "flag", "kv_dtype"),
+    [
+        ("auto", "auto", None, torch.bfloat16),  # float32 with low-bit layers
+        ("auto", "int8", None, torch.bfloat16),
+        ("auto", "auto", "avx512_bf16", torch.bfloat16),
+        ("float32", "auto", None, torch.float32),  # dense: transformers' parity
+        ("auto", "none", None, torch.float32),
+    ],
+)
+def test_a_model_with_low_bit_layers_keeps_its_kv_cache_in_bfloat16(
+    dtype: str, quantization: str, flag: str | None, kv_dtype: torch.dtype
+) -> None:
+    assert resolve_precision(dtype, quantization, CPU, flag).kv_dtype == kv_dtype
+
+
+@pytest.mark.parametrize(
     ("dtype", "quantization", "device", "message"),
     [
         ("float16", "int8", CPU, "computes in bfloat16 or float32, not float16"),
@@ -113,6 +129,7 @@ def test_the_default_precision_stays_near_float32(
     assert "weights int4 x120, int8 x1" in fast.engine.description
     model = fast.engine.runner.model
     assert isinstance(model.embed_tokens, QuantizedEmbedding)  # no dense copy of the tied head
+    assert fast.engine.runner.attention.kv_cache.k.dtype == torch.bfloat16
     prompts = [reference.encode(prompt) for prompt in PROMPTS]
     greedy = SamplingParams(temperature=0, max_tokens=24)
 
