@@ -23,6 +23,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from api.admission import Limits, api_error, rate_limited_message
@@ -94,7 +95,7 @@ class EmbeddedBackend(Backend):
         self._host: EngineThread | None = None
         self._loading: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._streams: dict[str, asyncio.Queue[InferenceEvent]] = {}
+        self._streams: dict[str, asyncio.Queue[InferenceEvent | _Expired]] = {}
         self._served: ServedModel | None = None
         self._health = BackendHealth(ready=False, detail="loading the model")
 
@@ -133,25 +134,28 @@ class EmbeddedBackend(Backend):
         if self._host is None:
             yield Error(request_id, self._health.detail, "overloaded")
             return
-        queue: asyncio.Queue[InferenceEvent] = asyncio.Queue()
+        queue: asyncio.Queue[InferenceEvent | _Expired] = asyncio.Queue()
         self._streams[request_id] = queue
         self._host.call(lambda engine: self._add(engine, request))
-        deadlines = self._limits.deadlines(request.created or time.time())
+        alarm = _Alarm(queue, self._limits.deadlines(request.created or time.time()))
         started = first_token = finished = False
         try:
             while not finished:
-                kind, deadline = _next_deadline(deadlines, started, first_token)
-                try:  # asyncio.timeout, not wait_for, which starts a task for every event
-                    async with asyncio.timeout(max(deadline - time.time(), 0)):
-                        event = await queue.get()
-                except TimeoutError:
-                    yield Error(request_id, _DEADLINE_MESSAGES[kind](self._limits), kind)
-                    return
+                alarm.set(started, first_token)
+                event = await queue.get()
+                if isinstance(event, _Expired):
+                    if event is alarm.armed:
+                        yield Error(
+                            request_id, _DEADLINE_MESSAGES[event.kind](self._limits), event.kind
+                        )
+                        return
+                    continue  # a deadline the request met before its alarm was taken out
                 started = started or isinstance(event, Ready)
                 first_token = first_token or (isinstance(event, Text) and bool(event.token_ids))
                 finished = isinstance(event, Finish | Error)
                 yield event
         finally:
+            alarm.cancel()
             self._streams.pop(request_id, None)
             if not finished and self._host is not None:
                 self._host.call(lambda engine: engine.abort(request_id))
@@ -256,6 +260,43 @@ _DEADLINE_MESSAGES: dict[str, Callable[[Limits], str]] = {
         f"The generation did not end within {limits.total_timeout_s:g}s of its arrival."
     ),
 }
+
+
+@dataclass(slots=True, eq=False)
+class _Expired:
+    """Put into a request's queue when the deadline its next event had to beat passes."""
+
+    kind: str
+
+
+class _Alarm:
+    """One timer per deadline a request's events must beat, not one per event.
+
+    The deadline moves only when the request starts and when its first token
+    comes, so a stream of tokens arms no timer at all; a timer that fires
+    puts ``armed`` into the queue, behind the events that came in time.
+    """
+
+    def __init__(self, queue: asyncio.Queue, deadlines: Deadlines) -> None:
+        self._queue = queue
+        self._deadlines = deadlines
+        self._progress: tuple[bool, bool] | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self.armed: _Expired | None = None
+
+    def set(self, started: bool, first_token: bool) -> None:
+        if (started, first_token) == self._progress:
+            return
+        self._progress = (started, first_token)
+        self.cancel()
+        kind, at = _next_deadline(self._deadlines, started, first_token)
+        self.armed = _Expired(kind)
+        loop = asyncio.get_running_loop()
+        self._timer = loop.call_later(max(at - time.time(), 0), self._queue.put_nowait, self.armed)
+
+    def cancel(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
 
 
 def _next_deadline(deadlines: Deadlines, started: bool, first_token: bool) -> tuple[str, float]:
