@@ -6,7 +6,7 @@ once and hand it to several engines.
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -16,7 +16,7 @@ import torch
 
 from engine.attention import AttentionBackend, KVCache, make_backend
 from engine.config import DEFAULT_KV_CACHE_BYTES, KV_TOKENS_PER_SEQUENCE, EngineArgs, ModelConfig
-from engine.loader import load_checkpoint
+from engine.loader import Checkpoint, load_checkpoint
 from engine.model.idefics3 import Idefics3ForConditionalGeneration
 from engine.model.llama import LlamaForCausalLM
 from engine.model.quantized import quantize_linears
@@ -87,15 +87,21 @@ def _load(args: EngineArgs) -> LoadedModel:
     architecture = LlamaForCausalLM if cfg.vision is None else Idefics3ForConditionalGeneration
     with torch.device(device):
         model = architecture(cfg, max_model_len).to(dtype)
-    stored_bits = checkpoint.stored_bits
-    model.load_weights(checkpoint.tensors)
     text_model = getattr(model, "text", model)  # a vision encoder stays dense
     quantized: dict[str, str] = {}
-    if precision.quantization == "stored":
-        methods = stored_methods(layer_bits(text_model, stored_bits))
-        quantized = quantize_linears(text_model, methods)
-    elif precision.quantization != "none":
-        quantized = quantize_linears(text_model, precision.quantization)
+    if precision.quantization == "stored" and text_model is model:
+        methods = stored_methods(layer_bits(model, checkpoint.stored_bits))
+        model.load_weights(_quantizing(checkpoint, model, methods, quantized))
+        quantized |= quantize_linears(
+            model, {n: m for n, m in methods.items() if n not in quantized}
+        )
+    else:
+        model.load_weights(checkpoint.tensors)
+        if precision.quantization == "stored":
+            methods = stored_methods(layer_bits(text_model, checkpoint.stored_bits))
+            quantized = quantize_linears(text_model, methods)
+        elif precision.quantization != "none":
+            quantized = quantize_linears(text_model, precision.quantization)
     model.eval()
     kv_dtype = precision.kv_dtype
     num_blocks = _num_blocks(args, cfg, kv_dtype, max_model_len)
@@ -130,11 +136,41 @@ def layer_bits(model: LlamaForCausalLM, stored_bits: dict[str, float | None]) ->
     """The stored widths of the checkpoint tensors fused into each layer, by layer name."""
     layers: dict[str, list[float | None]] = defaultdict(list)
     for hf_name, bits in stored_bits.items():
-        parameter, _ = model.target(hf_name.removeprefix("model."))
-        layers[parameter.rpartition(".")[0]].append(bits)
-    if model.cfg.tie_word_embeddings and "embed_tokens" in layers:
-        layers["lm_head"] = layers["embed_tokens"]
+        for layer in tensor_layers(model, hf_name):
+            layers[layer].append(bits)
     return layers
+
+
+def tensor_layers(model: LlamaForCausalLM, hf_name: str) -> list[str]:
+    """The layers a checkpoint tensor fills: its own, and the head a tied embedding is."""
+    layer = model.target(hf_name.removeprefix("model."))[0].rpartition(".")[0]
+    tied = layer == "embed_tokens" and model.cfg.tie_word_embeddings
+    return [layer, "lm_head"] if tied else [layer]
+
+
+def _quantizing(
+    checkpoint: Checkpoint,
+    model: LlamaForCausalLM,
+    methods: dict[str, str],
+    quantized: dict[str, str],
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint's tensors; each layer of ``methods`` is quantized once its last is in.
+
+    A tensor is copied in between two steps of this generator, so when the
+    next is asked for, the layers it completed are quantized (and their dense
+    weights freed): the dense model never exists whole, and loading peaks near
+    one dense layer above the quantized model. ``quantized`` gets each
+    layer's method.
+    """
+    remaining = Counter(
+        layer for hf_name in checkpoint.stored_bits for layer in tensor_layers(model, hf_name)
+    )
+    for hf_name, tensor in checkpoint.tensors:
+        yield hf_name, tensor
+        for layer in tensor_layers(model, hf_name):
+            remaining[layer] -= 1
+            if remaining[layer] == 0 and layer in methods:
+                quantized |= quantize_linears(model, {layer: methods[layer]})
 
 
 def _max_model_len(args: EngineArgs, cfg: ModelConfig, context_length: int) -> int:

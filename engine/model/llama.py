@@ -116,19 +116,24 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(hidden).float()
 
     def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy HF-named tensors in, fusing q/k/v and gate/up on the way."""
-        params = dict(self.named_parameters())
+        """Copy HF-named tensors in, fusing q/k/v and gate/up on the way.
+
+        Each parameter is looked up when its tensor comes, and none is held
+        across tensors, so a layer the caller replaces between two tensors (a
+        quantized one) is freed at once.
+        """
+        names = {name for name, _ in self.named_parameters()}
         loaded: set[str] = set()
         for hf_name, tensor in tensors:
             name = hf_name.removeprefix("model.")
             if name == "lm_head.weight" and self.cfg.tie_word_embeddings:
                 continue
             name, rows = self.target(name)
-            if name not in params:
+            if name not in names:
                 raise KeyError(f"tensor {hf_name!r} has no place in {self.cfg.architecture}")
-            params[name].data[rows].copy_(tensor)
+            self.get_parameter(name).data[rows].copy_(tensor)
             loaded.add(name)
-        missing = sorted(set(params) - loaded)
+        missing = sorted(names - loaded)
         if missing:
             raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:4]}")
 

@@ -169,3 +169,46 @@ def test_loading_leaves_the_thread_count_as_it_was() -> None:
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(threads)
+
+
+def test_a_quantized_model_never_holds_its_dense_weights_whole(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Loading quantizes each layer as soon as its tensors are in: the linear layers that hold
+    dense weights at once stay a small part of the model (the largest, the tied head, is 21%)."""
+    from engine.config import EngineArgs
+    from engine.model.layers import Linear
+    from engine.model.llama import LlamaForCausalLM
+    from engine.setup import load_engine_model, tensor_layers
+
+    largest = 0  # weights held dense at once, in linear layers that got their tensors
+    load_weights = LlamaForCausalLM.load_weights
+
+    def watched(model: LlamaForCausalLM, tensors):  # noqa: ANN001, ANN202
+        filled: set[str] = set()
+
+        def dense() -> int:
+            layers = (model.get_submodule(layer) for layer in filled)
+            return sum(layer.weight.numel() for layer in layers if isinstance(layer, Linear))
+
+        def counted():  # noqa: ANN202
+            nonlocal largest
+            for hf_name, tensor in tensors:
+                largest = max(largest, dense())
+                filled.update(tensor_layers(model, hf_name))
+                yield hf_name, tensor
+            largest = max(largest, dense())
+
+        load_weights(model, counted())
+
+    monkeypatch.setattr(LlamaForCausalLM, "load_weights", watched)
+    monkeypatch.setattr("engine.precision.native_bf16_flag", lambda: None)
+    loaded = load_engine_model(EngineArgs(dtype="auto", max_model_len=64, num_kv_blocks=1))
+    model = loaded.model
+    assert len(loaded.quantized) == 121
+    cfg = model.cfg
+    per_layer = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim * cfg.hidden_size + (
+        cfg.num_heads * cfg.head_dim * cfg.hidden_size + 3 * cfg.intermediate_size * cfg.hidden_size
+    )
+    total = cfg.num_layers * per_layer + cfg.vocab_size * cfg.hidden_size
+    assert largest < 0.25 * total, (largest, total)
