@@ -92,6 +92,7 @@ def _load(args: EngineArgs) -> LoadedModel:
     if precision.quantization == "stored" and text_model is model:
         methods = stored_methods(layer_bits(model, checkpoint.stored_bits))
         model.load_weights(_quantizing(checkpoint, model, methods, quantized))
+        # A layer some of whose tensors the header did not name is quantized now.
         quantized |= quantize_linears(
             model, {n: m for n, m in methods.items() if n not in quantized}
         )
