@@ -18,6 +18,7 @@ from engine.attention import AttentionBackend, KVCache, make_backend
 from engine.config import DEFAULT_KV_CACHE_BYTES, KV_TOKENS_PER_SEQUENCE, EngineArgs, ModelConfig
 from engine.loader import Checkpoint, load_checkpoint
 from engine.model.idefics3 import Idefics3ForConditionalGeneration
+from engine.model.layers import Linear
 from engine.model.llama import LlamaForCausalLM
 from engine.model.quantized import quantize_linears
 from engine.precision import Precision, precision_for, stored_methods
@@ -88,21 +89,15 @@ def _load(args: EngineArgs) -> LoadedModel:
     with torch.device(device):
         model = architecture(cfg, max_model_len).to(dtype)
     text_model = getattr(model, "text", model)  # a vision encoder stays dense
+    methods = _methods(precision, text_model, checkpoint.stored_bits)
     quantized: dict[str, str] = {}
-    if precision.quantization == "stored" and text_model is model:
-        methods = stored_methods(layer_bits(model, checkpoint.stored_bits))
-        model.load_weights(_quantizing(checkpoint, model, methods, quantized))
-        # A layer some of whose tensors the header did not name is quantized now.
-        quantized |= quantize_linears(
-            model, {n: m for n, m in methods.items() if n not in quantized}
-        )
-    else:
-        model.load_weights(checkpoint.tensors)
-        if precision.quantization == "stored":
-            methods = stored_methods(layer_bits(text_model, checkpoint.stored_bits))
-            quantized = quantize_linears(text_model, methods)
-        elif precision.quantization != "none":
-            quantized = quantize_linears(text_model, precision.quantization)
+    tensors = checkpoint.tensors
+    if text_model is model:
+        tensors = _quantizing(checkpoint, model, methods, quantized)
+    model.load_weights(tensors)
+    # What loading left: a vision model's text layers, layers the header does not name.
+    rest = {layer: method for layer, method in methods.items() if layer not in quantized}
+    quantized |= quantize_linears(text_model, rest)
     model.eval()
     kv_dtype = precision.kv_dtype
     num_blocks = _num_blocks(args, cfg, kv_dtype, max_model_len)
@@ -142,6 +137,18 @@ def layer_bits(model: LlamaForCausalLM, stored_bits: dict[str, float | None]) ->
     return layers
 
 
+def _methods(
+    precision: Precision, model: LlamaForCausalLM, stored_bits: dict[str, float | None]
+) -> dict[str, str]:
+    """The quantization of each linear layer that gets one."""
+    if precision.quantization == "stored":
+        return stored_methods(layer_bits(model, stored_bits))
+    if precision.quantization == "none":
+        return {}
+    linears = (name for name, module in model.named_modules() if isinstance(module, Linear))
+    return dict.fromkeys(linears, precision.quantization)
+
+
 def tensor_layers(model: LlamaForCausalLM, hf_name: str) -> list[str]:
     """The layers a checkpoint tensor fills: its own, and the head a tied embedding is."""
     layer = model.target(hf_name.removeprefix("model."))[0].rpartition(".")[0]
@@ -156,6 +163,9 @@ def _quantizing(
     quantized: dict[str, str],
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """The checkpoint's tensors; each layer of ``methods`` is quantized once its last is in.
+
+    Layers are counted from the names in ``stored_bits`` (a GGUF's header);
+    an HF checkpoint names none, so its layers are all quantized after loading.
 
     A tensor is copied in between two steps of this generator, so when the
     next is asked for, the layers it completed are quantized (and their dense
