@@ -183,6 +183,7 @@ def _embedded_backend(spec: ModelSpec, settings: Settings) -> Backend:
         spec,
         dtype=settings.dtype,
         quantization=settings.quantization,
+        enforce_eager=settings.enforce_eager,
         max_model_len=settings.max_model_len,
         max_num_seqs=settings.max_num_seqs,
         kv_cache_bytes=settings.kv_cache_bytes,

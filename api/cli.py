@@ -10,6 +10,7 @@ import argparse
 import os
 import sys
 
+from shared.execution import ENFORCE_EAGER_HELP, default_enforce_eager
 from shared.precision import (
     DTYPE_HELP,
     QUANTIZATION_CHOICES,
@@ -50,6 +51,11 @@ def _generation_time(text: str) -> float:
     return value
 
 
+def _enforce_eager(args: argparse.Namespace) -> bool:
+    """``--enforce-eager`` or ``--no-enforce-eager`` when given, else the default."""
+    return default_enforce_eager() if args.enforce_eager is None else args.enforce_eager
+
+
 def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="default", help="model name, alias or path")
     parser.add_argument(
@@ -62,6 +68,12 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
         default="auto",
         choices=QUANTIZATION_CHOICES,
         help=QUANTIZATION_HELP,
+    )
+    parser.add_argument(
+        "--enforce-eager",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help=ENFORCE_EAGER_HELP,
     )
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--max-num-seqs", type=int, default=64)
@@ -83,6 +95,7 @@ def _generate(args: argparse.Namespace) -> int:
             args.model,
             dtype=args.dtype,
             quantization=args.quantization,
+            enforce_eager=_enforce_eager(args),
             max_model_len=args.max_model_len,
             max_num_seqs=args.max_num_seqs,
             kv_cache_bytes=args.kv_cache_memory,
@@ -109,13 +122,17 @@ def _serve(args: argparse.Namespace) -> int:
     from api.server import run
     from api.settings import Settings, load_models
 
-    if args.redis and args.kv_cache_memory is not None:
-        print(
-            "sluice serve: --kv-cache-memory sizes this process's engine; with --redis the "
-            "workers run the engines: pass it to each `sluice worker`",
-            file=sys.stderr,
-        )
-        return 2
+    for flag, given in (
+        ("--kv-cache-memory", args.kv_cache_memory is not None),
+        ("--enforce-eager", args.enforce_eager is not None),
+    ):
+        if args.redis and given:
+            print(
+                f"sluice serve: {flag} sets this process's engine; with --redis the "
+                "workers run the engines: pass it to each `sluice worker`",
+                file=sys.stderr,
+            )
+            return 2
     settings = Settings(
         model=args.model,
         config=Path(args.config) if args.config else None,
@@ -123,6 +140,7 @@ def _serve(args: argparse.Namespace) -> int:
         port=args.port,
         dtype=args.dtype,
         quantization=args.quantization,
+        enforce_eager=_enforce_eager(args),
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         kv_cache_bytes=args.kv_cache_memory,

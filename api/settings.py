@@ -16,6 +16,7 @@ from api.images.resolution import ImageOptions
 from api.preparation_pool import DEFAULT_MAX_WAITING, DEFAULT_PREPARE_TIMEOUT_S
 from api.request_body import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES
 from api.stall_guard import DEFAULT_STALL_TIMEOUT_S
+from shared.execution import default_enforce_eager
 from shared.precision import default_dtype
 from shared.registry import ModelRegistry, ModelSpec, default_registry
 
@@ -30,6 +31,7 @@ class Settings:
     port: int = 8000
     dtype: str = field(default_factory=default_dtype)
     quantization: str = "auto"
+    enforce_eager: bool = field(default_factory=default_enforce_eager)  # see shared.execution
     max_model_len: int | None = None
     max_num_seqs: int = 64
     kv_cache_bytes: int | None = None  # --kv-cache-memory; None: sized from the two above

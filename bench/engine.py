@@ -160,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         engine = LLMEngine(
             EngineArgs(max_num_seqs=32, max_num_batched_tokens=2048, **VARIANTS[variant])
         )
+        engine.warm_up()
         run_sluice(engine, ["warm up"], 8)
         results[variant] = {
             "batch 1": run_sluice(engine, [PROMPT], args.new_tokens),

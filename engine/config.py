@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from shared.execution import default_enforce_eager
 from shared.images.loading import VISION_ARCHITECTURES
 from shared.precision import default_dtype
 
@@ -144,6 +145,8 @@ class EngineArgs:
     block_size: int = 16
     seed: int = 0
     enable_prefix_caching: bool = True
+    # False: a CPU text model runs decode steps as a compiled graph (engine.compiled).
+    enforce_eager: bool = field(default_factory=default_enforce_eager)
     log_stats: bool = True  # the offline LLM turns it off
     extra: dict[str, Any] = field(default_factory=dict)
 

@@ -76,6 +76,7 @@ class EngineThread:
     def _run(self) -> None:
         _name_os_thread(self._thread.name)
         engine = self.engine
+        engine.warm_up()  # commands queued meanwhile wait for it
         while (commands := self._next_commands()) is not None:
             for command in commands:
                 self._apply(command)

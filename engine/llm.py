@@ -44,6 +44,7 @@ class LLM:
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         engine_args.setdefault("log_stats", False)
         self.engine = LLMEngine(EngineArgs(model=model, **engine_args))
+        self.engine.warm_up()
         self.tokenizer = self.engine.tokenizer
         self._counter = 0
 

@@ -18,6 +18,7 @@ from engine.config import EngineArgs
 from engine.constraints import Constraints
 from engine.detokenizer import OutputText
 from engine.model.idefics3 import Idefics3ForConditionalGeneration
+from engine.model.llama import LlamaForCausalLM
 from engine.model_runner import ModelRunner
 from engine.sampler import Sampler
 from engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
@@ -47,7 +48,14 @@ class LLMEngine:
             args.max_num_seqs,
             max(args.max_num_batched_tokens, args.block_size),
         )
-        self.runner = ModelRunner(loaded.model, loaded.attention, args.block_size, loaded.device)
+        compiled = (
+            not args.enforce_eager
+            and loaded.device.type == "cpu"
+            and isinstance(loaded.model, LlamaForCausalLM)
+        )
+        self.runner = ModelRunner(
+            loaded.model, loaded.attention, args.block_size, loaded.device, compiled
+        )
         self.image_processing = loaded.image_processing
         self.sampler = Sampler()
         self.constraints = Constraints(loaded.tokenizer, self.model_config.vocab_size)
@@ -61,7 +69,8 @@ class LLMEngine:
             f"({loaded.precision.reason}), weights {_weights(loaded.quantized)}, "
             f"max_model_len {self.max_model_len}, "
             f"{loaded.num_blocks} KV blocks of {args.block_size} "
-            f"in {str(loaded.precision.kv_dtype).removeprefix('torch.')}"
+            f"in {str(loaded.precision.kv_dtype).removeprefix('torch.')}, "
+            f"decode steps {'compiled' if compiled else 'eager'}"
         )
         log.info("engine ready: %s", self.description)
 
@@ -149,6 +158,10 @@ class LLMEngine:
         self._pending.append(Finish(request_id, FinishReason.ABORT, seq.num_output_tokens))
         self.stats.aborted += 1
         return True
+
+    def warm_up(self) -> None:
+        """Compile now what the first decode steps would; call it on the thread that steps."""
+        self.runner.warm_up()
 
     def has_unfinished(self) -> bool:
         return bool(self.sequences) or bool(self._pending)

@@ -11,17 +11,21 @@ the sequence needs them.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 
 from engine.attention import AttentionBackend, BatchLayout
+from engine.compiled import CompiledDecode
 from engine.model.idefics3 import Idefics3ForConditionalGeneration
 from engine.model.llama import LlamaForCausalLM, Placed
 from engine.sampler import prompt_logprobs
 from engine.scheduler import ScheduledSeq
 from engine.sequence import Sequence
 from shared.events import TokenLogprob
+
+log = logging.getLogger(__name__)
 
 PROMPT_LOGITS_SLICE = 256  # prompt positions whose logits exist at once
 
@@ -62,20 +66,36 @@ class ModelRunner:
         attention: AttentionBackend,
         block_size: int,
         device: torch.device,
+        compiled: bool = False,
     ):
+        """``compiled``: run decode steps through ``CompiledDecode`` (a CPU text model)."""
         self.model = model
         self.attention = attention
         self.block_size = block_size
         self.device = device
+        self.compiled = CompiledDecode(model, attention) if compiled else None
+
+    def warm_up(self) -> None:
+        """Compile the decode graphs now; on failure (no C++ compiler, say) decode eagerly."""
+        if self.compiled is None:
+            return
+        try:
+            self.compiled.warm_up()
+        except Exception:
+            log.warning("decode steps run eagerly: compiling them failed", exc_info=True)
+            self.compiled = None
 
     @torch.inference_mode()
     def run(self, scheduled: list[ScheduledSeq]) -> StepOutput:
         """Logits of the sampling sequences, and the prompt logprobs this step computed."""
         inputs = self.prepare(scheduled)
         self.attention.plan(inputs.layout)
-        hidden = self.model(
-            inputs.input_ids, inputs.positions, self.attention, inputs.rows, inputs.placed
-        )
+        if self.compiled is not None and self.compiled.takes(inputs.layout):
+            hidden = self.compiled(inputs.input_ids, inputs.positions)[inputs.rows]
+        else:
+            hidden = self.model(
+                inputs.input_ids, inputs.positions, self.attention, inputs.rows, inputs.placed
+            )
         sampled = len(inputs.sampling)
         logits = self.model.compute_logits(hidden[:sampled])
         return StepOutput(logits, inputs.sampling, self._prompt_logprobs(inputs, hidden[sampled:]))

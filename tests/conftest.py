@@ -14,6 +14,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # not depend on the batch a request shares. The tests of the default precision
 # (bfloat16 with quantized weights, on CPUs that compute bfloat16 natively) ask.
 os.environ["SLUICE_DTYPE"] = "float32"
+# ...and step eagerly: compiling the decode graph costs a minute or two of C++ per
+# model and precision. tests/engine/test_compiled.py compiles on purpose.
+os.environ["SLUICE_ENFORCE_EAGER"] = "1"
 
 # Property tests draw the same examples on every run in CI, so a red build is reproducible.
 try:

@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from shared import keys, logs
+from shared.execution import ENFORCE_EAGER_HELP, default_enforce_eager
 from shared.heap import freeze_startup_heap
 from shared.precision import (
     DTYPE_HELP,
@@ -78,6 +79,12 @@ def build_parser() -> argparse.ArgumentParser:
         choices=QUANTIZATION_CHOICES,
         help=QUANTIZATION_HELP,
     )
+    parser.add_argument(
+        "--enforce-eager",
+        action=argparse.BooleanOptionalAction,
+        default=default_enforce_eager(),
+        help=ENFORCE_EAGER_HELP,
+    )
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument(
         "--max-num-seqs", type=int, default=64, help="engine batch size = jobs taken at once"
@@ -122,7 +129,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             spec, args.dtype, args.max_model_len, args.max_num_seqs, args.quantization
         )
         engine_args = dataclasses.replace(
-            engine_args, num_kv_blocks=args.num_kv_blocks, kv_cache_bytes=args.kv_cache_memory
+            engine_args,
+            num_kv_blocks=args.num_kv_blocks,
+            kv_cache_bytes=args.kv_cache_memory,
+            enforce_eager=args.enforce_eager,
         )
         engine = load_engine(engine_args)
     except (ValueError, OSError, RuntimeError) as exc:  # unknown or missing model, bad config

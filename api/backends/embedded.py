@@ -30,6 +30,7 @@ from api.admission import Limits, api_error, rate_limited_message
 from api.backends.base import Backend, BackendHealth, Place, ServedModel
 from engine.config import EngineArgs
 from shared.events import Error, Finish, InferenceEvent, Ready, Text
+from shared.execution import default_enforce_eager
 from shared.heap import freeze_startup_heap
 from shared.precision import default_dtype
 from shared.registry import ModelSpec
@@ -49,6 +50,7 @@ def engine_args_for(
     *,
     dtype: str | None = None,
     quantization: str = "auto",
+    enforce_eager: bool | None = None,
     max_model_len: int | None = None,
     max_num_seqs: int = 64,
     kv_cache_bytes: int | None = None,
@@ -63,6 +65,7 @@ def engine_args_for(
         registry_file=registry_file,
         dtype=dtype or default_dtype(),
         quantization=quantization,
+        enforce_eager=default_enforce_eager() if enforce_eager is None else enforce_eager,
         max_model_len=max_model_len or spec.context_length or None,
         max_num_seqs=max_num_seqs,
         kv_cache_bytes=kv_cache_bytes,

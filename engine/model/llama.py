@@ -96,10 +96,11 @@ class LlamaForCausalLM(nn.Module):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         attention: AttentionBackend,
-        rows: torch.Tensor,
+        rows: torch.Tensor | None = None,
         placed: Placed | None = None,
     ) -> torch.Tensor:
-        """Final (normed) hidden states ``[len(rows), hidden]``: only the positions read out.
+        """Final (normed) hidden states ``[len(rows), hidden]``: only the positions read out
+        (every one when ``rows`` is None).
 
         ``placed`` replaces the embeddings of some tokens (an image's placeholders).
         """
@@ -109,7 +110,7 @@ class LlamaForCausalLM(nn.Module):
         rope = self.rotary.lookup(positions, x.dtype)
         for layer in self.layers:
             x = layer(x, rope, attention)
-        return self.norm(x[rows])
+        return self.norm(x if rows is None else x[rows])
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits ``[rows, vocab]`` for hidden states from ``forward``."""

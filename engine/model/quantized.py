@@ -148,6 +148,7 @@ class Int4Linear(nn.Module):
             raise ValueError(f"int4 needs rows in 64s and columns in 32s, not {shape}")
         self.out_features, self.in_features = weight.shape
         self.dtype = weight.dtype
+        self.layout = pack_layout()  # read here, not while a graph is traced
         packed, scales_and_zeros = zip(*map(self._quantize, weight.split(_CHUNK_ROWS)), strict=True)
         self.register_buffer("weight", torch.cat(packed))  # blocks of 64 rows pack alone
         self.register_buffer("scales_and_zeros", torch.cat(scales_and_zeros, dim=1))
@@ -183,7 +184,7 @@ class Int4Linear(nn.Module):
     def dequantized_transposed(self) -> torch.Tensor:
         """Wᵀ ``[in, out]`` in the layer's dtype."""
         rows, columns = self.out_features, self.in_features
-        layout = pack_layout()
+        layout = self.layout
         packed = self.weight.view(rows // layout.block, columns, layout.block // 2)
         lanes = torch.cat((packed & 15, packed >> 4), dim=2)
         codes = lanes if layout.in_order else lanes[..., layout.lane_of_row]
@@ -195,7 +196,7 @@ class Int4Linear(nn.Module):
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Dequantized weight rows ``ids`` (an embedding lookup on a tied head)."""
-        layout = pack_layout()
+        layout = self.layout
         half = layout.block // 2
         lane = layout.lane_of_row[ids % layout.block]
         packed = self.weight.view(-1, self.in_features, half)

@@ -84,9 +84,23 @@ def test_a_kv_cache_memory_that_is_no_size_is_refused(
     assert "argument --kv-cache-memory" in capsys.readouterr().err
 
 
-def test_kv_cache_memory_is_refused_where_no_engine_runs(capsys: pytest.CaptureFixture[str]):
-    assert main(["serve", "--redis", UNREACHABLE_REDIS, "--kv-cache-memory", "1GiB"]) == 2
-    assert "pass it to each `sluice worker`" in capsys.readouterr().err
+@pytest.mark.parametrize(
+    "option", [["--kv-cache-memory", "1GiB"], ["--enforce-eager"], ["--no-enforce-eager"]]
+)
+def test_engine_options_are_refused_where_no_engine_runs(
+    option: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["serve", "--redis", UNREACHABLE_REDIS, *option]) == 2
+    err = capsys.readouterr().err
+    assert f"{option[0].replace('--no-', '--')} sets this process's engine" in err
+    assert "pass it to each `sluice worker`" in err
+
+
+def test_enforce_eager_reaches_the_engine(caplog: pytest.LogCaptureFixture) -> None:
+    """The suite's default is eager (tests/conftest.py); the flag decides over it."""
+    with caplog.at_level(logging.INFO, logger="engine.llm_engine"):
+        assert main(["generate", "--enforce-eager", "--max-tokens", "1", "Hi"]) == 0
+    assert "decode steps eager" in caplog.text
 
 
 def test_kv_cache_memory_sizes_the_engine(caplog: pytest.LogCaptureFixture) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 import transformers
@@ -13,10 +14,13 @@ from shared.registry import default_registry
 from shared.tokenizer_loader import load_tokenizer
 
 
-def make_tiny_model(path: Path) -> Path:
-    """A random-weight Llama with the default model's tokenizer, saved as an HF directory."""
+def make_tiny_model(path: Path, **config: Any) -> Path:
+    """A random-weight Llama with the default model's tokenizer, saved as an HF directory.
+
+    ``config`` overrides the ``LlamaConfig`` fields.
+    """
     tokenizer = load_tokenizer(default_registry().resolve("default").weights)
-    config = transformers.LlamaConfig(
+    fields = dict(
         vocab_size=tokenizer.tokenizer.get_vocab_size(),
         hidden_size=32,
         intermediate_size=64,
@@ -26,6 +30,7 @@ def make_tiny_model(path: Path) -> Path:
         max_position_embeddings=512,
         tie_word_embeddings=True,
     )
+    config = transformers.LlamaConfig(**(fields | config))
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(config).save_pretrained(path, safe_serialization=True)
     tokenizer.tokenizer.save(str(path / "tokenizer.json"))
