@@ -3,7 +3,8 @@
 ``LLMEngine`` is not thread-safe, so one ``engine.engine_thread.EngineThread`` owns it:
 it applies the adds and aborts that the event loop queues for it and steps
 while there is work, sleeping when idle. The model loads on a worker thread
-while the server already answers (``/ready`` says 503 until then). Events go
+while the server already answers (``/ready`` says 503 until then, and while
+the engine thread compiles its decode step). Events go
 back to the event loop with ``call_soon_threadsafe`` into one ``asyncio.Queue``
 per request; the event loop never touches the engine. Anything the engine
 raises becomes an ``Error`` event for the requests it concerns, so a client
@@ -179,7 +180,8 @@ class EmbeddedBackend(Backend):
             self._spec, engine.tokenizer, engine.max_model_len, engine.image_processing
         )
         self._host = EngineThread(engine, self._on_events, self._on_step_failure)
-        self._publish(engine)
+        self._health = BackendHealth(ready=False, detail="compiling the decode step")
+        self._host.call(self._publish)  # ready once the engine thread has warmed up
         self._host.start()
         freeze_startup_heap()
 

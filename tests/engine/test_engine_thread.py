@@ -20,6 +20,9 @@ class FailingOnce:
         self.pending: list[str] = []
         self.steps = 0
 
+    def warm_up(self) -> None:
+        pass
+
     def add(self, name: str) -> None:
         self.pending.append(name)
 
