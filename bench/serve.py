@@ -39,6 +39,7 @@ from bench.queue import Processes, free_port, run_streams, wait_ready
 
 VARIANTS = {  # name -> sluice serve flags
     "auto": [],
+    "eager": ["--enforce-eager"],  # the default without its compiled decode step
     "float32": ["--dtype", "float32"],
     "bfloat16": ["--dtype", "bfloat16", "--quantization", "none"],
     "int8": ["--quantization", "int8"],
@@ -88,7 +89,8 @@ def rss_mib(pid: int, field: str = "VmRSS") -> float:
 def serve(flags: list[str], args: argparse.Namespace, workdir: Path) -> Served:
     """Start ``sluice serve`` with ``flags``, measure it over HTTP, stop it."""
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
-    env.pop("SLUICE_DTYPE", None)  # the variant's flags decide
+    for name in ("SLUICE_DTYPE", "SLUICE_ENFORCE_EAGER"):
+        env.pop(name, None)  # the variant's flags decide
     port = free_port()
     log = workdir / f"serve-{port}.log"
     command = [sys.executable, "-m", "api.server", "--port", str(port),

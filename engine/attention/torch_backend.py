@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.attention.base import AttentionBackend, BatchLayout
+from engine.attention.base import AttentionBackend, BatchLayout, KVCache
 
 
 @dataclass(slots=True)
@@ -41,6 +41,16 @@ class _Plan:
 class TorchBackend(AttentionBackend):
     name = "torch"
 
+    def __init__(self, kv_cache: KVCache):
+        super().__init__(kv_cache)
+        # Per layer: the cache's slots, and the same memory as whole blocks
+        # [blocks, block_size, kv_heads, dim]; taken once, not on every call.
+        self._slots = [(k, v) for k, v in zip(kv_cache.k, kv_cache.v, strict=True)]
+        self._blocks = [
+            tuple(c.view(-1, kv_cache.block_size, *c.shape[1:]) for c in pair)
+            for pair in self._slots
+        ]
+
     def plan(self, layout: BatchLayout) -> None:
         device = layout.slot_mapping.device
         num_decodes = layout.num_decodes
@@ -60,41 +70,30 @@ class TorchBackend(AttentionBackend):
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
         plan = self._plan
-        k_cache, v_cache = self.kv_cache.k[layer], self.kv_cache.v[layer]
+        k_cache, v_cache = self._slots[layer]
         k_cache.index_copy_(0, plan.slot_mapping, k.to(k_cache.dtype))
         v_cache.index_copy_(0, plan.slot_mapping, v.to(v_cache.dtype))
-        out = torch.empty_like(q)
+        k_blocks, v_blocks = self._blocks[layer]
+        decodes = None
         if plan.num_decodes:
-            n = plan.num_decodes
-            keys, values = (
-                self._gather(k_cache, plan.decode_gather, q.dtype),
-                self._gather(v_cache, plan.decode_gather, q.dtype),
-            )
-            out[:n] = _attend_decode(q[:n], keys, values, plan.decode_mask)
+            keys = _gather(k_blocks, plan.decode_gather, q.dtype)
+            values = _gather(v_blocks, plan.decode_gather, q.dtype)
+            decodes = _attend_decode(q[: plan.num_decodes], keys, values, plan.decode_mask)
+            if not plan.prefills:  # a decode batch: nothing else to attend
+                return decodes
+        out = torch.empty_like(q)
+        if decodes is not None:
+            out[: plan.num_decodes] = decodes
         for chunk in plan.prefills:
             queries = q[chunk.start : chunk.end].unsqueeze(0)
             if chunk.gather is None:
                 keys = k[chunk.start : chunk.end].unsqueeze(0)
                 values = v[chunk.start : chunk.end].unsqueeze(0)
             else:
-                keys = self._gather(k_cache, chunk.gather, q.dtype)
-                values = self._gather(v_cache, chunk.gather, q.dtype)
+                keys = _gather(k_blocks, chunk.gather, q.dtype)
+                values = _gather(v_blocks, chunk.gather, q.dtype)
             out[chunk.start : chunk.end] = _attend(queries, keys, values, chunk.mask)[0]
         return out
-
-    def _gather(
-        self, cache: torch.Tensor, blocks: torch.Tensor, dtype: torch.dtype
-    ) -> torch.Tensor:
-        """Whole blocks ``[seqs, blocks]`` → ``[seqs, blocks * block_size, kv_heads, dim]``.
-
-        Copying blocks (``index_select`` of contiguous rows) is an order of
-        magnitude faster than gathering token by token; the mask hides the
-        slots past each sequence's length. The copy comes back in ``dtype``.
-        """
-        block_size = self.kv_cache.block_size
-        by_block = cache.view(-1, block_size, *cache.shape[1:])
-        picked = by_block.index_select(0, blocks.view(-1))
-        return picked.view(blocks.shape[0], -1, *cache.shape[1:]).to(dtype)
 
     def _decode_index(
         self, layout: BatchLayout, num_decodes: int, device: torch.device
@@ -132,6 +131,17 @@ class TorchBackend(AttentionBackend):
         query_positions = torch.arange(cached, context).unsqueeze(1)
         mask = positions.unsqueeze(0) <= query_positions  # causal with an offset
         return _Prefill(start, end, cached, table.to(device), mask[None, None].to(device))
+
+
+def _gather(blocks: torch.Tensor, tables: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Blocks ``tables [seqs, n]`` → ``[seqs, n * block_size, kv_heads, dim]`` in ``dtype``.
+
+    Copying blocks (``index_select`` of contiguous rows) is an order of
+    magnitude faster than gathering token by token; the mask hides the slots
+    past each sequence's length.
+    """
+    picked = blocks.index_select(0, tables.view(-1))
+    return picked.view(tables.shape[0], -1, *blocks.shape[2:]).to(dtype)
 
 
 def _attend_decode(
