@@ -355,6 +355,9 @@ class FakeEngine:
         self._pending: list[InferenceEvent] = []
         self._fail_on_step = fail_on_step
 
+    def warm_up(self) -> None:
+        self.threads.add(threading.get_ident())
+
     def add_request(
         self, request_id: str, ids: list[int], params: Any, priority: int, images: Any = ()
     ) -> None:
