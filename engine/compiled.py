@@ -7,11 +7,16 @@ runs the whole forward pass from one C++ function, with the elementwise work
 between the matmuls (norms, rotary, residuals, SiLU, casts) fused into a few
 loops, and it releases the GIL while it runs.
 
-Attention stays in Python, behind the ``sluice::attention`` op: it reads the
-plan the runner made for the step and writes the paged KV cache, neither of
-which a graph can hold. Two graphs serve every decode batch: one for a single
-sequence (dynamo specializes a size of 1) and one for ``2..MAX_ROWS``
-sequences. Prefill chunks and larger batches run eagerly.
+Attention is in the graph too, as pure reads of the paged KV cache: each
+sequence attends to the blocks its table names (the slots before its new
+token; the mask hides the rest) and to its new key and value, which the graph
+returns. One ``index_copy_`` per cache then writes every layer's new keys and
+values after the graph, so the graph mutates nothing.
+
+Two graphs serve every decode batch: one for a single sequence (dynamo
+specializes a size of 1) and one for ``2..MAX_ROWS`` sequences; both take any
+context (block tables are padded to at least two blocks, so that their width
+is never specialized either). Prefill chunks and larger batches run eagerly.
 
 Inductor keeps what it compiled in ``TORCHINDUCTOR_CACHE_DIR`` (set by
 ``engine/__init__.py``), so only a machine's first start pays for the C++
@@ -22,11 +27,11 @@ from __future__ import annotations
 
 import logging
 import time
-from itertools import count
 
 import torch
 
-from engine.attention import AttentionBackend, BatchLayout
+from engine.attention import BatchLayout, KVCache
+from engine.attention.torch_backend import attend_decode, gather_blocks
 from engine.model.llama import LlamaForCausalLM
 
 log = logging.getLogger(__name__)
@@ -34,65 +39,108 @@ log = logging.getLogger(__name__)
 MAX_ROWS = 64
 """The largest decode batch the compiled graph takes; beyond it a step is GEMM-bound."""
 
-_backends: dict[int, AttentionBackend] = {}
-_keys = count()
+_MIN_BLOCKS = 2
+"""Block tables are padded to this width: dynamo would specialize a width of 1."""
 
 
-@torch.library.custom_op("sluice::attention", mutates_args=())
-def attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, backend: int
-) -> torch.Tensor:
-    """``_backends[backend].forward``: writes this layer's keys and values, attends."""
-    return _backends[backend].forward(layer, q, k, v)
+class _CacheReads:
+    """The attention backend the model calls inside the graph; see the module docstring."""
 
-
-@attention.register_fake
-def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, backend: int) -> torch.Tensor:
-    return torch.empty_like(q)
-
-
-class _AttentionOp:
-    """What the model calls as its attention backend inside the graph."""
-
-    def __init__(self, key: int):
-        self.key = key
+    def __init__(
+        self,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        tables: torch.Tensor,
+        mask: torch.Tensor,
+        block_size: int,
+    ):
+        self.k_cache, self.v_cache = k_cache, v_cache
+        self.tables, self.mask, self.block_size = tables, mask, block_size
+        self.new_keys: list[torch.Tensor] = []
+        self.new_values: list[torch.Tensor] = []
 
     def forward(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
-        return torch.ops.sluice.attention(q, k, v, layer, self.key)
+        # Stored as the cache stores them, and attended to as eager steps read them back.
+        k, v = k.to(self.k_cache.dtype), v.to(self.v_cache.dtype)
+        self.new_keys.append(k)
+        self.new_values.append(v)
+        keys, values = (
+            torch.cat(
+                (
+                    gather_blocks(self._blocks(cache[layer]), self.tables, q.dtype),
+                    new.unsqueeze(1).to(q.dtype),
+                ),
+                dim=1,
+            )  # fmt: skip
+            for cache, new in ((self.k_cache, k), (self.v_cache, v))
+        )
+        return attend_decode(q, keys, values, self.mask)
+
+    def _blocks(self, slots: torch.Tensor) -> torch.Tensor:
+        return slots.view(-1, self.block_size, *slots.shape[1:])
 
 
 class CompiledDecode:
     """``model``'s forward pass over decode batches of up to ``MAX_ROWS`` sequences."""
 
-    def __init__(self, model: LlamaForCausalLM, backend: AttentionBackend):
+    def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache):
         self.model = model
-        self.backend = backend
-        self.key = next(_keys)
-        _backends[self.key] = backend
-        self._op = _AttentionOp(self.key)
+        self.kv_cache = kv_cache
         self.steps = 0  # decode steps it ran, warm-up included
         self._forward = torch.compile(self._run, fullgraph=True, options={"cpp_wrapper": True})
-
-    def __del__(self) -> None:
-        _backends.pop(self.key, None)
 
     def takes(self, layout: BatchLayout) -> bool:
         """Whether this step is a decode batch the graph serves."""
         rows = len(layout.query_lens)
         return rows <= MAX_ROWS and layout.num_decodes == rows
 
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Final hidden states of every row."""
+    def __call__(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, layout: BatchLayout
+    ) -> torch.Tensor:
+        """Final hidden states of every row; the step's keys and values land in the cache."""
         self.steps += 1
+        tables, mask = self._context(layout)
         if len(input_ids) > 1:  # one graph for every batch size from 2
-            for tensor in (input_ids, positions):
-                torch._dynamo.mark_dynamic(tensor, 0, min=2, max=MAX_ROWS)
-        return self._forward(input_ids, positions)
+            for tensor in (input_ids, positions, tables, mask):
+                torch._dynamo.maybe_mark_dynamic(tensor, 0)
+        torch._dynamo.maybe_mark_dynamic(tables, 1)
+        torch._dynamo.maybe_mark_dynamic(mask, 3)
+        cache = self.kv_cache
+        hidden, keys, values = self._forward(input_ids, positions, tables, mask, cache.k, cache.v)
+        cache.k.index_copy_(1, layout.slot_mapping, keys)
+        cache.v.index_copy_(1, layout.slot_mapping, values)
+        return hidden
 
-    def _run(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids, positions, self._op)  # type: ignore[arg-type]
+    def _run(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        tables: torch.Tensor,
+        mask: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        reads = _CacheReads(k_cache, v_cache, tables, mask, self.kv_cache.block_size)
+        hidden = self.model(input_ids, positions, reads)  # type: ignore[arg-type]
+        return hidden, torch.stack(reads.new_keys), torch.stack(reads.new_values)
+
+    def _context(self, layout: BatchLayout) -> tuple[torch.Tensor, torch.Tensor]:
+        """Block tables ``[rows, blocks]`` of the slots before each new token, and the
+        additive mask ``[rows, 1, 1, blocks * block_size + 1]`` over them and the new one."""
+        block_size = self.kv_cache.block_size
+        before = [length - 1 for length in layout.context_lens]
+        width = max(_MIN_BLOCKS, -(-max(before) // block_size))
+        tables = torch.tensor(
+            [t[:width] + [0] * (width - len(t[:width])) for t in layout.block_tables],
+            dtype=torch.long,
+        )
+        slots = torch.arange(width * block_size + 1)
+        hidden = slots.unsqueeze(0) >= torch.tensor(before).unsqueeze(1)
+        hidden[:, -1] = False  # the new token's own column
+        mask = torch.zeros(hidden.shape).masked_fill_(hidden, float("-inf"))
+        return tables, mask[:, None, None, :]
 
     @torch.inference_mode()
     def warm_up(self) -> None:
@@ -109,6 +157,6 @@ class CompiledDecode:
                 block_tables=[[0]] * batch,
                 slot_mapping=torch.zeros(batch, dtype=torch.long),
             )
-            self.backend.plan(layout)
-            self(torch.zeros(batch, dtype=torch.long), torch.zeros(batch, dtype=torch.long))
+            zeros = (torch.zeros(batch, dtype=torch.long) for _ in range(2))
+            self(*zeros, layout)
         log.info("compiled the decode step in %.1f s", time.perf_counter() - start)

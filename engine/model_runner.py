@@ -73,7 +73,7 @@ class ModelRunner:
         self.attention = attention
         self.block_size = block_size
         self.device = device
-        self.compiled = CompiledDecode(model, attention) if compiled else None
+        self.compiled = CompiledDecode(model, attention.kv_cache) if compiled else None
 
     def warm_up(self) -> None:
         """Compile the decode graphs now; on failure (no C++ compiler, say) decode eagerly."""
@@ -89,10 +89,10 @@ class ModelRunner:
     def run(self, scheduled: list[ScheduledSeq]) -> StepOutput:
         """Logits of the sampling sequences, and the prompt logprobs this step computed."""
         inputs = self.prepare(scheduled)
-        self.attention.plan(inputs.layout)
         if self.compiled is not None and self.compiled.takes(inputs.layout):
-            hidden = self.compiled(inputs.input_ids, inputs.positions)[inputs.rows]
+            hidden = self.compiled(inputs.input_ids, inputs.positions, inputs.layout)[inputs.rows]
         else:
+            self.attention.plan(inputs.layout)
             hidden = self.model(
                 inputs.input_ids, inputs.positions, self.attention, inputs.rows, inputs.placed
             )

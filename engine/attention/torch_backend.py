@@ -76,9 +76,9 @@ class TorchBackend(AttentionBackend):
         k_blocks, v_blocks = self._blocks[layer]
         decodes = None
         if plan.num_decodes:
-            keys = _gather(k_blocks, plan.decode_gather, q.dtype)
-            values = _gather(v_blocks, plan.decode_gather, q.dtype)
-            decodes = _attend_decode(q[: plan.num_decodes], keys, values, plan.decode_mask)
+            keys = gather_blocks(k_blocks, plan.decode_gather, q.dtype)
+            values = gather_blocks(v_blocks, plan.decode_gather, q.dtype)
+            decodes = attend_decode(q[: plan.num_decodes], keys, values, plan.decode_mask)
             if not plan.prefills:  # a decode batch: nothing else to attend
                 return decodes
         out = torch.empty_like(q)
@@ -90,8 +90,8 @@ class TorchBackend(AttentionBackend):
                 keys = k[chunk.start : chunk.end].unsqueeze(0)
                 values = v[chunk.start : chunk.end].unsqueeze(0)
             else:
-                keys = _gather(k_blocks, chunk.gather, q.dtype)
-                values = _gather(v_blocks, chunk.gather, q.dtype)
+                keys = gather_blocks(k_blocks, chunk.gather, q.dtype)
+                values = gather_blocks(v_blocks, chunk.gather, q.dtype)
             out[chunk.start : chunk.end] = _attend(queries, keys, values, chunk.mask)[0]
         return out
 
@@ -133,7 +133,7 @@ class TorchBackend(AttentionBackend):
         return _Prefill(start, end, cached, table.to(device), mask[None, None].to(device))
 
 
-def _gather(blocks: torch.Tensor, tables: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def gather_blocks(blocks: torch.Tensor, tables: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Blocks ``tables [seqs, n]`` → ``[seqs, n * block_size, kv_heads, dim]`` in ``dtype``.
 
     Copying blocks (``index_select`` of contiguous rows) is an order of
@@ -144,7 +144,7 @@ def _gather(blocks: torch.Tensor, tables: torch.Tensor, dtype: torch.dtype) -> t
     return picked.view(tables.shape[0], -1, *blocks.shape[2:]).to(dtype)
 
 
-def _attend_decode(
+def attend_decode(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
 ) -> torch.Tensor:
     """One query token per sequence: q ``[b, h, d]``, k/v ``[b, s, kvh, d]``.
