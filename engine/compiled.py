@@ -25,6 +25,7 @@ compiler.
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 
@@ -33,6 +34,7 @@ import torch
 from engine.attention import BatchLayout, KVCache
 from engine.attention.torch_backend import attend_decode, gather_blocks
 from engine.model.llama import LlamaForCausalLM
+from shared.heap import return_free_memory
 
 log = logging.getLogger(__name__)
 
@@ -159,4 +161,6 @@ class CompiledDecode:
             )
             zeros = (torch.zeros(batch, dtype=torch.long) for _ in range(2))
             self(*zeros, layout)
+        gc.collect()  # compiling leaves tens of MB of garbage and freed heap behind
+        return_free_memory()
         log.info("compiled the decode step in %.1f s", time.perf_counter() - start)
