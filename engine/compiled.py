@@ -68,20 +68,15 @@ class _CacheReads:
         k, v = k.to(self.k_cache.dtype), v.to(self.v_cache.dtype)
         self.new_keys.append(k)
         self.new_values.append(v)
-        keys, values = (
-            torch.cat(
-                (
-                    gather_blocks(self._blocks(cache[layer]), self.tables, q.dtype),
-                    new.unsqueeze(1).to(q.dtype),
-                ),
-                dim=1,
-            )  # fmt: skip
-            for cache, new in ((self.k_cache, k), (self.v_cache, v))
-        )
+        keys = self._context(self.k_cache[layer], k, q.dtype)
+        values = self._context(self.v_cache[layer], v, q.dtype)
         return attend_decode(q, keys, values, self.mask)
 
-    def _blocks(self, slots: torch.Tensor) -> torch.Tensor:
-        return slots.view(-1, self.block_size, *slots.shape[1:])
+    def _context(self, slots: torch.Tensor, new: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Each row's blocks, then its new slot: ``[rows, blocks * block_size + 1, heads, dim]``."""
+        blocks = slots.view(-1, self.block_size, *slots.shape[1:])
+        gathered = gather_blocks(blocks, self.tables, dtype)
+        return torch.cat((gathered, new.unsqueeze(1).to(dtype)), dim=1)
 
 
 class CompiledDecode:
