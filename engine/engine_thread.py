@@ -51,6 +51,7 @@ class EngineThread:
         self._commands: deque[Command] = deque()
         self._wake = threading.Condition()
         self._stopping = False
+        self._warm = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
     def start(self) -> None:
@@ -73,10 +74,16 @@ class EngineThread:
     def is_alive(self) -> bool:
         return self._thread.is_alive()
 
+    def wait_warm(self) -> None:
+        """Block until the thread has warmed the engine up (compiled it), or has died."""
+        while not self._warm.wait(1.0) and self._thread.is_alive():
+            pass
+
     def _run(self) -> None:
         _name_os_thread(self._thread.name)
         engine = self.engine
         engine.warm_up()  # commands queued meanwhile wait for it
+        self._warm.set()
         while (commands := self._next_commands()) is not None:
             for command in commands:
                 self._apply(command)

@@ -177,10 +177,12 @@ class WorkerHost:
     # --- any thread ----------------------------------------------------------
 
     def start(self) -> None:
+        """Start the threads; return once the engine has compiled, before any job is taken."""
         self._outbox.start()
         self._thread.start()
         self._started = True  # only now: a thread not yet started is not a dead one
         self._watchdog.start()
+        self._thread.wait_warm()
 
     def stop(self, timeout: float | None = None) -> None:
         """Stop watching and stepping, then write what the last steps produced."""

@@ -1,13 +1,14 @@
 """``EngineThread``: the one thread that steps an engine survives what its callbacks raise.
 
-The engine here is a stand-in with the two methods the thread calls between
-commands (``has_unfinished``, ``step``): what is under test is the thread's
-loop, not a model.
+The engine here is a stand-in with the methods the thread calls (``warm_up``
+once, then ``has_unfinished`` and ``step`` between commands): what is under
+test is the thread's loop, not a model.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 from engine.engine_thread import EngineThread
@@ -19,9 +20,11 @@ class FailingOnce:
     def __init__(self) -> None:
         self.pending: list[str] = []
         self.steps = 0
+        self.warmed_on: int | None = None  # the thread that warmed it up
 
     def warm_up(self) -> None:
-        pass
+        time.sleep(0.2)  # as compiling takes a while
+        self.warmed_on = threading.get_ident()
 
     def add(self, name: str) -> None:
         self.pending.append(name)
@@ -59,5 +62,16 @@ def test_the_thread_outlives_a_failure_in_its_step_failure_handler():
         thread.call(lambda engine: engine.add("second"))
         assert second.wait(5), "the thread stopped stepping"
         assert thread.is_alive() and served == ["second"]
+    finally:
+        thread.stop(timeout=5)
+
+
+def test_waiting_for_warm_up_returns_once_the_engine_thread_has_warmed_up():
+    engine = FailingOnce()
+    thread = EngineThread(engine, lambda *_: None, lambda *_: None)  # type: ignore[arg-type]
+    thread.start()
+    try:
+        thread.wait_warm()
+        assert engine.warmed_on == thread._thread.ident
     finally:
         thread.stop(timeout=5)
