@@ -134,9 +134,9 @@ class CompiledDecode:
             dtype=torch.long,
         )
         slots = torch.arange(width * block_size + 1)
-        hidden = slots.unsqueeze(0) >= torch.tensor(before).unsqueeze(1)
-        hidden[:, -1] = False  # the new token's own column
-        mask = torch.zeros(hidden.shape).masked_fill_(hidden, float("-inf"))
+        unseen = slots.unsqueeze(0) >= torch.tensor(before).unsqueeze(1)
+        unseen[:, -1] = False  # the new token's own column
+        mask = torch.zeros(unseen.shape).masked_fill_(unseen, float("-inf"))
         return tables, mask[:, None, None, :]
 
     @torch.inference_mode()
