@@ -30,9 +30,10 @@ import logging
 import time
 
 import torch
+import torch.nn.functional as F
 
 from engine.attention import BatchLayout, KVCache
-from engine.attention.torch_backend import attend_decode, gather_blocks
+from engine.attention.torch_backend import attend_decode, gather_blocks, padded_tables
 from engine.model.llama import LlamaForCausalLM
 from shared.heap import return_free_memory
 
@@ -126,17 +127,11 @@ class CompiledDecode:
     def _context(self, layout: BatchLayout) -> tuple[torch.Tensor, torch.Tensor]:
         """Block tables ``[rows, blocks]`` of the slots before each new token, and the
         additive mask ``[rows, 1, 1, blocks * block_size + 1]`` over them and the new one."""
-        block_size = self.kv_cache.block_size
         before = [length - 1 for length in layout.context_lens]
-        width = max(_MIN_BLOCKS, -(-max(before) // block_size))
-        tables = torch.tensor(
-            [t[:width] + [0] * (width - len(t[:width])) for t in layout.block_tables],
-            dtype=torch.long,
+        tables, mask = padded_tables(
+            layout.block_tables, before, self.kv_cache.block_size, _MIN_BLOCKS
         )
-        slots = torch.arange(width * block_size + 1)
-        unseen = slots.unsqueeze(0) >= torch.tensor(before).unsqueeze(1)
-        unseen[:, -1] = False  # the new token's own column
-        mask = torch.zeros(unseen.shape).masked_fill_(unseen, float("-inf"))
+        mask = F.pad(mask, (0, 1))  # the new token's own column: always seen
         return tables, mask[:, None, None, :]
 
     @torch.inference_mode()

@@ -45,7 +45,7 @@ class TorchBackend(AttentionBackend):
         super().__init__(kv_cache)
         # Per layer: the cache's slots, and the same memory as whole blocks
         # [blocks, block_size, kv_heads, dim]; taken once, not on every call.
-        self._slots = [(k, v) for k, v in zip(kv_cache.k, kv_cache.v, strict=True)]
+        self._slots = list(zip(kv_cache.k, kv_cache.v, strict=True))
         self._blocks = [
             tuple(c.view(-1, kv_cache.block_size, *c.shape[1:]) for c in pair)
             for pair in self._slots
@@ -98,18 +98,11 @@ class TorchBackend(AttentionBackend):
     def _decode_index(
         self, layout: BatchLayout, num_decodes: int, device: torch.device
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        block_size = self.kv_cache.block_size
-        lens = layout.context_lens[:num_decodes]
-        max_blocks = -(-max(lens) // block_size)
-        tables = torch.tensor(
-            [
-                t[:max_blocks] + [0] * (max_blocks - len(t[:max_blocks]))
-                for t in layout.block_tables[:num_decodes]
-            ],
-            dtype=torch.long,
+        tables, mask = padded_tables(
+            layout.block_tables[:num_decodes],
+            layout.context_lens[:num_decodes],
+            self.kv_cache.block_size,
         )
-        valid = torch.arange(max_blocks * block_size).unsqueeze(0) < torch.tensor(lens).unsqueeze(1)
-        mask = torch.zeros(valid.shape).masked_fill_(~valid, float("-inf"))
         return tables.to(device), mask[:, None, None, :].to(device)
 
     def _prefill(
@@ -131,6 +124,20 @@ class TorchBackend(AttentionBackend):
         query_positions = torch.arange(cached, context).unsqueeze(1)
         mask = positions.unsqueeze(0) <= query_positions  # causal with an offset
         return _Prefill(start, end, cached, table.to(device), mask[None, None].to(device))
+
+
+def padded_tables(
+    block_tables: list[list[int]], lengths: list[int], block_size: int, min_blocks: int = 1
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The blocks that hold each sequence's first ``lengths`` slots, zero-padded to one width
+    ``[seqs, blocks]`` (at least ``min_blocks``), and the additive mask
+    ``[seqs, blocks * block_size]`` that hides the slots past each length."""
+    width = max(min_blocks, -(-max(lengths) // block_size))
+    tables = torch.tensor(
+        [t[:width] + [0] * (width - len(t[:width])) for t in block_tables], dtype=torch.long
+    )
+    past = torch.arange(width * block_size).unsqueeze(0) >= torch.tensor(lengths).unsqueeze(1)
+    return tables, torch.zeros(past.shape).masked_fill_(past, float("-inf"))
 
 
 def gather_blocks(blocks: torch.Tensor, tables: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
