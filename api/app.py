@@ -187,6 +187,7 @@ def _embedded_backend(spec: ModelSpec, settings: Settings) -> Backend:
         max_model_len=settings.max_model_len,
         max_num_seqs=settings.max_num_seqs,
         kv_cache_bytes=settings.kv_cache_bytes,
+        gpu_memory_utilization=settings.gpu_memory_utilization,
         registry_file=str(settings.config) if settings.config else None,
     )
     return EmbeddedBackend(spec, args, limits=Limits.of(settings))

@@ -17,7 +17,7 @@ from shared.precision import (
     QUANTIZATION_HELP,
     default_dtype,
 )
-from shared.sizes import byte_size_argument
+from shared.sizes import GPU_MEMORY_UTILIZATION_HELP, byte_size_argument, fraction_argument
 
 
 def _at_least_one(text: str) -> int:
@@ -85,6 +85,13 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="the KV cache's size, e.g. 512MiB or 2GiB (default: one --max-model-len "
         "sequence or --max-num-seqs sequences of 128 tokens, whichever is more, at most 2 GiB)",
     )
+    parser.add_argument(
+        "--gpu-memory-utilization",
+        type=fraction_argument,
+        default=None,
+        metavar="FRACTION",
+        help=GPU_MEMORY_UTILIZATION_HELP,
+    )
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -99,6 +106,7 @@ def _generate(args: argparse.Namespace) -> int:
             max_model_len=args.max_model_len,
             max_num_seqs=args.max_num_seqs,
             kv_cache_bytes=args.kv_cache_memory,
+            gpu_memory_utilization=args.gpu_memory_utilization,
         )
     except (ValueError, OSError) as exc:  # unknown model, missing weights, bad options
         print(f"sluice generate: {exc}", file=sys.stderr)
@@ -124,6 +132,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     for flag, given in (
         ("--kv-cache-memory", args.kv_cache_memory is not None),
+        ("--gpu-memory-utilization", args.gpu_memory_utilization is not None),
         ("--enforce-eager", args.enforce_eager is not None),
     ):
         if args.redis and given:
@@ -144,6 +153,7 @@ def _serve(args: argparse.Namespace) -> int:
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         kv_cache_bytes=args.kv_cache_memory,
+        gpu_memory_utilization=args.gpu_memory_utilization,
         redis_url=args.redis,
         queue_timeout_s=args.queue_timeout,
         first_token_timeout_s=args.first_token_timeout,

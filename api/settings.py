@@ -35,6 +35,7 @@ class Settings:
     max_model_len: int | None = None
     max_num_seqs: int = 64
     kv_cache_bytes: int | None = None  # --kv-cache-memory; None: sized from the two above
+    gpu_memory_utilization: float | None = None  # --gpu-memory-utilization, on CUDA
     preparation_threads: int = 8  # concurrent preparations; more wait their turn
     max_preparing: int = DEFAULT_MAX_WAITING  # preparations waiting for a thread before a 503
     prepare_timeout_s: float = DEFAULT_PREPARE_TIMEOUT_S  # one preparation step, waiting included

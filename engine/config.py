@@ -122,14 +122,15 @@ def _rope_scaling(cfg: dict[str, Any]) -> RopeScaling | None:
 class EngineArgs:
     """Knobs shared by every entry point.
 
-    ``kv_cache_bytes`` and ``num_kv_blocks`` are alternatives: the block count
-    wins when both are set. With neither, the cache holds one sequence of
-    ``max_model_len`` tokens or ``max_num_seqs`` sequences of
-    ``KV_TOKENS_PER_SEQUENCE``, whichever is more, and never more than
-    ``DEFAULT_KV_CACHE_BYTES``: the sequences share it block by block, so a few
-    long ones fit beside many short ones, and when they outgrow it the
-    scheduler preempts the newest. Its bytes then follow the model's layers,
-    KV heads and dtype, the context length and the batch.
+    ``num_kv_blocks`` and ``kv_cache_bytes`` are alternatives, the block count
+    winning when both are set; ``gpu_memory_utilization``, given alone, sizes
+    the cache to fill that fraction of a CUDA device (``engine.gpu_memory``).
+    With none, the cache holds one sequence of ``max_model_len`` tokens or
+    ``max_num_seqs`` sequences of ``KV_TOKENS_PER_SEQUENCE``, whichever is
+    more, and never more than ``DEFAULT_KV_CACHE_BYTES``: the sequences share
+    it block by block, so a few long ones fit beside many short ones, and when
+    they outgrow it the scheduler preempts the newest. Its bytes then follow
+    the model's layers, KV heads and dtype, the context length and the batch.
     """
 
     model: str = "default"  # a registry name or alias, or a local checkpoint path
@@ -141,6 +142,7 @@ class EngineArgs:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     kv_cache_bytes: int | None = None
+    gpu_memory_utilization: float | None = None  # a fraction of a CUDA device, in (0, 1]
     num_kv_blocks: int | None = None
     block_size: int = 16
     seed: int = 0

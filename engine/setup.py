@@ -16,6 +16,7 @@ import torch
 
 from engine.attention import AttentionBackend, KVCache, make_backend
 from engine.config import DEFAULT_KV_CACHE_BYTES, KV_TOKENS_PER_SEQUENCE, EngineArgs, ModelConfig
+from engine.gpu_memory import check_utilization, kv_cache_bytes
 from engine.loader import Checkpoint, load_checkpoint
 from engine.model.idefics3 import Idefics3ForConditionalGeneration
 from engine.model.layers import Linear
@@ -80,6 +81,7 @@ def _load(args: EngineArgs) -> LoadedModel:
     )
     spec = registry.resolve(args.model)
     device = resolve_device(args.device)
+    check_utilization(args, device)
     precision = precision_for(args.dtype, args.quantization, device)
     dtype = precision.dtype
     checkpoint = load_checkpoint(Path(spec.weights), dtype)
@@ -100,7 +102,7 @@ def _load(args: EngineArgs) -> LoadedModel:
     quantized |= quantize_linears(text_model, rest)
     model.eval()
     kv_dtype = precision.kv_dtype
-    num_blocks = _num_blocks(args, cfg, kv_dtype, max_model_len)
+    num_blocks = _num_blocks(args, cfg, kv_dtype, max_model_len, model, device)
     kv_cache = KVCache.allocate(
         cfg.num_layers,
         num_blocks,
@@ -196,7 +198,14 @@ def _max_model_len(args: EngineArgs, cfg: ModelConfig, context_length: int) -> i
     return args.max_model_len
 
 
-def _num_blocks(args: EngineArgs, cfg: ModelConfig, dtype: torch.dtype, max_model_len: int) -> int:
+def _num_blocks(
+    args: EngineArgs,
+    cfg: ModelConfig,
+    dtype: torch.dtype,
+    max_model_len: int,
+    model: torch.nn.Module,
+    device: torch.device,
+) -> int:
     if args.num_kv_blocks is not None:
         return args.num_kv_blocks
     per_block = KVCache.bytes_per_block(
@@ -204,6 +213,8 @@ def _num_blocks(args: EngineArgs, cfg: ModelConfig, dtype: torch.dtype, max_mode
     )
     if args.kv_cache_bytes is not None:
         return max(1, args.kv_cache_bytes // per_block)
+    if args.gpu_memory_utilization is not None:
+        return max(1, kv_cache_bytes(model, cfg, args, dtype, device, max_model_len) // per_block)
     tokens = max(max_model_len, args.max_num_seqs * KV_TOKENS_PER_SEQUENCE)
     wanted = -(-min(tokens, args.max_num_seqs * max_model_len) // args.block_size)
     return max(1, min(wanted, DEFAULT_KV_CACHE_BYTES // per_block))

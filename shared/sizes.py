@@ -39,3 +39,21 @@ def byte_size_argument(text: str) -> int:
         return parse_bytes(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+GPU_MEMORY_UTILIZATION_HELP = (
+    "on a CUDA device, size the KV cache so that the device is this fraction full, counting "
+    "the weights, a step's activations and what other processes hold, e.g. 0.9 "
+    "(default: sized as --kv-cache-memory's default)"
+)
+
+
+def fraction_argument(text: str) -> float:
+    """An argparse type: a fraction in (0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a fraction such as 0.9, got {text!r}") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be more than 0 and at most 1, got {value:g}")
+    return value

@@ -55,6 +55,7 @@ def engine_args_for(
     max_model_len: int | None = None,
     max_num_seqs: int = 64,
     kv_cache_bytes: int | None = None,
+    gpu_memory_utilization: float | None = None,
     registry_file: str | None = None,
 ) -> EngineArgs:
     """Engine arguments that load ``spec`` from the same registry the API answers with.
@@ -70,6 +71,7 @@ def engine_args_for(
         max_model_len=max_model_len or spec.context_length or None,
         max_num_seqs=max_num_seqs,
         kv_cache_bytes=kv_cache_bytes,
+        gpu_memory_utilization=gpu_memory_utilization,
     )
 
 

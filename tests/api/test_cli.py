@@ -84,8 +84,31 @@ def test_a_kv_cache_memory_that_is_no_size_is_refused(
     assert "argument --kv-cache-memory" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("text", ["0", "1.5", "-0.2", "most"])
+def test_a_gpu_memory_utilization_that_is_no_fraction_is_refused(
+    text: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--gpu-memory-utilization", text])
+    assert "argument --gpu-memory-utilization" in capsys.readouterr().err
+
+
+def test_gpu_memory_utilization_on_a_cpu_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    """On a machine without CUDA the fraction would size nothing: refused before loading."""
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA device")
+    assert main(["generate", "--gpu-memory-utilization", "0.9", "Hi"]) == 2
+    assert "size it with kv_cache_memory (--kv-cache-memory)" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
-    "option", [["--kv-cache-memory", "1GiB"], ["--enforce-eager"], ["--no-enforce-eager"]]
+    "option",
+    [
+        ["--kv-cache-memory", "1GiB"],
+        ["--gpu-memory-utilization", "0.9"],
+        ["--enforce-eager"],
+        ["--no-enforce-eager"],
+    ],
 )
 def test_engine_options_are_refused_where_no_engine_runs(
     option: list[str], capsys: pytest.CaptureFixture[str]

@@ -51,3 +51,10 @@ def test_a_queue_name_with_a_control_character_is_refused() -> None:
 def test_kv_cache_memory_is_a_size() -> None:
     args = build_parser().parse_args(["--redis", "redis://x", "--kv-cache-memory", "1.5GiB"])
     assert args.kv_cache_memory == 3 * 2**29
+
+
+def test_gpu_memory_utilization_is_a_fraction() -> None:
+    args = build_parser().parse_args(["--redis", "redis://x", "--gpu-memory-utilization", "0.9"])
+    assert args.gpu_memory_utilization == 0.9
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--redis", "redis://x", "--gpu-memory-utilization", "2"])
