@@ -13,10 +13,21 @@ token; the mask hides the rest) and to its new key and value, which the graph
 returns. One ``index_copy_`` per cache then writes every layer's new keys and
 values after the graph, so the graph mutates nothing.
 
-Two graphs serve every decode batch: one for a single sequence (dynamo
-specializes a size of 1) and one for ``2..MAX_ROWS`` sequences; both take any
-context (block tables are padded to at least two blocks, so that their width
-is never specialized either). Prefill chunks and larger batches run eagerly.
+Three graphs serve every decode batch: one for a single sequence, one for
+``2..MANY_ROWS - 1`` sequences and one for ``MANY_ROWS..MAX_ROWS``; each takes
+any context (block tables are padded to at least two blocks, so that their
+width is never specialized). Prefill chunks and larger batches run eagerly.
+
+The weights are frozen into the graphs as constants, and inductor autotunes
+the matmuls of the single-sequence and many-rows graphs between ATen's
+kernels and its own C++ templates. With AMX its low-bit templates run 32 rows
+3-7x faster than ATen's int4 and int8 kernels but lose below about 8 rows,
+hence the many-rows graph, compiled at ``MANY_ROWS_HINT`` rows. The graph for
+a few rows is not autotuned: inductor keys its autotuning by the symbolic
+shape, not the batch it measured, so the many-rows graph would inherit the
+few-rows choice. The templates keep their own repacked copy of the weights
+they take (about 95 MiB for the default model), since prefill steps still
+read the model's.
 
 Inductor keeps what it compiled in ``TORCHINDUCTOR_CACHE_DIR`` (set by
 ``engine/__init__.py``), so only a machine's first start pays for the C++
@@ -28,6 +39,7 @@ from __future__ import annotations
 import gc
 import logging
 import time
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -42,8 +54,22 @@ log = logging.getLogger(__name__)
 MAX_ROWS = 64
 """The largest decode batch the compiled graph takes; beyond it a step is GEMM-bound."""
 
+MANY_ROWS = 8
+"""Decode batches from this size run in the many-rows graph."""
+
+MANY_ROWS_HINT = 32
+"""The batch the many-rows graph is compiled and autotuned with."""
+
+_AUTOTUNED = {"max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
+_FREEZING = torch._inductor.config.patch(freezing=True)  # dynamo reads it while tracing
+
 _MIN_BLOCKS = 2
 """Block tables are padded to this width: dynamo would specialize a width of 1."""
+
+
+def _compiled(function: Callable, autotuned: bool) -> Callable:
+    options = {"cpp_wrapper": True} | (_AUTOTUNED if autotuned else {})
+    return torch.compile(function, fullgraph=True, options=options)
 
 
 class _CacheReads:
@@ -87,7 +113,10 @@ class CompiledDecode:
         self.model = model
         self.kv_cache = kv_cache
         self.steps = 0  # decode steps it ran, warm-up included
-        self._forward = torch.compile(self._run, fullgraph=True, options={"cpp_wrapper": True})
+        # A function each, so that dynamo keeps a cache each.
+        self._one = _compiled(self._run_one, autotuned=True)
+        self._few = _compiled(self._run_few, autotuned=False)
+        self._many = _compiled(self._run_many, autotuned=True)
 
     def takes(self, layout: BatchLayout) -> bool:
         """Whether this step is a decode batch the graph serves."""
@@ -100,16 +129,28 @@ class CompiledDecode:
         """Final hidden states of every row; the step's keys and values land in the cache."""
         self.steps += 1
         tables, mask = self._context(layout)
-        if len(input_ids) > 1:  # one graph for every batch size from 2
+        rows = len(input_ids)
+        if rows > 1:
             for tensor in (input_ids, positions, tables, mask):
                 torch._dynamo.maybe_mark_dynamic(tensor, 0)
         torch._dynamo.maybe_mark_dynamic(tables, 1)
         torch._dynamo.maybe_mark_dynamic(mask, 3)
         cache = self.kv_cache
-        hidden, keys, values = self._forward(input_ids, positions, tables, mask, cache.k, cache.v)
+        forward = self._one if rows == 1 else self._few if rows < MANY_ROWS else self._many
+        with _FREEZING:
+            hidden, keys, values = forward(input_ids, positions, tables, mask, cache.k, cache.v)
         cache.k.index_copy_(1, layout.slot_mapping, keys)
         cache.v.index_copy_(1, layout.slot_mapping, values)
         return hidden
+
+    def _run_one(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self._run(*inputs)
+
+    def _run_few(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self._run(*inputs)
+
+    def _run_many(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self._run(*inputs)
 
     def _run(
         self,
@@ -136,13 +177,13 @@ class CompiledDecode:
 
     @torch.inference_mode()
     def warm_up(self) -> None:
-        """Compile both graphs now, on the thread that will step the model.
+        """Compile the three graphs now, on the thread that will step the model.
 
         Each runs once on slot 0, which nothing has written yet and every
         sequence writes before it reads.
         """
         start = time.perf_counter()
-        for batch in (1, 2):
+        for batch in (1, 2, MANY_ROWS_HINT):
             layout = BatchLayout(
                 query_lens=[1] * batch,
                 context_lens=[1] * batch,

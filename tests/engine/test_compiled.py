@@ -10,6 +10,7 @@ from engine import LLM, SamplingParams
 from tests.engine.test_registry_models import make_tiny_model
 
 PROMPTS = ["hello there", "the sea at night is", "one two three four five six"]
+MANY = [f"request {i}: {prompt}" for i in range(3) for prompt in PROMPTS]  # 9 rows
 
 
 @pytest.mark.parametrize(
@@ -17,7 +18,7 @@ PROMPTS = ["hello there", "the sea at night is", "one two three four five six"]
 )
 def test_compiled_decode_matches_eager(tmp_path: Path, dtype: str, quantization: str) -> None:
     weights = str(make_tiny_model(tmp_path / "tiny", hidden_size=64, intermediate_size=128))
-    options = dict(dtype=dtype, quantization=quantization, max_num_seqs=4)
+    options = dict(dtype=dtype, quantization=quantization, max_num_seqs=len(MANY))
     compiled = LLM(weights, enforce_eager=False, **options)
     eager = LLM(weights, enforce_eager=True, **options)
     assert "decode steps compiled" in compiled.engine.description
@@ -25,7 +26,7 @@ def test_compiled_decode_matches_eager(tmp_path: Path, dtype: str, quantization:
     assert graph is not None  # warming up compiled both graphs
     warm_up_steps = graph.steps
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=0)
-    for prompts in (PROMPTS[:1], PROMPTS):  # the batch-1 graph, then the dynamic one
+    for prompts in (PROMPTS[:1], PROMPTS, MANY):  # the one-row, few-rows and many-rows graphs
         ours, theirs = compiled.generate(prompts, params), eager.generate(prompts, params)
         for a, b in zip(ours, theirs, strict=True):
             assert a.token_ids == b.token_ids
@@ -33,4 +34,4 @@ def test_compiled_decode_matches_eager(tmp_path: Path, dtype: str, quantization:
                 assert x.logprob == pytest.approx(
                     y.logprob, abs=1e-3 if dtype == "float32" else 0.1
                 )
-    assert graph.steps - warm_up_steps == 2 * 23  # every step after each batch's prefill
+    assert graph.steps - warm_up_steps == 3 * 23  # every step after each batch's prefill
