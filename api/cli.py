@@ -17,7 +17,7 @@ from shared.precision import (
     QUANTIZATION_HELP,
     default_dtype,
 )
-from shared.sizes import GPU_MEMORY_UTILIZATION_HELP, byte_size_argument, fraction_argument
+from shared.sizes import add_gpu_memory_utilization, byte_size_argument
 
 
 def _at_least_one(text: str) -> int:
@@ -85,13 +85,7 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="the KV cache's size, e.g. 512MiB or 2GiB (default: one --max-model-len "
         "sequence or --max-num-seqs sequences of 128 tokens, whichever is more, at most 2 GiB)",
     )
-    parser.add_argument(
-        "--gpu-memory-utilization",
-        type=fraction_argument,
-        default=None,
-        metavar="FRACTION",
-        help=GPU_MEMORY_UTILIZATION_HELP,
-    )
+    add_gpu_memory_utilization(parser)
 
 
 def _generate(args: argparse.Namespace) -> int:

@@ -37,25 +37,16 @@ def check_utilization(args: EngineArgs, device: torch.device) -> None:
         )
 
 
-def kv_cache_bytes(
-    model: torch.nn.Module,
-    cfg: ModelConfig,
-    args: EngineArgs,
-    kv_dtype: torch.dtype,
-    device: torch.device,
-    max_model_len: int,
-) -> int:
-    """Bytes the KV cache may take so that the device stays within the fraction."""
-    assert args.gpu_memory_utilization is not None
-    peak = activation_peak(model, cfg, args, kv_dtype, device, max_model_len)
+def kv_cache_bytes(fraction: float, peak: int, device: torch.device) -> int:
+    """Bytes the KV cache may take so that the device stays within ``fraction`` of it,
+    given a step's activation ``peak`` (``activation_peak``)."""
     free, total = torch.cuda.mem_get_info(device)
-    budget = int(args.gpu_memory_utilization * total) - (total - free) - peak
+    budget = int(fraction * total) - (total - free) - peak
     if budget <= 0:
         raise ValueError(
-            f"gpu_memory_utilization {args.gpu_memory_utilization:g} allows "
-            f"{args.gpu_memory_utilization * total / MiB:.0f} MiB of this device's "
-            f"{total / MiB:.0f} MiB, but {(total - free) / MiB:.0f} MiB are in use (weights, "
-            f"CUDA context, other processes) and a step's activations take "
+            f"gpu_memory_utilization {fraction:g} allows {fraction * total / MiB:.0f} MiB of "
+            f"this device's {total / MiB:.0f} MiB, but {(total - free) / MiB:.0f} MiB are in "
+            f"use (weights, CUDA context, other processes) and a step's activations take "
             f"{peak / MiB:.0f} MiB more: no room is left for the KV cache"
         )
     return budget

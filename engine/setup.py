@@ -16,7 +16,7 @@ import torch
 
 from engine.attention import AttentionBackend, KVCache, make_backend
 from engine.config import DEFAULT_KV_CACHE_BYTES, KV_TOKENS_PER_SEQUENCE, EngineArgs, ModelConfig
-from engine.gpu_memory import check_utilization, kv_cache_bytes
+from engine.gpu_memory import activation_peak, check_utilization, kv_cache_bytes
 from engine.loader import Checkpoint, load_checkpoint
 from engine.model.idefics3 import Idefics3ForConditionalGeneration
 from engine.model.layers import Linear
@@ -214,7 +214,8 @@ def _num_blocks(
     if args.kv_cache_bytes is not None:
         return max(1, args.kv_cache_bytes // per_block)
     if args.gpu_memory_utilization is not None:
-        return max(1, kv_cache_bytes(model, cfg, args, dtype, device, max_model_len) // per_block)
+        peak = activation_peak(model, cfg, args, dtype, device, max_model_len)
+        return max(1, kv_cache_bytes(args.gpu_memory_utilization, peak, device) // per_block)
     tokens = max(max_model_len, args.max_num_seqs * KV_TOKENS_PER_SEQUENCE)
     wanted = -(-min(tokens, args.max_num_seqs * max_model_len) // args.block_size)
     return max(1, min(wanted, DEFAULT_KV_CACHE_BYTES // per_block))

@@ -41,11 +41,17 @@ def byte_size_argument(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-GPU_MEMORY_UTILIZATION_HELP = (
-    "on a CUDA device, size the KV cache so that the device is this fraction full, counting "
-    "the weights, a step's activations and what other processes hold, e.g. 0.9 "
-    "(default: sized as --kv-cache-memory's default)"
-)
+def add_gpu_memory_utilization(parser: argparse.ArgumentParser) -> None:
+    """``--gpu-memory-utilization``, as ``sluice serve``, ``worker`` and ``generate`` take it."""
+    parser.add_argument(
+        "--gpu-memory-utilization",
+        type=fraction_argument,
+        default=None,
+        metavar="FRACTION",
+        help="on a CUDA device, size the KV cache so that the device is this fraction full, "
+        "counting the weights, a step's activations and what other processes hold, e.g. 0.9 "
+        "(default: sized as --kv-cache-memory's default)",
+    )
 
 
 def fraction_argument(text: str) -> float:

@@ -35,7 +35,7 @@ from shared.precision import (
     default_dtype,
 )
 from shared.registry import ModelRegistry, ModelSpec, default_registry
-from shared.sizes import GPU_MEMORY_UTILIZATION_HELP, byte_size_argument, fraction_argument
+from shared.sizes import add_gpu_memory_utilization, byte_size_argument
 from workers.broker.app import create_app
 from workers.heartbeat import WorkerIdentity
 
@@ -104,13 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SIZE",
         help="the KV cache's size, e.g. 512MiB or 2GiB (--num-kv-blocks wins when both are given)",
     )
-    parser.add_argument(
-        "--gpu-memory-utilization",
-        type=fraction_argument,
-        default=None,
-        metavar="FRACTION",
-        help=GPU_MEMORY_UTILIZATION_HELP,
-    )
+    add_gpu_memory_utilization(parser)
     parser.add_argument("--worker-id", default=None, help="default: <hostname>-<pid>")
     parser.add_argument(
         "--drain-grace",
