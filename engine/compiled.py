@@ -11,7 +11,9 @@ Attention is in the graph too, as pure reads of the paged KV cache: each
 sequence attends to the blocks its table names (the slots before its new
 token; the mask hides the rest) and to its new key and value, which the graph
 returns. One ``index_copy_`` per cache then writes every layer's new keys and
-values after the graph, so the graph mutates nothing.
+values after the graph, so the graph mutates nothing. The graph ends with the
+head: it returns every row's float32 logits, and the head's matmul is
+autotuned with the rest.
 
 Three graphs serve every decode batch: one for a single sequence, one for
 ``2..MANY_ROWS - 1`` sequences and one for ``MANY_ROWS..MAX_ROWS``; each takes
@@ -126,7 +128,7 @@ class CompiledDecode:
     def __call__(
         self, input_ids: torch.Tensor, positions: torch.Tensor, layout: BatchLayout
     ) -> torch.Tensor:
-        """Final hidden states of every row; the step's keys and values land in the cache."""
+        """Float32 logits of every row; the step's keys and values land in the cache."""
         self.steps += 1
         tables, mask = self._context(layout)
         rows = len(input_ids)
@@ -138,10 +140,10 @@ class CompiledDecode:
         cache = self.kv_cache
         forward = self._one if rows == 1 else self._few if rows < MANY_ROWS else self._many
         with _FREEZING:
-            hidden, keys, values = forward(input_ids, positions, tables, mask, cache.k, cache.v)
+            logits, keys, values = forward(input_ids, positions, tables, mask, cache.k, cache.v)
         cache.k.index_copy_(1, layout.slot_mapping, keys)
         cache.v.index_copy_(1, layout.slot_mapping, values)
-        return hidden
+        return logits
 
     def _run_one(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return self._run(*inputs)
@@ -163,7 +165,8 @@ class CompiledDecode:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         reads = _CacheReads(k_cache, v_cache, tables, mask, self.kv_cache.block_size)
         hidden = self.model(input_ids, positions, reads)  # type: ignore[arg-type]
-        return hidden, torch.stack(reads.new_keys), torch.stack(reads.new_values)
+        logits = self.model.compute_logits(hidden)
+        return logits, torch.stack(reads.new_keys), torch.stack(reads.new_values)
 
     def _context(self, layout: BatchLayout) -> tuple[torch.Tensor, torch.Tensor]:
         """Block tables ``[rows, blocks]`` of the slots before each new token, and the

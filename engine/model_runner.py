@@ -89,16 +89,28 @@ class ModelRunner:
     def run(self, scheduled: list[ScheduledSeq]) -> StepOutput:
         """Logits of the sampling sequences, and the prompt logprobs this step computed."""
         inputs = self.prepare(scheduled)
-        if self.compiled is not None and self.compiled.takes(inputs.layout):
-            hidden = self.compiled(inputs.input_ids, inputs.positions, inputs.layout)[inputs.rows]
-        else:
-            self.attention.plan(inputs.layout)
-            hidden = self.model(
-                inputs.input_ids, inputs.positions, self.attention, inputs.rows, inputs.placed
-            )
+        if self._compiled_takes(inputs):
+            logits = self.compiled(inputs.input_ids, inputs.positions, inputs.layout)
+            return StepOutput(logits, inputs.sampling, [])
+        self.attention.plan(inputs.layout)
+        hidden = self.model(
+            inputs.input_ids, inputs.positions, self.attention, inputs.rows, inputs.placed
+        )
         sampled = len(inputs.sampling)
         logits = self.model.compute_logits(hidden[:sampled])
         return StepOutput(logits, inputs.sampling, self._prompt_logprobs(inputs, hidden[sampled:]))
+
+    def _compiled_takes(self, inputs: StepInputs) -> bool:
+        """Whether the compiled graph runs this step: a decode batch whose every row samples.
+
+        A one-token prompt chunk that does not end its prompt samples nothing, and
+        the graph returns logits for every row, in row order.
+        """
+        return (
+            self.compiled is not None
+            and self.compiled.takes(inputs.layout)
+            and len(inputs.sampling) == len(inputs.input_ids)
+        )
 
     def prepare(self, scheduled: list[ScheduledSeq]) -> StepInputs:
         ordered = sorted(scheduled, key=lambda s: s.num_tokens != 1)  # decodes first
