@@ -111,9 +111,11 @@ class _CacheReads:
 class CompiledDecode:
     """``model``'s forward pass over decode batches of up to ``MAX_ROWS`` sequences."""
 
-    def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache):
+    def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, max_num_seqs: int):
+        """``max_num_seqs``: the engine's batch limit; graphs for larger batches are not built."""
         self.model = model
         self.kv_cache = kv_cache
+        self.max_rows = min(MAX_ROWS, max_num_seqs)
         self.steps = 0  # decode steps it ran, warm-up included
         # A function each, so that dynamo keeps a cache each.
         self._one = _compiled(self._run_one, autotuned=True)
@@ -123,7 +125,7 @@ class CompiledDecode:
     def takes(self, layout: BatchLayout) -> bool:
         """Whether this step is a decode batch the graph serves."""
         rows = len(layout.query_lens)
-        return rows <= MAX_ROWS and layout.num_decodes == rows
+        return rows <= self.max_rows and layout.num_decodes == rows
 
     def __call__(
         self, input_ids: torch.Tensor, positions: torch.Tensor, layout: BatchLayout
@@ -180,13 +182,18 @@ class CompiledDecode:
 
     @torch.inference_mode()
     def warm_up(self) -> None:
-        """Compile the three graphs now, on the thread that will step the model.
+        """Compile the graphs the batch limit allows now, on the thread that will step the model.
 
         Each runs once on slot 0, which nothing has written yet and every
         sequence writes before it reads.
         """
         start = time.perf_counter()
-        for batch in (1, 2, MANY_ROWS_HINT):
+        batches = [1]
+        if self.max_rows >= 2:
+            batches.append(2)
+        if self.max_rows >= MANY_ROWS:
+            batches.append(min(MANY_ROWS_HINT, self.max_rows))
+        for batch in batches:
             layout = BatchLayout(
                 query_lens=[1] * batch,
                 context_lens=[1] * batch,

@@ -54,7 +54,12 @@ class LLMEngine:
             and isinstance(loaded.model, LlamaForCausalLM)
         )
         self.runner = ModelRunner(
-            loaded.model, loaded.attention, args.block_size, loaded.device, compiled
+            loaded.model,
+            loaded.attention,
+            args.block_size,
+            loaded.device,
+            compiled,
+            args.max_num_seqs,
         )
         self.image_processing = loaded.image_processing
         self.sampler = Sampler()

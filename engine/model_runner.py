@@ -67,13 +67,17 @@ class ModelRunner:
         block_size: int,
         device: torch.device,
         compiled: bool = False,
+        max_num_seqs: int = 1,
     ):
-        """``compiled``: run decode steps through ``CompiledDecode`` (a CPU text model)."""
+        """``compiled``: run decode steps of up to ``max_num_seqs`` sequences through
+        ``CompiledDecode`` (a CPU text model)."""
         self.model = model
         self.attention = attention
         self.block_size = block_size
         self.device = device
-        self.compiled = CompiledDecode(model, attention.kv_cache) if compiled else None
+        self.compiled = (
+            CompiledDecode(model, attention.kv_cache, max_num_seqs) if compiled else None
+        )
 
     def warm_up(self) -> None:
         """Compile the decode graphs now; on failure (no C++ compiler, say) decode eagerly."""

@@ -26,6 +26,7 @@ def test_compiled_decode_matches_eager(tmp_path: Path, dtype: str, quantization:
     graph = compiled.engine.runner.compiled
     assert graph is not None  # warming up compiled both graphs
     warm_up_steps = graph.steps
+    assert warm_up_steps == 3  # the one-row, few-rows and many-rows graphs, once each
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=2)
     tolerance = 1e-3 if dtype == "float32" else 0.1
     for prompts in (PROMPTS[:1], PROMPTS, MANY):  # the one-row, few-rows and many-rows graphs
@@ -33,6 +34,13 @@ def test_compiled_decode_matches_eager(tmp_path: Path, dtype: str, quantization:
         for a, b in zip(ours, theirs, strict=True):
             assert_same_greedy_path(a.logprobs, b.logprobs, tolerance, ties=dtype != "float32")
     assert graph.steps - warm_up_steps == 3 * 23  # every step after each batch's prefill
+
+
+def test_only_the_graphs_the_batch_limit_allows_are_compiled(tmp_path: Path) -> None:
+    """One sequence at a time: the batch-1 graph alone (the test above warms up three)."""
+    weights = str(make_tiny_model(tmp_path / "tiny", hidden_size=64, intermediate_size=128))
+    llm = LLM(weights, enforce_eager=False, dtype="float32", max_num_seqs=1)
+    assert llm.engine.runner.compiled.steps == 1  # one warm-up step
 
 
 def assert_same_greedy_path(
