@@ -58,8 +58,7 @@ class LLMEngine:
             loaded.attention,
             args.block_size,
             loaded.device,
-            compiled,
-            args.max_num_seqs,
+            args.max_num_seqs if compiled else 0,
         )
         self.image_processing = loaded.image_processing
         self.sampler = Sampler()

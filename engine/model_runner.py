@@ -66,17 +66,16 @@ class ModelRunner:
         attention: AttentionBackend,
         block_size: int,
         device: torch.device,
-        compiled: bool = False,
-        max_num_seqs: int = 1,
+        compiled_batch: int = 0,
     ):
-        """``compiled``: run decode steps of up to ``max_num_seqs`` sequences through
-        ``CompiledDecode`` (a CPU text model)."""
+        """``compiled_batch``: run decode steps of up to that many sequences through
+        ``CompiledDecode`` (a CPU text model); 0 runs every step eagerly."""
         self.model = model
         self.attention = attention
         self.block_size = block_size
         self.device = device
         self.compiled = (
-            CompiledDecode(model, attention.kv_cache, max_num_seqs) if compiled else None
+            CompiledDecode(model, attention.kv_cache, compiled_batch) if compiled_batch else None
         )
 
     def warm_up(self) -> None:
