@@ -104,15 +104,17 @@ class ModelRunner:
         return StepOutput(logits, inputs.sampling, self._prompt_logprobs(inputs, hidden[sampled:]))
 
     def _compiled_takes(self, inputs: StepInputs) -> bool:
-        """Whether the compiled graph runs this step: a decode batch whose every row samples.
+        """Whether the compiled graph runs this step: a decode batch whose every row samples
+        and none scores its prompt.
 
-        A one-token prompt chunk that does not end its prompt samples nothing, and
-        the graph returns logits for every row, in row order.
+        The graph returns logits for every row, in row order, and no hidden states;
+        a one-token prompt chunk that does not end its prompt samples nothing.
         """
         return (
             self.compiled is not None
             and self.compiled.takes(inputs.layout)
             and len(inputs.sampling) == len(inputs.input_ids)
+            and not inputs.prompt
         )
 
     def prepare(self, scheduled: list[ScheduledSeq]) -> StepInputs:
