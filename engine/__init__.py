@@ -20,14 +20,12 @@ from typing import Any
 # as fast as libgomp's default 300,000 and hand an idle core back 30x sooner.
 # It must be set before torch loads its OpenMP runtime.
 os.environ.setdefault("GOMP_SPINCOUNT", "10000")
-# Where inductor keeps the compiled decode graphs (engine.compiled): a user's
-# cache survives a reboot, so only a machine's first start runs the C++ compiler.
-os.environ.setdefault(
-    "TORCHINDUCTOR_CACHE_DIR",
-    os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "sluice", "inductor"
-    ),
+CACHE_DIR = os.environ.get("SLUICE_CACHE_DIR") or os.path.join(
+    os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "sluice"
 )
+"""Where the engine keeps what it compiled for this machine (``engine.compiled``): a user's
+cache survives a reboot, so only a machine's first start compiles."""
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(CACHE_DIR, "inductor"))
 
 _EXPORTS = {
     "EngineArgs": "engine.config",

@@ -1,60 +1,62 @@
-"""Decode steps on a CPU as one compiled graph.
+"""Decode steps on a CPU as compiled graphs, loaded from AOTInductor packages.
 
 A batch-1 decode step of a small model is a few hundred small ops, and in
 eager mode each one returns to Python between kernels: the dispatch costs
-about as much as the kernels. ``torch.compile`` with inductor's C++ wrapper
-runs the whole forward pass from one C++ function, with the elementwise work
-between the matmuls (norms, rotary, residuals, SiLU, casts) fused into a few
-loops, and it releases the GIL while it runs.
-
-Attention is in the graph too, as pure reads of the paged KV cache: each
-sequence attends to the blocks its table names (the slots before its new
-token; the mask hides the rest) and to its new key and value, which the graph
-returns. One ``index_copy_`` per cache then writes every layer's new keys and
-values after the graph, so the graph mutates nothing. The graph ends with the
-head: it returns every row's float32 logits, and the head's matmul is
-autotuned with the rest.
+about as much as the kernels. A graph compiled by inductor runs the whole
+forward pass from one C++ function, with the elementwise work between the
+matmuls (norms, rotary, residuals, SiLU, casts) fused into a few loops, and
+it releases the GIL while it runs. What each graph computes is in
+``engine.decode_compiler``.
 
 Three graphs serve every decode batch: one for a single sequence, one for
 ``2..MANY_ROWS - 1`` sequences and one for ``MANY_ROWS..MAX_ROWS``; each takes
-any context (block tables are padded to at least two blocks, so that their
-width is never specialized). Prefill chunks and larger batches run eagerly.
+any context and any KV cache size. Prefill chunks and larger batches run
+eagerly. Inductor autotunes the matmuls of the single-sequence and many-rows
+graphs between ATen's kernels and its own C++ templates. With AMX its
+low-bit templates run 32 rows 3-7x faster than ATen's int4 and int8 kernels
+but lose below about 8 rows, hence the many-rows graph, compiled at
+``MANY_ROWS_HINT`` rows. The graph for a few rows is not autotuned, since
+inductor keys its autotuning by the symbolic shape, not the batch it measured.
 
-The weights are frozen into the graphs as constants, and inductor autotunes
-the matmuls of the single-sequence and many-rows graphs between ATen's
-kernels and its own C++ templates. With AMX its low-bit templates run 32 rows
-3-7x faster than ATen's int4 and int8 kernels but lose below about 8 rows,
-hence the many-rows graph, compiled at ``MANY_ROWS_HINT`` rows. The graph for
-a few rows is not autotuned: inductor keys its autotuning by the symbolic
-shape, not the batch it measured, so the many-rows graph would inherit the
-few-rows choice. The templates keep their own repacked copy of the weights
-they take (about 95 MiB for the default model), since prefill steps still
-read the model's.
-
-Inductor keeps what it compiled in ``TORCHINDUCTOR_CACHE_DIR`` (set by
-``engine/__init__.py``), so only a machine's first start pays for the C++
-compiler.
+Compiling runs in a child process (``engine.decode_compiler``), once per
+model, machine and PyTorch version: the packages are kept under
+``CACHE_DIR/decode/<key>``, where the key hashes everything the generated
+code depends on (the weights, this code, the CPU, the thread count), so a
+later start loads them in about a second. Loading hands each graph the
+model's own tensors; only what compiling made (the templates' repacked
+weights, about 80 MiB for the default model) is read from the package, and
+graphs share what is identical.
 """
 
 from __future__ import annotations
 
 import gc
+import hashlib
+import io
+import json
 import logging
+import shutil
+import subprocess
+import sys
+import tempfile
 import time
-from collections.abc import Callable
+import zipfile
+from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
+from engine import CACHE_DIR
 from engine.attention import BatchLayout, KVCache
-from engine.attention.torch_backend import attend_decode, gather_blocks, padded_tables
-from engine.model.llama import LlamaForCausalLM
+from engine.attention.torch_backend import padded_tables
 from shared.heap import return_free_memory
 
 log = logging.getLogger(__name__)
 
 MAX_ROWS = 64
-"""The largest decode batch the compiled graph takes; beyond it a step is GEMM-bound."""
+"""The largest decode batch a graph takes; beyond it a step is GEMM-bound."""
 
 MANY_ROWS = 8
 """Decode batches from this size run in the many-rows graph."""
@@ -62,68 +64,69 @@ MANY_ROWS = 8
 MANY_ROWS_HINT = 32
 """The batch the many-rows graph is compiled and autotuned with."""
 
-_AUTOTUNED = {"max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
-_FREEZING = torch._inductor.config.patch(freezing=True)  # dynamo reads it while tracing
+FEW_ROWS_EXAMPLE = 3
+"""The batch the few-rows graph is exported with: unlike 2, no other dimension's size."""
 
-_MIN_BLOCKS = 2
-"""Block tables are padded to this width: dynamo would specialize a width of 1."""
+MIN_BLOCKS = 2
+"""Block tables are padded to at least this width, so that export never specializes it."""
+
+WEIGHTS_CONFIG = "data/aotinductor/model/weights_config.json"
+"""Where a package lists its constants: name → [file under data/weights, shape, stride, ...]."""
+
+COMPILE_TIMEOUT_S = 3600
+
+_WARM_UP_ROWS = {"one": 1, "few": 2, "many": MANY_ROWS}
+
+_SOURCES = ("model", "attention/torch_backend.py", "decode_compiler.py", "compiled.py")
+"""The engine code a graph is traced from, relative to the package: part of the cache key."""
 
 
-def _compiled(function: Callable, autotuned: bool) -> Callable:
-    options = {"cpp_wrapper": True} | (_AUTOTUNED if autotuned else {})
-    return torch.compile(function, fullgraph=True, options=options)
+class Graph(NamedTuple):
+    """A decode graph: the rows it is exported with, the rows it takes, whether it is autotuned."""
+
+    rows: int
+    least: int
+    most: int
+    autotuned: bool
 
 
-class _CacheReads:
-    """The attention backend the model calls inside the graph; see the module docstring."""
+def context(
+    block_tables: list[list[int]], context_lens: list[int], block_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A decode batch's block tables ``[rows, blocks]`` of the slots before each new token, and
+    the additive mask ``[rows, 1, 1, blocks * block_size + 1]`` over them and the new one."""
+    before = [length - 1 for length in context_lens]
+    tables, mask = padded_tables(block_tables, before, block_size, MIN_BLOCKS)
+    mask = F.pad(mask, (0, 1))  # the new token's own column: always seen
+    return tables, mask[:, None, None, :]
 
-    def __init__(
-        self,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        tables: torch.Tensor,
-        mask: torch.Tensor,
-        block_size: int,
-    ):
-        self.k_cache, self.v_cache = k_cache, v_cache
-        self.tables, self.mask, self.block_size = tables, mask, block_size
-        self.new_keys: list[torch.Tensor] = []
-        self.new_values: list[torch.Tensor] = []
 
-    def forward(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-    ) -> torch.Tensor:
-        # Stored as the cache stores them, and attended to as eager steps read them back.
-        k, v = k.to(self.k_cache.dtype), v.to(self.v_cache.dtype)
-        self.new_keys.append(k)
-        self.new_values.append(v)
-        keys = self._context(self.k_cache[layer], k, q.dtype)
-        values = self._context(self.v_cache[layer], v, q.dtype)
-        return attend_decode(q, keys, values, self.mask)
-
-    def _context(self, slots: torch.Tensor, new: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """Each row's blocks, then its new slot: ``[rows, blocks * block_size + 1, heads, dim]``."""
-        blocks = slots.view(-1, self.block_size, *slots.shape[1:])
-        gathered = gather_blocks(blocks, self.tables, dtype)
-        return torch.cat((gathered, new.unsqueeze(1).to(dtype)), dim=1)
+def model_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer by the name a graph's constants carry (tied ones twice)."""
+    named = [*model.named_parameters(remove_duplicate=False)]
+    named += model.named_buffers(remove_duplicate=False)
+    return {f"model.{name}": tensor.detach() for name, tensor in named}
 
 
 class CompiledDecode:
     """``model``'s forward pass over decode batches of up to ``MAX_ROWS`` sequences."""
 
-    def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, max_num_seqs: int):
+    def __init__(self, model: nn.Module, kv_cache: KVCache, max_num_seqs: int):
         """``max_num_seqs``: the engine's batch limit; graphs for larger batches are not built."""
         self.model = model
         self.kv_cache = kv_cache
         self.max_rows = min(MAX_ROWS, max_num_seqs)
         self.steps = 0  # decode steps it ran, warm-up included
-        # A function each, so that dynamo keeps a cache each.
-        self._one = _compiled(self._run_one, autotuned=True)
-        self._few = _compiled(self._run_few, autotuned=False)
-        self._many = _compiled(self._run_many, autotuned=True)
+        self.graphs = {"one": Graph(1, 1, 1, autotuned=True)}
+        if self.max_rows >= 2:
+            self.graphs["few"] = Graph(FEW_ROWS_EXAMPLE, 2, MANY_ROWS - 1, autotuned=False)
+        if self.max_rows >= MANY_ROWS:
+            hint = min(MANY_ROWS_HINT, self.max_rows)
+            self.graphs["many"] = Graph(hint, MANY_ROWS, MAX_ROWS, autotuned=True)
+        self._loaded: dict[str, torch._C._aoti.AOTIModelPackageLoader] = {}
 
     def takes(self, layout: BatchLayout) -> bool:
-        """Whether this step is a decode batch the graph serves."""
+        """Whether this step is a decode batch the graphs serve."""
         rows = len(layout.query_lens)
         return rows <= self.max_rows and layout.num_decodes == rows
 
@@ -132,76 +135,132 @@ class CompiledDecode:
     ) -> torch.Tensor:
         """Float32 logits of every row; the step's keys and values land in the cache."""
         self.steps += 1
-        tables, mask = self._context(layout)
-        rows = len(input_ids)
-        if rows > 1:
-            for tensor in (input_ids, positions, tables, mask):
-                torch._dynamo.maybe_mark_dynamic(tensor, 0)
-        torch._dynamo.maybe_mark_dynamic(tables, 1)
-        torch._dynamo.maybe_mark_dynamic(mask, 3)
         cache = self.kv_cache
-        forward = self._one if rows == 1 else self._few if rows < MANY_ROWS else self._many
-        with _FREEZING:
-            logits, keys, values = forward(input_ids, positions, tables, mask, cache.k, cache.v)
+        tables, mask = context(layout.block_tables, layout.context_lens, cache.block_size)
+        rows = len(input_ids)
+        graph = self._loaded["one" if rows == 1 else "few" if rows < MANY_ROWS else "many"]
+        logits, keys, values = graph.run([input_ids, positions, tables, mask, cache.k, cache.v])
         cache.k.index_copy_(1, layout.slot_mapping, keys)
         cache.v.index_copy_(1, layout.slot_mapping, values)
         return logits
 
-    def _run_one(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return self._run(*inputs)
-
-    def _run_few(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return self._run(*inputs)
-
-    def _run_many(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return self._run(*inputs)
-
-    def _run(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        tables: torch.Tensor,
-        mask: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        reads = _CacheReads(k_cache, v_cache, tables, mask, self.kv_cache.block_size)
-        hidden = self.model(input_ids, positions, reads)  # type: ignore[arg-type]
-        logits = self.model.compute_logits(hidden)
-        return logits, torch.stack(reads.new_keys), torch.stack(reads.new_values)
-
-    def _context(self, layout: BatchLayout) -> tuple[torch.Tensor, torch.Tensor]:
-        """Block tables ``[rows, blocks]`` of the slots before each new token, and the
-        additive mask ``[rows, 1, 1, blocks * block_size + 1]`` over them and the new one."""
-        before = [length - 1 for length in layout.context_lens]
-        tables, mask = padded_tables(
-            layout.block_tables, before, self.kv_cache.block_size, _MIN_BLOCKS
-        )
-        mask = F.pad(mask, (0, 1))  # the new token's own column: always seen
-        return tables, mask[:, None, None, :]
-
-    @torch.inference_mode()
     def warm_up(self) -> None:
-        """Compile the graphs the batch limit allows now, on the thread that will step the model.
+        """Load the graphs (compiling them first if no start has), then run each once.
 
-        Each runs once on slot 0, which nothing has written yet and every
-        sequence writes before it reads.
+        Each runs on slot 0, which nothing has written yet and every sequence
+        writes before it reads.
         """
         start = time.perf_counter()
-        batches = [1]
-        if self.max_rows >= 2:
-            batches.append(2)
-        if self.max_rows >= MANY_ROWS:
-            batches.append(min(MANY_ROWS_HINT, self.max_rows))
-        for batch in batches:
+        packages = self._packages()
+        own = model_tensors(self.model)
+        shared: dict[str, torch.Tensor] = {}
+        torch.cpu._init_amx()  # lets this process run AMX tiles, where the CPU has them
+        for name in self.graphs:
+            self._loaded[name] = _load(packages / f"{name}.pt2", own, shared)
+        for rows in (_WARM_UP_ROWS[name] for name in self.graphs):
             layout = BatchLayout(
-                query_lens=[1] * batch,
-                context_lens=[1] * batch,
-                block_tables=[[0]] * batch,
-                slot_mapping=torch.zeros(batch, dtype=torch.long),
+                query_lens=[1] * rows,
+                context_lens=[1] * rows,
+                block_tables=[[0]] * rows,
+                slot_mapping=torch.zeros(rows, dtype=torch.long),
             )
-            zeros = (torch.zeros(batch, dtype=torch.long) for _ in range(2))
+            zeros = (torch.zeros(rows, dtype=torch.long) for _ in range(2))
             self(*zeros, layout)
-        gc.collect()  # compiling leaves tens of MB of garbage and freed heap behind
+        gc.collect()
         return_free_memory()
-        log.info("compiled the decode step in %.1f s", time.perf_counter() - start)
+        held = sum(t.nbytes for t in shared.values()) / 2**20
+        log.info(
+            "loaded the decode graphs in %.1f s (%.0f MiB of their own constants)",
+            time.perf_counter() - start,
+            held,
+        )
+
+    def _packages(self) -> Path:
+        """The directory of this model's packages, compiled now if it does not exist."""
+        root = Path(CACHE_DIR) / "decode"
+        packages = root / self._key()
+        if packages.is_dir():
+            return packages
+        root.mkdir(parents=True, exist_ok=True)
+        log.info("compiling the decode graphs in a child process; later starts load them")
+        staging = Path(tempfile.mkdtemp(dir=root, prefix=f"{packages.name}."))
+        try:
+            self._compile(staging)
+            staging.rename(packages)
+        except OSError:
+            if not packages.is_dir():
+                raise
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)  # gone if renamed; a rival's won
+        return packages
+
+    def _compile(self, out: Path) -> None:
+        model_file, spec_file = out / "model.pt", out / "spec.json"
+        torch.save(self.model, model_file)
+        spec = {
+            "threads": torch.get_num_threads(),
+            "block_size": self.kv_cache.block_size,
+            "kv_dtype": str(self.kv_cache.k.dtype).removeprefix("torch."),
+            "graphs": {name: graph._asdict() for name, graph in self.graphs.items()},
+        }
+        spec_file.write_text(json.dumps(spec))
+        command = [sys.executable, "-m", "engine.decode_compiler", str(model_file)]
+        done = subprocess.run(
+            [*command, str(spec_file), str(out)],
+            capture_output=True,
+            text=True,
+            timeout=COMPILE_TIMEOUT_S,
+        )
+        model_file.unlink()
+        if done.returncode != 0:
+            raise RuntimeError(f"compiling the decode graphs failed:\n{done.stderr[-4000:]}")
+
+    def _key(self) -> str:
+        """A hash of what the generated code depends on."""
+        digest = hashlib.blake2b(digest_size=16)
+        machine = (
+            torch.__version__,
+            torch.backends.cpu.get_cpu_capability(),
+            torch.cpu._is_amx_tile_supported(),
+            torch.cpu._is_avx512_bf16_supported(),
+            torch.get_num_threads(),
+            self.kv_cache.block_size,
+            self.kv_cache.k.dtype,
+            sorted(self.graphs.items()),
+        )
+        digest.update(repr(machine).encode())
+        here = Path(__file__).parent
+        for source in (here / name for name in _SOURCES):
+            for path in sorted(source.rglob("*.py")) if source.is_dir() else [source]:
+                digest.update(path.read_bytes())
+        for name, tensor in sorted(model_tensors(self.model).items()):
+            digest.update(f"{name} {tensor.dtype} {tuple(tensor.shape)}".encode())
+            digest.update(_bytes(tensor))
+        return digest.hexdigest()
+
+
+def _load(
+    package: Path, own: dict[str, torch.Tensor], shared: dict[str, torch.Tensor]
+) -> torch._C._aoti.AOTIModelPackageLoader:
+    """Load ``package`` with the model's own tensors, and its other constants from the package,
+    one copy for every graph that holds the same (``shared``, by content hash)."""
+    loader = torch._C._aoti.AOTIModelPackageLoader(str(package), "model", False, 1, -1)
+    constants: dict[str, torch.Tensor] = {}
+    with zipfile.ZipFile(package) as archive:
+        root = archive.namelist()[0].split("/")[0]
+        config = json.loads(archive.read(f"{root}/{WEIGHTS_CONFIG}"))
+        for name, (file, *_) in config.items():
+            if name in own:
+                constants[name] = own[name]
+                continue
+            data = archive.read(f"{root}/data/weights/{file}")
+            tensor = torch.load(io.BytesIO(data), weights_only=True)
+            key = f"{tensor.dtype} {tuple(tensor.shape)} {tensor.stride()} "
+            key += hashlib.blake2b(_bytes(tensor)).hexdigest()
+            constants[name] = shared.setdefault(key, tensor)
+    loader.load_constants(constants, False, True, True)  # user-managed: not copied
+    return loader
+
+
+def _bytes(tensor: torch.Tensor) -> memoryview:
+    return memoryview(tensor.contiguous().reshape(-1).view(torch.uint8).numpy())

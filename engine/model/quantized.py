@@ -204,8 +204,9 @@ class Int4Linear(nn.Module):
         pairs = packed[ids // layout.block].gather(2, byte).squeeze(2)  # [len(ids), in]
         codes = torch.where((lane >= half).view(-1, 1), pairs >> 4, pairs & 15)
         scale, zero = self.scales_and_zeros[:, ids].unbind(-1)  # [in/32, len(ids)] each
-        grouped = codes.view(len(ids), -1, GROUP_SIZE).to(self.dtype) - 8
-        return (grouped * scale.T[..., None] + zero.T[..., None]).view(len(ids), -1)
+        count = ids.shape[0]  # not len(ids): an exported graph keeps the count symbolic
+        grouped = codes.view(count, -1, GROUP_SIZE).to(self.dtype) - 8
+        return (grouped * scale.T[..., None] + zero.T[..., None]).view(count, -1)
 
 
 QuantizedLinear = Int8Linear | Int4Linear

@@ -1,12 +1,17 @@
-"""Decode steps through the compiled graph give what eager steps give."""
+"""Decode steps through the compiled graphs give what eager steps give, and a later start
+loads the graphs an earlier one compiled."""
 
 from __future__ import annotations
 
+import json
+import logging
+import zipfile
 from pathlib import Path
 
 import pytest
 
 from engine import LLM, SamplingParams
+from engine import compiled as compiled_module
 from shared.events import TokenLogprob
 from tests.engine.test_registry_models import make_tiny_model
 
@@ -24,7 +29,7 @@ def test_compiled_decode_matches_eager(tmp_path: Path, dtype: str, quantization:
     eager = LLM(weights, enforce_eager=True, **options)
     assert "decode steps compiled" in compiled.engine.description
     graph = compiled.engine.runner.compiled
-    assert graph is not None  # warming up compiled both graphs
+    assert graph is not None  # warming up loaded the three graphs
     warm_up_steps = graph.steps
     assert warm_up_steps == 3  # the one-row, few-rows and many-rows graphs, once each
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=2)
@@ -36,11 +41,41 @@ def test_compiled_decode_matches_eager(tmp_path: Path, dtype: str, quantization:
     assert graph.steps - warm_up_steps == 3 * 23  # every step after each batch's prefill
 
 
-def test_only_the_graphs_the_batch_limit_allows_are_compiled(tmp_path: Path) -> None:
-    """One sequence at a time: the batch-1 graph alone (the test above warms up three)."""
+def test_a_later_start_loads_what_the_first_compiled(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The first engine compiles in a child process the graphs its batch limit allows (one
+    sequence at a time: the batch-1 graph alone); the second, on the same weights, loads what
+    it wrote. A package stores only the constants compiling made: the graph runs on the
+    model's own tensors, so the weights are held once."""
+    monkeypatch.setattr(compiled_module, "CACHE_DIR", str(tmp_path / "cache"))
     weights = str(make_tiny_model(tmp_path / "tiny", hidden_size=64, intermediate_size=128))
-    llm = LLM(weights, enforce_eager=False, dtype="float32", max_num_seqs=1)
-    assert llm.engine.runner.compiled.steps == 1  # one warm-up step
+    options = dict(dtype="bfloat16", quantization="int4", max_num_seqs=1, enforce_eager=False)
+    with caplog.at_level(logging.INFO, logger="engine.compiled"):
+        first = LLM(weights, **options)
+        assert compiling(caplog) == 1
+        caplog.clear()
+        second = LLM(weights, **options)
+        assert compiling(caplog) == 0
+    assert first.engine.runner.compiled.steps == second.engine.runner.compiled.steps == 1
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    texts = [llm.generate(PROMPTS[:1], params)[0].token_ids for llm in (first, second)]
+    assert texts[0] == texts[1]
+
+    [packages] = (tmp_path / "cache" / "decode").iterdir()
+    assert sorted(p.name for p in packages.glob("*.pt2")) == ["one.pt2"]
+    own = compiled_module.model_tensors(second.engine.runner.model)
+    with zipfile.ZipFile(packages / "one.pt2") as archive:
+        root = archive.namelist()[0].split("/")[0]
+        config = json.loads(archive.read(f"{root}/{compiled_module.WEIGHTS_CONFIG}"))
+        stored = {n.rsplit("/", 1)[1] for n in archive.namelist() if "/data/weights/" in n}
+    read = own.keys() & config.keys()
+    assert read  # the graph reads the model's own tensors ...
+    assert not {config[name][0] for name in read} & stored  # ... and stores no copy
+
+
+def compiling(caplog: pytest.LogCaptureFixture) -> int:
+    return sum("compiling the decode graphs" in r.message for r in caplog.records)
 
 
 def assert_same_greedy_path(

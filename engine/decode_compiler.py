@@ -1,0 +1,166 @@
+"""Compiles the decode graphs ahead of time, in a process of its own.
+
+``python -m engine.decode_compiler MODEL SPEC OUT`` loads the model that
+``torch.save`` wrote to MODEL, exports each decode graph SPEC names
+(``torch.export``) and compiles it with AOTInductor into a package in OUT
+(``<name>.pt2``). The serving process only loads those packages (a shared
+library and a few tensors, read by PyTorch's C++ loader), so it never imports
+dynamo or inductor and keeps none of what compiling leaves behind; see
+``engine.compiled`` for the graphs and why.
+
+Each graph is one decode step: the model's forward pass over one new token per
+row, attention included as pure reads of the paged KV cache (each row attends
+to the blocks its table names, the mask hiding the slots past its context, and
+to its own new key and value), then the head. It returns every row's float32
+logits and every layer's new keys and values; the caller writes those into
+the cache, so the graph mutates nothing. The weights are frozen into the
+graph, and inductor autotunes its matmuls between ATen's kernels and its own
+C++ templates where the spec asks. A package stores only the constants that
+compiling made (the templates' repacked weights); the model's own tensors are
+handed to it when it is loaded, so they are held once.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import zipfile
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.export import Dim
+
+from engine.attention import KVCache
+from engine.attention.torch_backend import attend_decode, gather_blocks
+from engine.compiled import MIN_BLOCKS, WEIGHTS_CONFIG, Graph, context, model_tensors
+
+EXAMPLE_BLOCKS = 5
+"""The KV cache the examples read has this many blocks; its size is dynamic in the graph."""
+
+MAX_BLOCKS = 1 << 20
+"""The most blocks a table or the KV cache may hold: far beyond any context or memory."""
+
+_AUTOTUNED = {"max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
+_PACKAGE = {
+    "freezing": True,
+    "aot_inductor.package_constants_in_so": False,
+    "aot_inductor.package_constants_on_disk_format": "pickle_weights",
+}
+
+
+class _CacheReads:
+    """The attention backend the model calls inside the graph; see the module docstring."""
+
+    def __init__(
+        self,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        tables: torch.Tensor,
+        mask: torch.Tensor,
+        block_size: int,
+    ):
+        self.k_cache, self.v_cache = k_cache, v_cache
+        self.tables, self.mask, self.block_size = tables, mask, block_size
+        self.new_keys: list[torch.Tensor] = []
+        self.new_values: list[torch.Tensor] = []
+
+    def forward(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        # Stored as the cache stores them, and attended to as eager steps read them back.
+        k, v = k.to(self.k_cache.dtype), v.to(self.v_cache.dtype)
+        self.new_keys.append(k)
+        self.new_values.append(v)
+        keys = self._context(self.k_cache[layer], k, q.dtype)
+        values = self._context(self.v_cache[layer], v, q.dtype)
+        return attend_decode(q, keys, values, self.mask)
+
+    def _context(self, slots: torch.Tensor, new: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Each row's blocks, then its new slot: ``[rows, blocks * block_size + 1, heads, dim]``."""
+        blocks = slots.view(-1, self.block_size, *slots.shape[1:])
+        gathered = gather_blocks(blocks, self.tables, dtype)
+        return torch.cat((gathered, new.unsqueeze(1).to(dtype)), dim=1)
+
+
+class DecodeStep(nn.Module):
+    """One decode step of ``model``: ``(input_ids, positions, tables, mask, k_cache, v_cache)``
+    → ``(logits, new keys, new values)``, keys and values ``[layers, rows, heads, dim]``."""
+
+    def __init__(self, model: nn.Module, block_size: int):
+        super().__init__()
+        self.model = model
+        self.block_size = block_size
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        tables: torch.Tensor,
+        mask: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        reads = _CacheReads(k_cache, v_cache, tables, mask, self.block_size)
+        hidden = self.model(input_ids, positions, reads)
+        logits = self.model.compute_logits(hidden)
+        return logits, torch.stack(reads.new_keys), torch.stack(reads.new_values)
+
+
+def compile_graph(step: DecodeStep, graph: Graph, kv_dtype: torch.dtype, out: Path) -> None:
+    """Export ``step`` for ``graph``'s batch sizes and any context and cache, and package it at
+    ``out``. Export fails, rather than specialize, if the model fixes a dynamic size."""
+    cfg, block_size = step.model.cfg, step.block_size
+    cache = KVCache.allocate(
+        cfg.num_layers,
+        EXAMPLE_BLOCKS,
+        block_size,
+        cfg.num_kv_heads,
+        cfg.head_dim,
+        kv_dtype,
+        torch.device("cpu"),
+    )
+    tables, mask = context([[0]] * graph.rows, [1] * graph.rows, block_size)
+    ids = torch.zeros(graph.rows, dtype=torch.long)
+    rows = {0: Dim("rows", min=graph.least, max=graph.most)} if graph.most > 1 else {}
+    blocks = Dim("blocks", min=MIN_BLOCKS, max=MAX_BLOCKS)
+    slots = {1: block_size * Dim("cache_blocks", min=1, max=MAX_BLOCKS)}
+    dynamic = (rows, rows, rows | {1: blocks}, rows | {3: block_size * blocks + 1}, slots, slots)
+    with torch.inference_mode():
+        program = torch.export.export(
+            step, (ids, ids.clone(), tables, mask, cache.k, cache.v), dynamic_shapes=dynamic
+        )
+    options = _PACKAGE | (_AUTOTUNED if graph.autotuned else {})
+    torch._inductor.aoti_compile_and_package(
+        program, package_path=str(out), inductor_configs=options
+    )
+    _drop_model_tensors(out, set(model_tensors(step.model)))
+
+
+def _drop_model_tensors(package: Path, own: set[str]) -> None:
+    """Rewrite ``package`` without the model's own tensors: the server passes its own."""
+    with zipfile.ZipFile(package) as source:
+        root = source.namelist()[0].split("/")[0]
+        config = json.loads(source.read(f"{root}/{WEIGHTS_CONFIG}"))
+        dropped = {f"{root}/data/weights/{config[name][0]}" for name in own & config.keys()}
+        rewritten = package.with_suffix(".tmp")
+        with zipfile.ZipFile(rewritten, "w", zipfile.ZIP_STORED) as target:
+            for item in source.infolist():
+                if item.filename not in dropped:
+                    target.writestr(item, source.read(item))
+    rewritten.replace(package)
+
+
+def main(model_file: str, spec_file: str, out_dir: str) -> None:
+    spec = json.loads(Path(spec_file).read_text())
+    torch.set_num_threads(spec["threads"])
+    model = torch.load(model_file, weights_only=False)
+    step = DecodeStep(model, spec["block_size"]).eval()
+    kv_dtype = getattr(torch, spec["kv_dtype"])
+    out = Path(out_dir)
+    for name, graph in spec["graphs"].items():
+        compile_graph(step, Graph(**graph), kv_dtype, out / f"{name}.pt2")
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
