@@ -32,15 +32,14 @@ from __future__ import annotations
 
 import gc
 import hashlib
-import io
 import json
 import logging
+import os
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
-import zipfile
 from pathlib import Path
 from typing import NamedTuple
 
@@ -69,9 +68,6 @@ FEW_ROWS_EXAMPLE = 3
 
 MIN_BLOCKS = 2
 """Block tables are padded to at least this width, so that export never specializes it."""
-
-WEIGHTS_CONFIG = "data/aotinductor/model/weights_config.json"
-"""Where a package lists its constants: name → [file under data/weights, shape, stride, ...]."""
 
 COMPILE_TIMEOUT_S = 3600
 
@@ -205,8 +201,12 @@ class CompiledDecode:
         }
         spec_file.write_text(json.dumps(spec))
         command = [sys.executable, "-m", "engine.decode_compiler", str(model_file)]
+        # The child imports this very engine, installed or not.
+        project = str(Path(__file__).resolve().parent.parent)
+        path = os.pathsep.join(filter(None, (project, os.environ.get("PYTHONPATH"))))
         done = subprocess.run(
             [*command, str(spec_file), str(out)],
+            env=os.environ | {"PYTHONPATH": path},
             capture_output=True,
             text=True,
             timeout=COMPILE_TIMEOUT_S,
@@ -239,27 +239,36 @@ class CompiledDecode:
         return digest.hexdigest()
 
 
+def constants_file(package: Path) -> Path:
+    """Where the constants compiling made for ``package`` are kept, by name."""
+    return package.with_suffix(".constants")
+
+
 def _load(
     package: Path, own: dict[str, torch.Tensor], shared: dict[str, torch.Tensor]
 ) -> torch._C._aoti.AOTIModelPackageLoader:
-    """Load ``package`` with the model's own tensors, and its other constants from the package,
-    one copy for every graph that holds the same (``shared``, by content hash)."""
+    """Load ``package`` with the model's own tensors and the constants compiling made, one
+    copy of each for every graph that holds the same (``shared``, by content hash)."""
     loader = torch._C._aoti.AOTIModelPackageLoader(str(package), "model", False, 1, -1)
-    constants: dict[str, torch.Tensor] = {}
-    with zipfile.ZipFile(package) as archive:
-        root = archive.namelist()[0].split("/")[0]
-        config = json.loads(archive.read(f"{root}/{WEIGHTS_CONFIG}"))
-        for name, (file, *_) in config.items():
-            if name in own:
-                constants[name] = own[name]
-                continue
-            data = archive.read(f"{root}/data/weights/{file}")
-            tensor = torch.load(io.BytesIO(data), weights_only=True)
-            key = f"{tensor.dtype} {tuple(tensor.shape)} {tensor.stride()} "
-            key += hashlib.blake2b(_bytes(tensor)).hexdigest()
-            constants[name] = shared.setdefault(key, tensor)
+    made = torch.load(constants_file(package), weights_only=True)
+    constants = {}
+    for name in loader.get_constant_fqns():
+        if name in own:
+            constants[name] = own[name]
+            continue
+        tensor = made[name]
+        key = f"{tensor.dtype} {tuple(tensor.shape)} {tensor.stride()} "
+        constants[name] = shared.setdefault(
+            key + hashlib.blake2b(_bytes(tensor)).hexdigest(), tensor
+        )
     loader.load_constants(constants, False, True, True)  # user-managed: not copied
     return loader
+
+
+def _identity(tensor: torch.Tensor) -> str:
+    """Equal for tensors of equal layout and content."""
+    content = hashlib.blake2b(_bytes(tensor)).hexdigest()
+    return f"{tensor.dtype} {tuple(tensor.shape)} {tensor.stride()} {content}"
 
 
 def _bytes(tensor: torch.Tensor) -> memoryview:

@@ -16,12 +16,13 @@ logits and every layer's new keys and values; the caller writes those into
 the cache, so the graph mutates nothing. The weights are frozen into the
 graph, and inductor autotunes its matmuls between ATen's kernels and its own
 C++ templates where the spec asks. A package stores only the constants that
-compiling made (the templates' repacked weights); the model's own tensors are
-handed to it when it is loaded, so they are held once.
+compiling made (the templates' repacked weights), in a file beside it; the
+model's own tensors are handed to it when it is loaded, so they are held once.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import sys
 import zipfile
@@ -33,13 +34,16 @@ from torch.export import Dim
 
 from engine.attention import KVCache
 from engine.attention.torch_backend import attend_decode, gather_blocks
-from engine.compiled import MIN_BLOCKS, WEIGHTS_CONFIG, Graph, context, model_tensors
+from engine.compiled import MIN_BLOCKS, Graph, constants_file, context, model_tensors
 
 EXAMPLE_BLOCKS = 5
 """The KV cache the examples read has this many blocks; its size is dynamic in the graph."""
 
 MAX_BLOCKS = 1 << 20
 """The most blocks a table or the KV cache may hold: far beyond any context or memory."""
+
+WEIGHTS_CONFIG = "data/aotinductor/model/weights_config.json"
+"""Where a package lists its constants: name → [file under data/weights, shape, stride, ...]."""
 
 _AUTOTUNED = {"max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
 _PACKAGE = {
@@ -134,21 +138,30 @@ def compile_graph(step: DecodeStep, graph: Graph, kv_dtype: torch.dtype, out: Pa
     torch._inductor.aoti_compile_and_package(
         program, package_path=str(out), inductor_configs=options
     )
-    _drop_model_tensors(out, set(model_tensors(step.model)))
+    _move_constants(out, set(model_tensors(step.model)))
 
 
-def _drop_model_tensors(package: Path, own: set[str]) -> None:
-    """Rewrite ``package`` without the model's own tensors: the server passes its own."""
+def _move_constants(package: Path, own: set[str]) -> None:
+    """Move the constants compiling made (those not in ``own``) out of ``package`` into
+    ``constants_file(package)``, and drop the copies of the model's own tensors.
+
+    The package then holds only code, which PyTorch's loader extracts at every start.
+    """
     with zipfile.ZipFile(package) as source:
         root = source.namelist()[0].split("/")[0]
         config = json.loads(source.read(f"{root}/{WEIGHTS_CONFIG}"))
-        dropped = {f"{root}/data/weights/{config[name][0]}" for name in own & config.keys()}
+        made = {
+            name: torch.load(io.BytesIO(source.read(f"{root}/data/weights/{file}")))
+            for name, (file, *_) in config.items()
+            if name not in own
+        }
         rewritten = package.with_suffix(".tmp")
         with zipfile.ZipFile(rewritten, "w", zipfile.ZIP_STORED) as target:
             for item in source.infolist():
-                if item.filename not in dropped:
+                if "/data/weights/" not in item.filename:
                     target.writestr(item, source.read(item))
     rewritten.replace(package)
+    torch.save(made, constants_file(package))
 
 
 def main(model_file: str, spec_file: str, out_dir: str) -> None:
