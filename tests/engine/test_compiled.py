@@ -71,6 +71,25 @@ def test_a_later_start_loads_what_the_first_compiled(
     assert not made.keys() & own.keys()  # the model's own tensors are passed in, not copied
 
 
+def test_an_engine_whose_graphs_fail_to_compile_steps_eagerly(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Without a C++ compiler the child fails: the engine logs why, publishes nothing and
+    serves eagerly."""
+    monkeypatch.setattr(compiled_module, "CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))  # nothing cached
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    weights = str(make_tiny_model(tmp_path / "tiny", hidden_size=64, intermediate_size=128))
+    with caplog.at_level(logging.WARNING, logger="engine.model_runner"):
+        llm = LLM(weights, dtype="float32", max_num_seqs=1, enforce_eager=False)
+    assert llm.engine.runner.compiled is None
+    [failure] = [r for r in caplog.records if "compiling them failed" in r.message]
+    assert "no-such-compiler" in str(failure.exc_info[1])  # the child's own error
+    assert not list((tmp_path / "cache" / "decode").iterdir())
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    assert len(llm.generate(PROMPTS[:1], params)[0].token_ids) == 4
+
+
 def compiling(caplog: pytest.LogCaptureFixture) -> int:
     return sum("compiling the decode graphs" in r.message for r in caplog.records)
 
