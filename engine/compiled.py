@@ -1,4 +1,4 @@
-"""Decode steps on a CPU as compiled graphs, loaded from AOTInductor packages.
+"""Decode steps on a CPU as graphs compiled ahead of time by AOTInductor.
 
 A batch-1 decode step of a small model is a few hundred small ops, and in
 eager mode each one returns to Python between kernels: the dispatch costs
@@ -19,13 +19,15 @@ but lose below about 8 rows, hence the many-rows graph, compiled at
 inductor keys its autotuning by the symbolic shape, not the batch it measured.
 
 Compiling runs in a child process (``engine.decode_compiler``), once per
-model, machine and PyTorch version: the packages are kept under
+model, machine and PyTorch version. What it makes is kept under
 ``CACHE_DIR/decode/<key>``, where the key hashes everything the generated
-code depends on (the weights, this code, the CPU, the thread count), so a
-later start loads them in about a second. Loading hands each graph the
-model's own tensors; only what compiling made (the templates' repacked
-weights, about 80 MiB for the default model) is read from the package, and
-graphs share what is identical.
+code depends on (the weights, this code, the CPU, the thread count): for each
+graph a shared library, loaded in place by PyTorch's C++ runner, and the
+constants compiling made. So this process never imports dynamo or inductor,
+keeps nothing compiling leaves behind, and a later start loads the graphs in
+about a second. Loading hands each graph the model's own tensors; only the
+constants compiling made (the templates' repacked weights, about 105 MiB for
+the default model) are read from the cache, and graphs share identical ones.
 """
 
 from __future__ import annotations
@@ -119,7 +121,7 @@ class CompiledDecode:
         if self.max_rows >= MANY_ROWS:
             hint = min(MANY_ROWS_HINT, self.max_rows)
             self.graphs["many"] = Graph(hint, MANY_ROWS, MAX_ROWS, autotuned=True)
-        self._loaded: dict[str, torch._C._aoti.AOTIModelPackageLoader] = {}
+        self._loaded: dict[str, torch._C._aoti.AOTIModelContainerRunnerCpu] = {}
 
     def takes(self, layout: BatchLayout) -> bool:
         """Whether this step is a decode batch the graphs serve."""
@@ -147,12 +149,12 @@ class CompiledDecode:
         writes before it reads.
         """
         start = time.perf_counter()
-        packages = self._packages()
+        compiled = self._compiled_dir()
         own = model_tensors(self.model)
         shared: dict[str, torch.Tensor] = {}
         torch.cpu._init_amx()  # lets this process run AMX tiles, where the CPU has them
         for name in self.graphs:
-            self._loaded[name] = _load(packages / f"{name}.pt2", own, shared)
+            self._loaded[name] = _load(*graph_files(compiled, name), own, shared)
         for rows in (_WARM_UP_ROWS[name] for name in self.graphs):
             layout = BatchLayout(
                 query_lens=[1] * rows,
@@ -171,24 +173,24 @@ class CompiledDecode:
             held,
         )
 
-    def _packages(self) -> Path:
-        """The directory of this model's packages, compiled now if it does not exist."""
+    def _compiled_dir(self) -> Path:
+        """The directory of this model's compiled graphs, compiled now if it does not exist."""
         root = Path(CACHE_DIR) / "decode"
-        packages = root / self._key()
-        if packages.is_dir():
-            return packages
+        compiled = root / self._key()
+        if compiled.is_dir():
+            return compiled
         root.mkdir(parents=True, exist_ok=True)
         log.info("compiling the decode graphs in a child process; later starts load them")
-        staging = Path(tempfile.mkdtemp(dir=root, prefix=f"{packages.name}."))
+        staging = Path(tempfile.mkdtemp(dir=root, prefix=f"{compiled.name}."))
         try:
             self._compile(staging)
-            staging.rename(packages)
+            staging.rename(compiled)
         except OSError:
-            if not packages.is_dir():
+            if not compiled.is_dir():
                 raise
         finally:
             shutil.rmtree(staging, ignore_errors=True)  # gone if renamed; a rival's won
-        return packages
+        return compiled
 
     def _compile(self, out: Path) -> None:
         model_file, spec_file = out / "model.pt", out / "spec.json"
@@ -239,30 +241,26 @@ class CompiledDecode:
         return digest.hexdigest()
 
 
-def constants_file(package: Path) -> Path:
-    """Where the constants compiling made for ``package`` are kept, by name."""
-    return package.with_suffix(".constants")
+def graph_files(directory: Path, name: str) -> tuple[Path, Path]:
+    """A compiled graph's shared library, and the constants compiling made for it by name."""
+    return directory / f"{name}.so", directory / f"{name}.constants"
 
 
 def _load(
-    package: Path, own: dict[str, torch.Tensor], shared: dict[str, torch.Tensor]
-) -> torch._C._aoti.AOTIModelPackageLoader:
-    """Load ``package`` with the model's own tensors and the constants compiling made, one
-    copy of each for every graph that holds the same (``shared``, by content hash)."""
-    loader = torch._C._aoti.AOTIModelPackageLoader(str(package), "model", False, 1, -1)
-    made = torch.load(constants_file(package), weights_only=True)
+    library: Path, made_file: Path, own: dict[str, torch.Tensor], shared: dict[str, torch.Tensor]
+) -> torch._C._aoti.AOTIModelContainerRunnerCpu:
+    """Load a graph with the model's own tensors and the constants compiling made, one copy
+    of each for every graph that holds the same (``shared``, by content hash)."""
+    runner = torch._C._aoti.AOTIModelContainerRunnerCpu(str(library), 1)
+    made = torch.load(made_file, weights_only=True)
     constants = {}
-    for name in loader.get_constant_fqns():
-        if name in own:
-            constants[name] = own[name]
-            continue
-        tensor = made[name]
-        key = f"{tensor.dtype} {tuple(tensor.shape)} {tensor.stride()} "
-        constants[name] = shared.setdefault(
-            key + hashlib.blake2b(_bytes(tensor)).hexdigest(), tensor
+    for name, fqn in runner.get_constant_names_to_original_fqns().items():
+        tensor = own.get(fqn)
+        constants[name] = (
+            shared.setdefault(_identity(made[fqn]), made[fqn]) if tensor is None else tensor
         )
-    loader.load_constants(constants, False, True, True)  # user-managed: not copied
-    return loader
+    runner.update_constant_buffer(constants, False, True, True)  # user-managed: not copied
+    return runner
 
 
 def _identity(tensor: torch.Tensor) -> str:

@@ -2,11 +2,11 @@
 
 ``python -m engine.decode_compiler MODEL SPEC OUT`` loads the model that
 ``torch.save`` wrote to MODEL, exports each decode graph SPEC names
-(``torch.export``) and compiles it with AOTInductor into a package in OUT
-(``<name>.pt2``). The serving process only loads those packages (a shared
-library and a few tensors, read by PyTorch's C++ loader), so it never imports
-dynamo or inductor and keeps none of what compiling leaves behind; see
-``engine.compiled`` for the graphs and why.
+(``torch.export``) and compiles it with AOTInductor, leaving in OUT a shared
+library and the constants compiling made (``engine.compiled.graph_files``).
+The serving process only loads those, so it never imports dynamo or inductor
+and keeps none of what compiling leaves behind; see ``engine.compiled`` for
+the graphs and why.
 
 Each graph is one decode step: the model's forward pass over one new token per
 row, attention included as pure reads of the paged KV cache (each row attends
@@ -15,9 +15,9 @@ to its own new key and value), then the head. It returns every row's float32
 logits and every layer's new keys and values; the caller writes those into
 the cache, so the graph mutates nothing. The weights are frozen into the
 graph, and inductor autotunes its matmuls between ATen's kernels and its own
-C++ templates where the spec asks. A package stores only the constants that
-compiling made (the templates' repacked weights), in a file beside it; the
-model's own tensors are handed to it when it is loaded, so they are held once.
+C++ templates where the spec asks. Only the constants compiling made (the
+templates' repacked weights) are kept; the model's own tensors are handed to
+the graph when it is loaded, so they are held once.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from torch.export import Dim
 
 from engine.attention import KVCache
 from engine.attention.torch_backend import attend_decode, gather_blocks
-from engine.compiled import MIN_BLOCKS, Graph, constants_file, context, model_tensors
+from engine.compiled import MIN_BLOCKS, Graph, context, graph_files, model_tensors
 
 EXAMPLE_BLOCKS = 5
 """The KV cache the examples read has this many blocks; its size is dynamic in the graph."""
@@ -112,8 +112,9 @@ class DecodeStep(nn.Module):
 
 
 def compile_graph(step: DecodeStep, graph: Graph, kv_dtype: torch.dtype, out: Path) -> None:
-    """Export ``step`` for ``graph``'s batch sizes and any context and cache, and package it at
-    ``out``. Export fails, rather than specialize, if the model fixes a dynamic size."""
+    """Export ``step`` for ``graph``'s batch sizes and any context and cache, and compile it
+    into ``out``, a package that ``_unpack`` takes apart. Export fails, rather than
+    specialize, if the model fixes a dynamic size."""
     cfg, block_size = step.model.cfg, step.block_size
     cache = KVCache.allocate(
         cfg.num_layers,
@@ -138,30 +139,29 @@ def compile_graph(step: DecodeStep, graph: Graph, kv_dtype: torch.dtype, out: Pa
     torch._inductor.aoti_compile_and_package(
         program, package_path=str(out), inductor_configs=options
     )
-    _move_constants(out, set(model_tensors(step.model)))
 
 
-def _move_constants(package: Path, own: set[str]) -> None:
-    """Move the constants compiling made (those not in ``own``) out of ``package`` into
-    ``constants_file(package)``, and drop the copies of the model's own tensors.
+def _unpack(package: Path, name: str, own: set[str]) -> None:
+    """Keep ``package``'s shared library and the constants compiling made (those not in
+    ``own``) as ``graph_files(package.parent, name)``, and delete the package.
 
-    The package then holds only code, which PyTorch's loader extracts at every start.
+    PyTorch's package loader would extract the library to a temporary directory at
+    every start (and leave it behind when the process is killed); the runner loads it in
+    place.
     """
-    with zipfile.ZipFile(package) as source:
-        root = source.namelist()[0].split("/")[0]
-        config = json.loads(source.read(f"{root}/{WEIGHTS_CONFIG}"))
+    library, made_file = graph_files(package.parent, name)
+    with zipfile.ZipFile(package) as archive:
+        root = archive.namelist()[0].split("/")[0]
+        [so] = [item for item in archive.namelist() if item.endswith(".so")]
+        library.write_bytes(archive.read(so))
+        config = json.loads(archive.read(f"{root}/{WEIGHTS_CONFIG}"))
         made = {
-            name: torch.load(io.BytesIO(source.read(f"{root}/data/weights/{file}")))
-            for name, (file, *_) in config.items()
-            if name not in own
+            fqn: torch.load(io.BytesIO(archive.read(f"{root}/data/weights/{file}")))
+            for fqn, (file, *_) in config.items()
+            if fqn not in own
         }
-        rewritten = package.with_suffix(".tmp")
-        with zipfile.ZipFile(rewritten, "w", zipfile.ZIP_STORED) as target:
-            for item in source.infolist():
-                if "/data/weights/" not in item.filename:
-                    target.writestr(item, source.read(item))
-    rewritten.replace(package)
-    torch.save(made, constants_file(package))
+    torch.save(made, made_file)
+    package.unlink()
 
 
 def main(model_file: str, spec_file: str, out_dir: str) -> None:
@@ -171,8 +171,11 @@ def main(model_file: str, spec_file: str, out_dir: str) -> None:
     step = DecodeStep(model, spec["block_size"]).eval()
     kv_dtype = getattr(torch, spec["kv_dtype"])
     out = Path(out_dir)
+    own = set(model_tensors(model))
     for name, graph in spec["graphs"].items():
-        compile_graph(step, Graph(**graph), kv_dtype, out / f"{name}.pt2")
+        package = out / f"{name}.pt2"
+        compile_graph(step, Graph(**graph), kv_dtype, package)
+        _unpack(package, name, own)
 
 
 if __name__ == "__main__":
