@@ -146,8 +146,8 @@ def _unpack(package: Path, name: str, own: set[str]) -> None:
     ``own``) as ``graph_files(package.parent, name)``, and delete the package.
 
     PyTorch's package loader would extract the library to a temporary directory at
-    every start (and leave it behind when the process is killed); the runner loads it in
-    place.
+    every start, and leave it behind unless the loader is destroyed before the process
+    exits; the runner loads it in place.
     """
     library, made_file = graph_files(package.parent, name)
     with zipfile.ZipFile(package) as archive:
