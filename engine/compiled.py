@@ -32,6 +32,7 @@ the default model) are read from the cache, and graphs share identical ones.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import hashlib
 import json
@@ -72,6 +73,10 @@ MIN_BLOCKS = 2
 """Block tables are padded to at least this width, so that export never specializes it."""
 
 COMPILE_TIMEOUT_S = 3600
+
+STALE_AFTER_S = 30 * 24 * 3600
+"""Compiled graphs no start has loaded for this long are deleted when a start compiles: an
+upgrade of this code or of PyTorch changes the key, and the old entry would stay for good."""
 
 _WARM_UP_ROWS = {"one": 1, "few": 2, "many": MANY_ROWS}
 
@@ -178,8 +183,11 @@ class CompiledDecode:
         root = Path(CACHE_DIR) / "decode"
         compiled = root / self._key()
         if compiled.is_dir():
+            with contextlib.suppress(OSError):  # a read-only cache is still a cache
+                os.utime(compiled)  # in use: not stale
             return compiled
         root.mkdir(parents=True, exist_ok=True)
+        _prune(root)
         log.info("compiling the decode graphs in a child process; later starts load them")
         staging = Path(tempfile.mkdtemp(dir=root, prefix=f"{compiled.name}."))
         try:
@@ -239,6 +247,16 @@ class CompiledDecode:
             digest.update(f"{name} {tensor.dtype} {tuple(tensor.shape)}".encode())
             digest.update(_bytes(tensor))
         return digest.hexdigest()
+
+
+def _prune(root: Path) -> None:
+    """Delete the entries under ``root`` that no start has loaded for ``STALE_AFTER_S``, and
+    staging directories that old (a compile that was killed)."""
+    cutoff = time.time() - STALE_AFTER_S
+    for entry in root.iterdir():
+        if entry.is_dir() and entry.stat().st_mtime < cutoff:
+            log.info("deleting compiled decode graphs no start has loaded since %s", entry.name)
+            shutil.rmtree(entry, ignore_errors=True)
 
 
 def graph_files(directory: Path, name: str) -> tuple[Path, Path]:

@@ -4,6 +4,8 @@ loads the graphs an earlier one compiled."""
 from __future__ import annotations
 
 import logging
+import os
+import time
 from pathlib import Path
 
 import pytest
@@ -46,8 +48,16 @@ def test_a_later_start_loads_what_the_first_compiled(
     """The first engine compiles in a child process the graphs its batch limit allows (one
     sequence at a time: the batch-1 graph alone); the second, on the same weights, loads what
     it wrote. Only the constants compiling made are stored: the graph runs on the model's
-    own tensors, so the weights are held once."""
+    own tensors, so the weights are held once. Compiling deletes entries no start has loaded
+    for a month."""
     monkeypatch.setattr(compiled_module, "CACHE_DIR", str(tmp_path / "cache"))
+    root = tmp_path / "cache" / "decode"
+    stale, recent = root / "stale", root / "recent"  # entries of other models or versions
+    for entry in (stale, recent):
+        entry.mkdir(parents=True)
+        (entry / "one.so").write_bytes(b"")
+    long_ago = time.time() - compiled_module.STALE_AFTER_S - 60
+    os.utime(stale, (long_ago, long_ago))
     weights = str(make_tiny_model(tmp_path / "tiny", hidden_size=64, intermediate_size=128))
     options = dict(dtype="bfloat16", quantization="int4", max_num_seqs=1, enforce_eager=False)
     with caplog.at_level(logging.INFO, logger="engine.compiled"):
@@ -61,7 +71,8 @@ def test_a_later_start_loads_what_the_first_compiled(
     texts = [llm.generate(PROMPTS[:1], params)[0].token_ids for llm in (first, second)]
     assert texts[0] == texts[1]
 
-    [compiled] = (tmp_path / "cache" / "decode").iterdir()
+    assert not stale.exists()  # compiling deleted what no start had loaded for a month
+    [compiled] = set(root.iterdir()) - {recent}
     assert sorted(p.name for p in compiled.iterdir()) == ["one.constants", "one.so", "spec.json"]
     own = compiled_module.model_tensors(second.engine.runner.model)
     _, made_file = compiled_module.graph_files(compiled, "one")
