@@ -78,8 +78,6 @@ STALE_AFTER_S = 30 * 24 * 3600
 """Compiled graphs no start has loaded for this long are deleted when a start compiles: an
 upgrade of this code or of PyTorch changes the key, and the old entry would stay for good."""
 
-_WARM_UP_ROWS = {"one": 1, "few": 2, "many": MANY_ROWS}
-
 _SOURCES = ("model", "attention/torch_backend.py", "decode_compiler.py", "compiled.py")
 """The engine code a graph is traced from, relative to the package: part of the cache key."""
 
@@ -126,7 +124,8 @@ class CompiledDecode:
         if self.max_rows >= MANY_ROWS:
             hint = min(MANY_ROWS_HINT, self.max_rows)
             self.graphs["many"] = Graph(hint, MANY_ROWS, MAX_ROWS, autotuned=True)
-        self._loaded: dict[str, torch._C._aoti.AOTIModelContainerRunnerCpu] = {}
+        # the runner for each batch size, index = rows (0 has none); filled by warm_up
+        self._by_rows: list[torch._C._aoti.AOTIModelContainerRunnerCpu | None] = []
 
     def takes(self, layout: BatchLayout) -> bool:
         """Whether this step is a decode batch the graphs serve."""
@@ -140,9 +139,9 @@ class CompiledDecode:
         self.steps += 1
         cache = self.kv_cache
         tables, mask = context(layout.block_tables, layout.context_lens, cache.block_size)
-        rows = len(input_ids)
-        graph = self._loaded["one" if rows == 1 else "few" if rows < MANY_ROWS else "many"]
-        logits, keys, values = graph.run([input_ids, positions, tables, mask, cache.k, cache.v])
+        runner = self._by_rows[len(input_ids)]
+        assert runner is not None, "warm_up loads the graphs first"
+        logits, keys, values = runner.run([input_ids, positions, tables, mask, cache.k, cache.v])
         cache.k.index_copy_(1, layout.slot_mapping, keys)
         cache.v.index_copy_(1, layout.slot_mapping, values)
         return logits
@@ -158,9 +157,12 @@ class CompiledDecode:
         own = model_tensors(self.model)
         shared: dict[str, torch.Tensor] = {}
         torch.cpu._init_amx()  # lets this process run AMX tiles, where the CPU has them
-        for name in self.graphs:
-            self._loaded[name] = _load(*graph_files(compiled, name), own, shared)
-        for rows in (_WARM_UP_ROWS[name] for name in self.graphs):
+        self._by_rows = [None] * (self.max_rows + 1)
+        for name, graph in self.graphs.items():
+            runner = _load(*graph_files(compiled, name), own, shared)
+            for rows in range(graph.least, min(graph.most, self.max_rows) + 1):
+                self._by_rows[rows] = runner
+        for rows in (graph.least for graph in self.graphs.values()):
             layout = BatchLayout(
                 query_lens=[1] * rows,
                 context_lens=[1] * rows,
@@ -273,10 +275,10 @@ def _load(
     made = torch.load(made_file, weights_only=True)
     constants = {}
     for name, fqn in runner.get_constant_names_to_original_fqns().items():
-        tensor = own.get(fqn)
-        constants[name] = (
-            shared.setdefault(_identity(made[fqn]), made[fqn]) if tensor is None else tensor
-        )
+        if fqn in own:
+            constants[name] = own[fqn]
+        else:
+            constants[name] = shared.setdefault(_identity(made[fqn]), made[fqn])
     runner.update_constant_buffer(constants, False, True, True)  # user-managed: not copied
     return runner
 
