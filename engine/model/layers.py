@@ -14,6 +14,39 @@ from torch import nn
 
 from engine.config import RopeScaling
 
+GEMM_ROW_STEP = 256
+"""Above this many rows, half-precision CPU GEMMs run on a multiple of it; see ``gemm_rows``."""
+
+
+def gemm_rows(rows: int) -> int:
+    """The rows a half-precision CPU GEMM with ``rows`` input rows runs on.
+
+    oneDNN, which runs PyTorch's bfloat16 and float16 GEMMs on a CPU, compiles
+    kernels for every shape it meets and keeps the last 1024 (in its primitive
+    cache and in ideep's), about 1.2 MiB for each shape of the default model's
+    layers. Prefill chunks come in every length, so a server grew by a few MiB
+    with each new prompt length, towards a gigabyte. Padded to a power of two up
+    to ``GEMM_ROW_STEP`` rows and to a multiple of it above, a weight meets at
+    most 9 + max_num_batched_tokens / ``GEMM_ROW_STEP`` shapes (16 for 2048).
+    """
+    if rows <= GEMM_ROW_STEP:
+        return 1 << (rows - 1).bit_length()
+    return -(-rows // GEMM_ROW_STEP) * GEMM_ROW_STEP
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` on ``x`` ``[rows, in]``, padded to ``gemm_rows`` where oneDNN runs it.
+
+    A graph being exported has symbolic rows: it computes unpadded.
+    """
+    rows = x.shape[0]
+    if x.device.type != "cpu" or x.dtype == torch.float32 or not isinstance(rows, int):
+        return F.linear(x, weight, bias)
+    padded = gemm_rows(rows)
+    if padded == rows:
+        return F.linear(x, weight, bias)
+    return F.linear(F.pad(x, (0, 0, 0, padded - rows)), weight, bias)[:rows]
+
 
 class Linear(nn.Module):
     """y = x Wᵀ (+ b) on dense weights in the engine dtype."""
@@ -24,7 +57,7 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 class RMSNorm(nn.Module):

@@ -30,10 +30,9 @@ from dataclasses import dataclass
 from functools import cache
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from engine.model.layers import Linear
+from engine.model.layers import Linear, linear
 from shared.versions import require
 
 require("torch")  # aten._weight_int8pack_mm and the int4 pack layout are private
@@ -84,7 +83,7 @@ class Int8Linear(nn.Module):
             y = torch.ops.aten._weight_int8pack_mm(x.to(KERNEL_DTYPE), self.weight, self.scale)
             y = y.to(self.dtype)
             return y if self.bias is None else y + self.bias
-        return F.linear(x, self.dequantized(), self.bias)
+        return linear(x, self.dequantized(), self.bias)
 
     def dequantized(self) -> torch.Tensor:
         return self.scale.to(self.dtype)[:, None] * self.weight  # one pass from the int8 codes
@@ -178,7 +177,7 @@ class Int4Linear(nn.Module):
                 x.to(KERNEL_DTYPE), self.weight, GROUP_SIZE, self.scales_and_zeros
             ).to(self.dtype)
         else:
-            y = x @ self.dequantized_transposed()
+            y = linear(x, self.dequantized_transposed().T)
         return y if self.bias is None else y + self.bias
 
     def dequantized_transposed(self) -> torch.Tensor:
