@@ -34,10 +34,12 @@ from torch.export import Dim
 
 from engine.attention import KVCache
 from engine.attention.torch_backend import attend_decode, gather_blocks
-from engine.compiled import MIN_BLOCKS, Graph, context, graph_files, model_tensors
+from engine.compiled import MAX_ROWS, MIN_BLOCKS, Graph, context, graph_files, model_tensors
 
-EXAMPLE_BLOCKS = 5
-"""The KV cache the examples read has this many blocks; its size is dynamic in the graph."""
+EXAMPLE_TABLE_BLOCKS = MAX_ROWS + 1
+EXAMPLE_CACHE_BLOCKS = MAX_ROWS + 2
+"""The example's block tables are this wide and its KV cache this many blocks: sizes no batch
+shares, so export never takes the batch dimension for one of theirs."""
 
 MAX_BLOCKS = 1 << 20
 """The most blocks a table or the KV cache may hold: far beyond any context or memory."""
@@ -118,14 +120,18 @@ def compile_graph(step: DecodeStep, graph: Graph, kv_dtype: torch.dtype, out: Pa
     cfg, block_size = step.model.cfg, step.block_size
     cache = KVCache.allocate(
         cfg.num_layers,
-        EXAMPLE_BLOCKS,
+        EXAMPLE_CACHE_BLOCKS,
         block_size,
         cfg.num_kv_heads,
         cfg.head_dim,
         kv_dtype,
         torch.device("cpu"),
     )
-    tables, mask = context([[0]] * graph.rows, [1] * graph.rows, block_size)
+    tables, mask = context(
+        [[0] * EXAMPLE_TABLE_BLOCKS] * graph.rows,
+        [EXAMPLE_TABLE_BLOCKS * block_size] * graph.rows,
+        block_size,
+    )
     ids = torch.zeros(graph.rows, dtype=torch.long)
     rows = {0: Dim("rows", min=graph.least, max=graph.most)} if graph.most > 1 else {}
     blocks = Dim("blocks", min=MIN_BLOCKS, max=MAX_BLOCKS)
