@@ -27,7 +27,7 @@ def gemm_rows(rows: int) -> int:
     layers. Prefill chunks come in every length, so a server grew by a few MiB
     with each new prompt length, towards a gigabyte. Padded to a power of two up
     to ``GEMM_ROW_STEP`` rows and to a multiple of it above, a weight meets at
-    most 9 + max_num_batched_tokens / ``GEMM_ROW_STEP`` shapes (16 for 2048).
+    most 8 + max_num_batched_tokens / ``GEMM_ROW_STEP`` shapes (16 for 2048).
     """
     if rows <= GEMM_ROW_STEP:
         return 1 << (rows - 1).bit_length()
@@ -40,12 +40,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     A graph being exported has symbolic rows: it computes unpadded.
     """
     rows = x.shape[0]
-    if x.device.type != "cpu" or x.dtype == torch.float32 or not isinstance(rows, int):
-        return F.linear(x, weight, bias)
-    padded = gemm_rows(rows)
-    if padded == rows:
-        return F.linear(x, weight, bias)
-    return F.linear(F.pad(x, (0, 0, 0, padded - rows)), weight, bias)[:rows]
+    half = x.dtype in (torch.bfloat16, torch.float16)
+    if half and x.device.type == "cpu" and isinstance(rows, int):
+        x = F.pad(x, (0, 0, 0, gemm_rows(rows) - rows)) if gemm_rows(rows) > rows else x
+    return F.linear(x, weight, bias)[:rows]
 
 
 class Linear(nn.Module):
