@@ -36,14 +36,15 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
-
-from redis.asyncio import Redis
-from redis.exceptions import RedisError
+from typing import TYPE_CHECKING, NamedTuple
 
 from api.admission import FleetSnapshot, WorkerLoad
+from api.store_errors import store_errors
 from shared import keys
 from shared.prefix_hash import ImageSpan, digest, prefix_hashes
+
+if TYPE_CHECKING:
+    from redis.asyncio import Redis
 
 log = logging.getLogger(__name__)
 
@@ -138,7 +139,7 @@ class Placer:
         if self.policy.enabled:
             try:
                 placement = await self._place(token_ids, images)
-            except (RedisError, OSError, TimeoutError) as exc:
+            except (*store_errors(), TimeoutError) as exc:
                 log.warning("reading the workers' caches failed; using the shared queue: %s", exc)
         self.placed[placement.kind] += 1
         return placement

@@ -29,8 +29,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from redis.asyncio import Redis
-
 PREFIX = "sluice"
 LIST_BATCH = 100
 
@@ -182,6 +180,8 @@ class RedisObjects:
     shared = True
 
     def __init__(self, redis_url: str) -> None:
+        from redis.asyncio import Redis  # distributed mode only; embedded never loads it
+
         self._redis = Redis.from_url(redis_url, socket_timeout=30, socket_connect_timeout=2)
         self._claim = self._redis.register_script(_CLAIM)
         self._update = self._redis.register_script(_UPDATE)

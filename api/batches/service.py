@@ -32,12 +32,12 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI
-from redis.exceptions import RedisError
 
 from api.batches.objects import ObjectStore, visible
 from api.errors import ApiError, bad_request
 from api.jobs.manager import JobManager, JobRequest, SubmitError
 from api.jobs.records import JobRecord, JobStatus
+from api.store_errors import store_errors
 
 if TYPE_CHECKING:
     from api.auth import KeyRing
@@ -336,7 +336,7 @@ class Batches:
                             self._start(batch_id)
                     elif mine:  # another process holds it now
                         self._running[batch_id].cancel()
-            except (RedisError, OSError) as exc:
+            except store_errors() as exc:
                 log.warning("batch maintenance failed: %s", exc)
 
 

@@ -19,12 +19,15 @@ import base64
 import binascii
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from api.errors import ApiError, bad_request
 from api.images.destinations import DestinationPolicy
-from api.images.fetching import ImageFetchError, fetch_image
 from shared.conversation import ImageSource
 from shared.images.decoding import DecodedImage, InvalidImage, TooManyPixels, decode_image
+
+if TYPE_CHECKING:
+    from api.images.fetching import ImageFetchError
 
 DEFAULT_MAX_IMAGES = 16
 DEFAULT_MAX_IMAGE_BYTES = 20 * 2**20
@@ -96,6 +99,8 @@ def _bytes_of(
         except (binascii.Error, ValueError):
             raise _invalid(index, "is not valid base64") from None
     assert source.url is not None
+    from api.images.fetching import ImageFetchError, fetch_image  # loads httpx: URL images only
+
     try:
         return fetch_image(source.url, options.policy, max_bytes=budget, deadline=deadline).data
     except ImageFetchError as exc:

@@ -34,7 +34,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from fastapi import FastAPI
-from redis.exceptions import RedisError
 
 from api.admission import error_for
 from api.errors import ApiError
@@ -43,6 +42,7 @@ from api.jobs.runner import JobRunner, job_processor
 from api.jobs.store import JobStore
 from api.preparation import Prepared
 from api.protocols.base import Protocol
+from api.store_errors import store_errors
 from shared.events import Error
 from shared.wire import QueuedRequest
 
@@ -221,7 +221,7 @@ class JobManager:
         for runner, _ in runners:
             if self.store.shared:
                 runner.detach()
-                with contextlib.suppress(RedisError, OSError):
+                with contextlib.suppress(*store_errors()):
                     await self.store.release(runner.job_id, self.holder)
             else:
                 runner.cancel()
@@ -389,7 +389,7 @@ class JobManager:
                 for job_id in await self.store.unfinished():
                     if not self._runs_here(job_id) and await self.store.claim(job_id, self.holder):
                         await self._adopt(job_id)
-            except (RedisError, OSError) as exc:
+            except store_errors() as exc:
                 log.warning("job maintenance failed: %s", exc)
 
     async def _renew(self) -> None:

@@ -34,13 +34,13 @@ from dataclasses import replace
 from typing import Any
 
 import anyio
-from redis.exceptions import RedisError
 
 from api.jobs.records import JobOutcome, JobRecord, JobStatus, StoredChunk
 from api.jobs.store import JobEnded, JobStore
 from api.output_parser import OutputParser
 from api.preparation import Prepared
 from api.protocols.base import SSEChunk
+from api.store_errors import store_errors
 from api.streaming import StreamProcessor, chunk_data
 from shared.events import Finish, FinishReason, InferenceEvent
 
@@ -183,7 +183,7 @@ class JobRunner:
                 await self._drain()
             else:
                 log.info("job %s ended elsewhere (cancelled or expired)", self.job_id)
-        except (RedisError, OSError) as exc:  # the lease lapses and the job is adopted later
+        except store_errors() as exc:  # the lease lapses and the job is adopted later
             log.warning("job %s: the store failed (%s); leaving it for adoption", self.job_id, exc)
             self.detached = True
             await self._drain()
@@ -280,7 +280,7 @@ class JobRunner:
     async def _release(self) -> None:
         try:
             await self._store.release(self.job_id, self._holder)
-        except (RedisError, OSError) as exc:  # it lapses on its own
+        except store_errors() as exc:  # it lapses on its own
             log.debug("releasing the lease of job %s failed: %s", self.job_id, exc)
 
 
