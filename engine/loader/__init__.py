@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from gguf import GGUFReader
+    from shared.gguf_file import GGUFFile
 
 
 @dataclass
@@ -31,7 +31,7 @@ class Checkpoint:
 
     config: dict[str, Any]
     tensors: Iterator[tuple[str, torch.Tensor]]
-    gguf: GGUFReader | None = None  # a GGUF file's open reader, for its tokenizer
+    gguf: GGUFFile | None = None  # a GGUF file's header, for its tokenizer
     stored_bits: dict[str, float | None] = field(default_factory=dict)
     """Bits per weight of each GGUF tensor, by HF name, scales included; None for float ones."""
 

@@ -1,4 +1,5 @@
-"""GGUF checkpoints (llama.cpp's format), read with the ``gguf`` package.
+"""GGUF checkpoints (llama.cpp's format): the header read by ``shared.gguf_file``, tensors
+dequantized by the ``gguf`` package.
 
 Three things differ from an HF checkpoint and are undone here:
 
@@ -23,11 +24,12 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, ReaderTensor
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 
 from engine.config import ModelConfig
 from engine.loader import Checkpoint
+from shared.gguf_file import GGUFFile, GGUFTensor
 
 SUPPORTED_GGUF_ARCHITECTURES = ("llama",)
 
@@ -54,8 +56,8 @@ _FLOAT_TYPES = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantiza
 
 def load_gguf(path: Path, dtype: torch.dtype) -> Checkpoint:
     """Read the metadata and tensor table now; dequantize tensors as they are iterated."""
-    reader = GGUFReader(path)  # kept in the checkpoint: the tokenizer reads the same header
-    meta = _Metadata(reader)
+    reader = GGUFFile(path)  # kept in the checkpoint: the tokenizer reads the same header
+    meta = _Metadata(reader.metadata)
     architecture = meta.get("general.architecture")
     if architecture not in SUPPORTED_GGUF_ARCHITECTURES:
         raise ValueError(
@@ -118,11 +120,11 @@ def unpermute_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
     )
 
 
-def dequantize_tensor(tensor: ReaderTensor) -> np.ndarray:
+def dequantize_tensor(tensor: GGUFTensor) -> np.ndarray:
     """A tensor's values as float32 in HF's (out_features, in_features) layout.
 
-    GGUF lists dimensions innermost first; the reader already reverses them,
-    so the row-major result needs no transpose.
+    GGUF lists dimensions innermost first; reversed, they are the row-major shape, so the
+    result needs no transpose.
     """
     try:
         values = dequantize(tensor.data, tensor.tensor_type)
@@ -131,12 +133,12 @@ def dequantize_tensor(tensor: ReaderTensor) -> np.ndarray:
             f"GGUF tensor {tensor.name!r} has type {tensor.tensor_type.name}, "
             "which cannot be dequantized"
         ) from exc
-    shape = tuple(reversed([int(dim) for dim in tensor.shape]))
+    shape = tuple(reversed(tensor.shape))
     return values.astype(np.float32, copy=False).reshape(shape)
 
 
 def _iter_tensors(
-    reader: GGUFReader, names: dict[str, str | None], config: dict[str, Any], dtype: torch.dtype
+    reader: GGUFFile, names: dict[str, str | None], config: dict[str, Any], dtype: torch.dtype
 ) -> Iterator[tuple[str, torch.Tensor]]:
     heads = {
         "q_proj": config["num_attention_heads"],
@@ -163,12 +165,11 @@ def _to_torch(values: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
 class _Metadata:
     """Typed access to the GGUF key/value table."""
 
-    def __init__(self, reader: GGUFReader) -> None:
-        self._fields = reader.fields
+    def __init__(self, metadata: dict[str, Any]) -> None:
+        self._metadata = metadata
 
     def get(self, key: str, default: Any = None) -> Any:
-        field = self._fields.get(key)
-        return default if field is None else field.contents()
+        return self._metadata.get(key, default)
 
     def require(self, key: str) -> Any:
         value = self.get(key)
@@ -177,7 +178,7 @@ class _Metadata:
         return value
 
 
-def _hf_config(meta: _Metadata, reader: GGUFReader) -> dict[str, Any]:
+def _hf_config(meta: _Metadata, reader: GGUFFile) -> dict[str, Any]:
     arch = meta.require("general.architecture")
     num_heads = int(meta.require(f"{arch}.attention.head_count"))
     hidden_size = int(meta.require(f"{arch}.embedding_length"))
@@ -208,7 +209,7 @@ def _hf_config(meta: _Metadata, reader: GGUFReader) -> dict[str, Any]:
     }
 
 
-def _vocab_size(meta: _Metadata, reader: GGUFReader) -> int:
+def _vocab_size(meta: _Metadata, reader: GGUFFile) -> int:
     arch = meta.require("general.architecture")
     if size := meta.get(f"{arch}.vocab_size"):
         return int(size)
@@ -219,7 +220,7 @@ def _vocab_size(meta: _Metadata, reader: GGUFReader) -> int:
 
 
 def _rope_scaling(
-    meta: _Metadata, reader: GGUFReader, head_dim: int, rope_theta: float
+    meta: _Metadata, reader: GGUFFile, head_dim: int, rope_theta: float
 ) -> dict[str, Any] | None:
     """HF's ``rope_scaling`` from the ``rope.scaling.*`` keys or a ``rope_freqs`` tensor.
 
