@@ -24,7 +24,7 @@ serve: install
 test: install
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
-# kill -9 of the worker serving a stream, SOAK_ROUNDS times (the suite runs 3)
+# kill -9 of the worker serving a stream, SOAK_ROUNDS times (the suite runs 2)
 SOAK_ROUNDS ?= 50
 soak: install
 	SLUICE_KILL_ROUNDS=$(SOAK_ROUNDS) $(PY) -m pytest -q tests/distributed/test_worker_death.py
