@@ -62,7 +62,7 @@ def _wait_ready(base_url: str, process: subprocess.Popen, log_path: Path) -> Non
                 return
         except httpx.TransportError:
             pass
-        time.sleep(0.5)
+        time.sleep(0.1)
     pytest.fail(f"the server was not ready after {STARTUP_TIMEOUT_S}s:\n{log_path.read_text()}")
 
 
