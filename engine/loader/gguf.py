@@ -57,7 +57,7 @@ _FLOAT_TYPES = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantiza
 def load_gguf(path: Path, dtype: torch.dtype) -> Checkpoint:
     """Read the metadata and tensor table now; dequantize tensors as they are iterated."""
     reader = GGUFFile(path)  # kept in the checkpoint: the tokenizer reads the same header
-    meta = _Metadata(reader.metadata)
+    meta = reader.metadata
     architecture = meta.get("general.architecture")
     if architecture not in SUPPORTED_GGUF_ARCHITECTURES:
         raise ValueError(
@@ -162,26 +162,17 @@ def _to_torch(values: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
     return torch.from_numpy(values).to(dtype).contiguous()
 
 
-class _Metadata:
-    """Typed access to the GGUF key/value table."""
-
-    def __init__(self, metadata: dict[str, Any]) -> None:
-        self._metadata = metadata
-
-    def get(self, key: str, default: Any = None) -> Any:
-        return self._metadata.get(key, default)
-
-    def require(self, key: str) -> Any:
-        value = self.get(key)
-        if value is None:
-            raise ValueError(f"GGUF metadata is missing {key!r}")
-        return value
+def _require(meta: dict[str, Any], key: str) -> Any:
+    value = meta.get(key)
+    if value is None:
+        raise ValueError(f"GGUF metadata is missing {key!r}")
+    return value
 
 
-def _hf_config(meta: _Metadata, reader: GGUFFile) -> dict[str, Any]:
-    arch = meta.require("general.architecture")
-    num_heads = int(meta.require(f"{arch}.attention.head_count"))
-    hidden_size = int(meta.require(f"{arch}.embedding_length"))
+def _hf_config(meta: dict[str, Any], reader: GGUFFile) -> dict[str, Any]:
+    arch = _require(meta, "general.architecture")
+    num_heads = int(_require(meta, f"{arch}.attention.head_count"))
+    hidden_size = int(_require(meta, f"{arch}.embedding_length"))
     head_dim = int(
         meta.get(f"{arch}.attention.key_length")
         or meta.get(f"{arch}.rope.dimension_count")
@@ -194,8 +185,8 @@ def _hf_config(meta: _Metadata, reader: GGUFFile) -> dict[str, Any]:
         "model_type": "llama",
         "vocab_size": _vocab_size(meta, reader),
         "hidden_size": hidden_size,
-        "intermediate_size": int(meta.require(f"{arch}.feed_forward_length")),
-        "num_hidden_layers": int(meta.require(f"{arch}.block_count")),
+        "intermediate_size": int(_require(meta, f"{arch}.feed_forward_length")),
+        "num_hidden_layers": int(_require(meta, f"{arch}.block_count")),
         "num_attention_heads": num_heads,
         "num_key_value_heads": int(meta.get(f"{arch}.attention.head_count_kv") or num_heads),
         "head_dim": head_dim,
@@ -209,8 +200,8 @@ def _hf_config(meta: _Metadata, reader: GGUFFile) -> dict[str, Any]:
     }
 
 
-def _vocab_size(meta: _Metadata, reader: GGUFFile) -> int:
-    arch = meta.require("general.architecture")
+def _vocab_size(meta: dict[str, Any], reader: GGUFFile) -> int:
+    arch = _require(meta, "general.architecture")
     if size := meta.get(f"{arch}.vocab_size"):
         return int(size)
     if tokens := meta.get("tokenizer.ggml.tokens"):
@@ -220,14 +211,14 @@ def _vocab_size(meta: _Metadata, reader: GGUFFile) -> int:
 
 
 def _rope_scaling(
-    meta: _Metadata, reader: GGUFFile, head_dim: int, rope_theta: float
+    meta: dict[str, Any], reader: GGUFFile, head_dim: int, rope_theta: float
 ) -> dict[str, Any] | None:
     """HF's ``rope_scaling`` from the ``rope.scaling.*`` keys or a ``rope_freqs`` tensor.
 
     Llama 3.1+ GGUFs carry no scaling keys: the converter bakes the "llama3"
     scaling into per-frequency factors (``rope_freqs.weight``).
     """
-    arch = meta.require("general.architecture")
+    arch = _require(meta, "general.architecture")
     original = meta.get(f"{arch}.rope.scaling.original_context_length")
     kind = meta.get(f"{arch}.rope.scaling.type")
     if kind not in (None, "none"):
