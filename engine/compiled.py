@@ -55,6 +55,7 @@ from torch import nn
 from engine import CACHE_DIR
 from engine.attention import BatchLayout, KVCache
 from engine.attention.torch_backend import padded_tables
+from engine.model import vnni_gemm
 from shared.heap import return_free_memory
 
 log = logging.getLogger(__name__)
@@ -237,6 +238,7 @@ class CompiledDecode:
             torch.backends.cpu.get_cpu_capability(),
             torch.cpu._is_amx_tile_supported(),
             torch.cpu._is_avx512_bf16_supported(),
+            vnni_gemm.available(),
             torch.get_num_threads(),
             self.kv_cache.block_size,
             self.kv_cache.k.dtype,

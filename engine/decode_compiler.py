@@ -160,6 +160,9 @@ def _unpack(package: Path, name: str, own: set[str]) -> None:
         root = archive.namelist()[0].split("/")[0]
         [so] = [item for item in archive.namelist() if item.endswith(".so")]
         library.write_bytes(archive.read(so))
+        calls = so.removesuffix(".so") + ".json"  # the custom ops the graph calls, if any
+        if calls in archive.namelist():  # the runner reads it from beside the library
+            library.with_suffix(".json").write_bytes(archive.read(calls))
         config = json.loads(archive.read(f"{root}/{WEIGHTS_CONFIG}"))
         made = {
             fqn: torch.load(io.BytesIO(archive.read(f"{root}/data/weights/{file}")))

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from engine import LLM, SamplingParams
-from engine.model import quantized
+from engine.model import quantized, vnni_gemm
 from engine.model.layers import Linear
 from engine.model.quantized import Int4Linear, Int8Linear, QuantizedEmbedding, quantize_linears
 from engine.setup import LoadedModel
@@ -116,11 +116,17 @@ def test_quantized_default_model_follows_fp32(loaded_model: LoadedModel) -> None
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("rows", [1, 5, quantized.DENSE_FROM_ROWS, 150])
+@pytest.mark.parametrize("rows", [1, 5, quantized.DENSE_FROM_ROWS, 150, 400])
+@pytest.mark.parametrize("kernel", ["vnni", "aten"])
 def test_int4_linear_matches_its_dequantized_weight(
-    rows: int, bias: bool, dtype: torch.dtype
+    rows: int, bias: bool, dtype: torch.dtype, kernel: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The int4 kernel (few rows) and the dequantized GEMM (many) both compute x·Wᵀ+b."""
+    """Each int4 kernel (``vnni_gemm`` where the CPU has VNNI, else PyTorch's) and the
+    dequantized GEMM (many rows) compute x·Wᵀ+b."""
+    if kernel == "aten":
+        monkeypatch.setattr(quantized.vnni_gemm, "available", lambda: False)
+    elif not vnni_gemm.available():
+        pytest.skip("the CPU lacks AVX-512 VNNI")
     dense = _random_linear(192, 96, bias, dtype)
     layer = quantized.quantize(dense, "int4")
     assert isinstance(layer, Int4Linear) and layer.weight.dtype == torch.uint8

@@ -1,0 +1,102 @@
+"""``torch.ops.sluice.int4_gemm`` and ``int8_gemm``: low-bit weights times int8 activations
+on AVX-512 VNNI.
+
+The kernels (``vnni_gemm.cpp``) read PyTorch's AVX-512 int4 pack and its int8
+layout as they are, so a layer keeps one copy of its weights whichever kernel
+runs. They are compiled for this machine on first use (about 9 s) and kept
+under ``CACHE_DIR/kernels/<key>``, the key hashing the source, the flags and
+PyTorch's version; each build runs in a directory of its own and is renamed
+into place, so processes starting together never wait on one another's lock.
+Where the CPU lacks the instructions or the build fails, ``available()`` is
+false and the layers keep PyTorch's kernels.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import tempfile
+from functools import cache
+from pathlib import Path
+
+import torch
+
+from engine import CACHE_DIR
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("vnni_gemm.cpp")
+NAME = "sluice_vnni_gemm"
+FLAGS = ("-O3", "-march=x86-64-v4", "-mavx512vnni", "-mavx512vbmi", "-fopenmp")
+CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx512vbmi")
+"""What the kernels execute: x86-64-v4, VNNI's vpdpbusd and VBMI's vpermt2b."""
+
+
+@cache
+def available() -> bool:
+    """Whether the kernels run here; builds and loads them on first call."""
+    if not _cpu_has(CPU_FLAGS):
+        return False
+    try:
+        _load()
+    except Exception as error:  # no compiler, no ninja, a full disk: PyTorch's kernel serves
+        log.warning("the VNNI kernels are unavailable, using PyTorch's: %s", error)
+        return False
+    torch.library.register_fake("sluice::int4_gemm")(_int4_shape)
+    torch.library.register_fake("sluice::int8_gemm")(_int8_shape)
+    return True
+
+
+def _int4_shape(
+    x: torch.Tensor, pack: torch.Tensor, scales_and_zeros: torch.Tensor
+) -> torch.Tensor:
+    return x.new_empty((x.shape[0], scales_and_zeros.shape[1]), dtype=torch.float32)
+
+
+def _int8_shape(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    return x.new_empty((x.shape[0], weight.shape[0]), dtype=torch.float32)
+
+
+def _cpu_has(flags: tuple[str, ...]) -> bool:
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    line = next((line for line in info.splitlines() if line.startswith("flags")), "")
+    return set(flags) <= set(line.split())
+
+
+def _load() -> None:
+    """Load the kernels' shared library, compiling it first if no process has."""
+    digest = hashlib.blake2b(digest_size=12)
+    digest.update(SOURCE.read_bytes())
+    digest.update(repr((FLAGS, torch.__version__)).encode())
+    built = Path(CACHE_DIR) / "kernels" / digest.hexdigest()
+    library = built / f"{NAME}.so"
+    if library.is_file():
+        torch.ops.load_library(str(library))
+        return
+    import ninja  # the build tool, installed with the project
+    from torch.utils import cpp_extension  # imports setuptools: only when compiling
+
+    os.environ["PATH"] = os.pathsep.join((ninja.BIN_DIR, os.environ.get("PATH", "")))
+
+    built.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=built.parent, prefix=f"{built.name}."))
+    try:
+        cpp_extension.load(  # compiles and loads
+            NAME,
+            [str(SOURCE)],
+            extra_cflags=list(FLAGS),
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(staging),
+            is_python_module=False,
+        )
+        staging.rename(built)
+    except OSError:
+        if not library.is_file():  # not a rival's rename that won
+            raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)  # gone if renamed; the loaded copy stays mapped
