@@ -23,9 +23,11 @@ inductor keys its autotuning by the symbolic shape, not the batch it measured.
 Compiling runs in a child process (``engine.decode_compiler``), once per
 model, machine and PyTorch version. What it makes is kept under
 ``CACHE_DIR/decode/<key>``, where the key hashes everything the generated
-code depends on (the weights, this code, the CPU, the thread count): for each
-graph a shared library, loaded in place by PyTorch's C++ runner, and the
-constants compiling made. So this process never imports dynamo or inductor,
+code depends on (the weights, this code, the CPU, the thread count, whether
+the VNNI kernels run): for each graph a shared library, loaded in place by
+PyTorch's C++ runner, the constants compiling made, and where the graph calls
+the VNNI kernels (``engine.model.vnni_gemm``) the description of those calls
+that the runner reads from beside the library. So this process never imports dynamo or inductor,
 keeps nothing compiling leaves behind, and a later start loads the graphs in
 about a second. Loading hands each graph the model's own tensors; only the
 constants compiling made (the templates' repacked weights, about 105 MiB for
