@@ -20,7 +20,7 @@ dense GEMM in the model's dtype instead; decode batches stay on the low-bit
 kernel, because dequantizing every weight on every step costs more than it
 saves below that size.
 
-Where the CPU has AVX-512 VNNI, the layers run ``vnni_gemm``'s kernels on the
+Where the CPU has AVX-512 VNNI but no AMX, the layers run ``vnni_gemm``'s kernels on the
 same weights instead: they multiply the weights with int8 activations, each
 unpacked weight vector serving several rows. ``int4_gemm`` beats PyTorch's
 int4 kernel at every size (1.6-2.8x at one row on the default model's larger

@@ -13,7 +13,9 @@ import torch
 from engine.model import vnni_gemm
 from engine.model.quantized import GROUP_SIZE, Int4Linear, Int8Linear
 
-pytestmark = pytest.mark.skipif(not vnni_gemm.available(), reason="the CPU lacks AVX-512 VNNI")
+pytestmark = pytest.mark.skipif(
+    not vnni_gemm.available(), reason="the VNNI kernels do not run here"
+)
 
 
 def _weight_and_input(
