@@ -462,8 +462,10 @@ def build_parser() -> argparse.ArgumentParser:
     # Listed for --help; its options belong to workers.main, which main() hands them to.
     commands.add_parser("worker", help="run a GPU worker for distributed mode (--redis URL)")
 
-    bench = commands.add_parser("bench", help="run a benchmark (engine, or serve: over HTTP)")
-    bench.add_argument("which", choices=["engine", "serve"])
+    bench = commands.add_parser(
+        "bench", help="run a benchmark (engine; serve: over HTTP; lowbit: the linear kernels)"
+    )
+    bench.add_argument("which", choices=["engine", "serve", "lowbit"])
     bench.add_argument("rest", nargs=argparse.REMAINDER)
     bench.set_defaults(run=_bench)
     return parser

@@ -105,3 +105,21 @@ def test_a_new_cache_builds_it_once_and_leaves_no_staging_behind(tmp_path: Path)
         subprocess.run([sys.executable, "-c", probe], env=env, check=True, timeout=300)
     [built] = (tmp_path / "kernels").iterdir()
     assert (built / f"{vnni_gemm.NAME}.so").is_file()
+
+
+def test_a_failed_build_leaves_pytorchs_kernels_serving(tmp_path: Path) -> None:
+    """Without a working compiler the layers fall back, with a warning, and still compute."""
+    probe = (
+        "import torch; from engine.model import vnni_gemm;"
+        "from engine.model.quantized import Int4Linear;"
+        "assert not vnni_gemm.available();"
+        "layer = Int4Linear(torch.randn(64, 64, dtype=torch.bfloat16), None);"
+        "assert layer(torch.randn(4, 64, dtype=torch.bfloat16)).isfinite().all()"
+    )
+    env = os.environ | {"SLUICE_CACHE_DIR": str(tmp_path), "CXX": str(tmp_path / "no-compiler")}
+    done = subprocess.run(
+        [sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    assert "the VNNI kernels are unavailable" in done.stderr
+    assert not any((tmp_path / "kernels").glob("*/*.so"))
