@@ -17,6 +17,7 @@ from engine.block_manager import BlockManager
 from engine.config import EngineArgs
 from engine.constraints import Constraints
 from engine.detokenizer import OutputText
+from engine.model import vnni_gemm
 from engine.model.idefics3 import Idefics3ForConditionalGeneration
 from engine.model.llama import LlamaForCausalLM
 from engine.model_runner import ModelRunner
@@ -332,6 +333,11 @@ class EngineStats:
 
 
 def _weights(quantized: dict[str, str]) -> str:
-    """How the linear layers are stored, e.g. "int4 x120, int8 x1" or "dense"."""
+    """How the linear layers are stored and multiplied, e.g. "int4 x120, int8 x1 on the VNNI
+    kernels" or "dense"."""
     counts = Counter(quantized.values())
-    return ", ".join(f"{method} x{count}" for method, count in sorted(counts.items())) or "dense"
+    if not counts:
+        return "dense"
+    stored = ", ".join(f"{method} x{count}" for method, count in sorted(counts.items()))
+    kernels = "the VNNI kernels" if vnni_gemm.available() else "PyTorch's kernels"
+    return f"{stored} on {kernels}"

@@ -45,7 +45,8 @@ namespace {
 
 constexpr int64_t kGroup = 32;  // inputs per scale, in the weights and the activations
 constexpr int64_t kBlock = 64;  // output rows per block of the pack
-constexpr int kTile = 4;        // input rows that share each unpacked weight vector
+constexpr int kTile = 4;        // int4: input rows that share each unpacked weight vector
+constexpr int kTile8 = 8;       // int8: the same, with half the accumulators a row
 
 struct Activations {
   const int8_t* codes;  // [M, K]: c
@@ -173,17 +174,21 @@ QuantizedRows quantize_rows(const at::Tensor& x) {
   return q;
 }
 
-// Runs tile<T> (with T = rows, up to kTile) over every tile of M rows.
-template <typename Tile>
-void over_tiles(int64_t M, const Tile& tile_of) {
-  for (int64_t m0 = 0; m0 < M; m0 += kTile) {
-    switch (std::min<int64_t>(kTile, M - m0)) {
-      case 4: tile_of(std::integral_constant<int, 4>{}, m0); break;
-      case 3: tile_of(std::integral_constant<int, 3>{}, m0); break;
-      case 2: tile_of(std::integral_constant<int, 2>{}, m0); break;
-      default: tile_of(std::integral_constant<int, 1>{}, m0); break;
-    }
+// Calls tile_of(T, m0) for the last `rows` rows, T = rows (at most Max).
+template <int Max, typename Tile>
+void last_tile(int64_t rows, int64_t m0, const Tile& tile_of) {
+  if constexpr (Max > 0) {
+    if (rows == Max) return tile_of(std::integral_constant<int, Max>{}, m0);
+    last_tile<Max - 1>(rows, m0, tile_of);
   }
+}
+
+// Calls tile_of(T, m0) over M rows in tiles of T = Max rows, then the rest.
+template <int Max, typename Tile>
+void over_tiles(int64_t M, const Tile& tile_of) {
+  int64_t m0 = 0;
+  for (; m0 + Max <= M; m0 += Max) tile_of(std::integral_constant<int, Max>{}, m0);
+  if (m0 < M) last_tile<Max - 1>(M - m0, m0, tile_of);
 }
 
 at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& pack, const at::Tensor& scales_and_zeros) {
@@ -205,7 +210,7 @@ at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& pack, const at::Tens
     for (int64_t task = begin; task < end; ++task) {
       const int64_t block = task / 2;
       const int h = static_cast<int>(task % 2);
-      over_tiles(M, [&](auto rows, int64_t m0) {
+      over_tiles<kTile>(M, [&](auto rows, int64_t m0) {
         tile<decltype(rows)::value>(q.view, m0, K, weights, szp, N, block, h, out);
       });
     }
@@ -256,12 +261,12 @@ void unpack8(const int8_t* w, int64_t K, int64_t n0, __m512i* vectors, __m512i* 
   }
 }
 
-// Rows m0..m0+T-1 of y, outputs n0..n0+15, from unpack8's vectors and the rows' scales.
+// Rows m0..m0+T-1 of y, outputs n0..n0+15, from unpack8's vectors and the rows' scales; the
+// activations' codes arrive unsigned, as c + 128 and f + 128.
 template <int T>
 void tile8(const Activations& act, int64_t m0, int64_t K, const __m512i* vectors,
            const __m512i* sums, const __m512 scale, int64_t N, int64_t n0, float* y) {
   const int64_t groups = K / kGroup;
-  const int32_t unsigned_ = static_cast<int32_t>(0x80808080u);  // + 128 a byte
   const __m512i correction = _mm512_set1_epi32(128 * 257);
   __m512 acc[T];
   for (int t = 0; t < T; ++t) acc[t] = _mm512_setzero_ps();
@@ -275,8 +280,8 @@ void tile8(const Activations& act, int64_t m0, int64_t K, const __m512i* vectors
         int32_t four, four_fine;
         std::memcpy(&four, act.codes + (m0 + t) * K + k, 4);
         std::memcpy(&four_fine, act.fine + (m0 + t) * K + k, 4);
-        dot[t] = _mm512_dpbusd_epi32(dot[t], _mm512_set1_epi32(four ^ unsigned_), weights);
-        finer[t] = _mm512_dpbusd_epi32(finer[t], _mm512_set1_epi32(four_fine ^ unsigned_), weights);
+        dot[t] = _mm512_dpbusd_epi32(dot[t], _mm512_set1_epi32(four), weights);
+        finer[t] = _mm512_dpbusd_epi32(finer[t], _mm512_set1_epi32(four_fine), weights);
       }
     }
     const __m512i taken = _mm512_mullo_epi32(sums[g], correction);
@@ -292,7 +297,8 @@ void tile8(const Activations& act, int64_t m0, int64_t K, const __m512i* vectors
 at::Tensor int8_gemm(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales) {
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kChar, "weight: [out, in] int8");
   TORCH_CHECK(scales.dim() == 1 && scales.scalar_type() == at::kBFloat16, "scales: [out] bfloat16");
-  const auto q = quantize_rows(x);
+  auto q = quantize_rows(x);
+  for (auto* codes : {&q.codes, &q.fine}) codes->bitwise_xor_(-128);  // + 128: unsigned bytes
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
   TORCH_CHECK(weight.size(1) == K && scales.size(0) == N, "weight: [out, in], scales: [out]");
   TORCH_CHECK(K % (2 * kGroup) == 0 && N % 16 == 0,
@@ -308,7 +314,7 @@ at::Tensor int8_gemm(const at::Tensor& x, const at::Tensor& weight, const at::Te
     for (int64_t n0 = 16 * begin; n0 < 16 * end; n0 += 16) {
       unpack8(wp, K, n0, vectors.data(), sums.data());
       const __m512 scale = load_bf16(sp + n0);
-      over_tiles(M, [&](auto rows, int64_t m0) {
+      over_tiles<kTile8>(M, [&](auto rows, int64_t m0) {
         tile8<decltype(rows)::value>(q.view, m0, K, vectors.data(), sums.data(), scale, N, n0, out);
       });
     }

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from engine.model import vnni_gemm
 from engine.model.quantized import QuantizedEmbedding
 from engine.precision import native_bf16_flag, resolve_precision, stored_methods
 
@@ -126,7 +127,8 @@ def test_the_default_precision_stays_near_float32(
     reference = LLM(dtype="float32", max_model_len=256, num_kv_blocks=64)
     dtype = fast.engine.precision.dtype
     assert dtype == (torch.float32 if flag is None else torch.bfloat16)
-    assert "weights int4 x120, int8 x1" in fast.engine.description
+    kernels = "the VNNI" if vnni_gemm.available() else "PyTorch's"
+    assert f"weights int4 x120, int8 x1 on {kernels} kernels" in fast.engine.description
     model = fast.engine.runner.model
     assert isinstance(model.embed_tokens, QuantizedEmbedding)  # no dense copy of the tied head
     assert fast.engine.runner.attention.kv_cache.k.dtype == torch.bfloat16
