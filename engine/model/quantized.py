@@ -24,8 +24,8 @@ Where the CPU has AVX-512 VNNI but no AMX, the layers run ``vnni_gemm``'s kernel
 same weights instead: they multiply the weights with int8 activations, each
 unpacked weight vector serving several rows. ``int4_gemm`` beats PyTorch's
 int4 kernel at every size (1.6-2.8x at one row on the default model's larger
-projections, 1.3-1.9x at 32); ``int8_gemm`` its int8 kernel from
-``INT8_VNNI_FROM_ROWS`` (2x at 32 rows on the head). Both beat
+projections, 1.2-1.9x at 32); ``int8_gemm`` its int8 kernel from
+``INT8_VNNI_FROM_ROWS`` (2.2-3x at 32 rows on the head). Both beat
 dequantize-then-GEMM up to ``VNNI_DENSE_FROM_ROWS``.
 
 A tied embedding reads its rows from the quantized head (``QuantizedEmbedding``)
@@ -61,9 +61,10 @@ VNNI_DENSE_FROM_ROWS = 384
 projection, 7.4 both ways at 512)."""
 
 INT8_VNNI_FROM_ROWS = 4
-"""Input rows from which ``int8_gemm`` beats PyTorch's int8 kernel (the default model's
-49152x576 head: 2.5 against 2.4 ms at 4 rows, 3.5 against 5.3 at 8, 9.6 against 19.7 at 32);
-below, its transposing of the weights costs more than the rows save."""
+"""Input rows from which ``int8_gemm`` runs instead of PyTorch's int8 kernel (the default
+model's 49152x576 head: 1.7-2.7 against 2.2-2.6 ms at 4 rows over four runs, 8.2 against
+24.2 at 32, 1.1 against 1.1 at one); below, its transposing of the weights costs as much as
+the rows save. It is also where the compiled many-rows graph starts (``engine.compiled``)."""
 
 GROUP_SIZE = 32
 """Inputs sharing one int4 scale and minimum: GGUF's block size."""
