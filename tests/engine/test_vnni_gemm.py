@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.model import vnni_gemm
+from engine import compiled
+from engine.model import quantized, vnni_gemm
 from engine.model.quantized import GROUP_SIZE, Int4Linear, Int8Linear
 
 pytestmark = pytest.mark.skipif(
@@ -123,3 +124,8 @@ def test_a_failed_build_leaves_pytorchs_kernels_serving(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
     assert "the VNNI kernels are unavailable" in done.stderr
     assert not any((tmp_path / "kernels").glob("*/*.so"))
+
+
+def test_the_int8_kernel_starts_where_the_many_rows_graph_does() -> None:
+    """A graph exported for 4-64 rows must not branch on its row count inside the range."""
+    assert quantized.INT8_VNNI_FROM_ROWS == compiled.MANY_ROWS
