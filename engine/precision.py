@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from engine.model.quantized import KERNEL_DTYPE, check_quantization
+from shared.cpu import cpu_flags
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 NATIVE_BF16_FLAGS = ("amx_bf16", "avx512_bf16")
@@ -47,12 +48,7 @@ class Precision:
 
 def native_bf16_flag(cpuinfo: Path = Path("/proc/cpuinfo")) -> str | None:
     """The CPU flag that makes bfloat16 native here, or None (or when the CPU cannot be read)."""
-    try:
-        text = cpuinfo.read_text()
-    except OSError:
-        return None
-    lines = (line for line in text.splitlines() if line.startswith("flags"))
-    flags = next((line.split(":", 1)[1].split() for line in lines), [])
+    flags = cpu_flags(cpuinfo)
     return next((flag for flag in NATIVE_BF16_FLAGS if flag in flags), None)
 
 
