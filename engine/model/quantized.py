@@ -102,13 +102,12 @@ class Int8Linear(nn.Module):
         rows = x.shape[0]
         if INT8_VNNI_FROM_ROWS <= rows < VNNI_DENSE_FROM_ROWS and self.vnni():
             y = torch.ops.sluice.int8_gemm(x.to(KERNEL_DTYPE), self.weight, self.scale)
-            y = y.to(self.dtype)
-            return y if self.bias is None else y + self.bias
-        if rows < DENSE_FROM_ROWS:
+        elif rows < DENSE_FROM_ROWS:
             y = torch.ops.aten._weight_int8pack_mm(x.to(KERNEL_DTYPE), self.weight, self.scale)
-            y = y.to(self.dtype)
-            return y if self.bias is None else y + self.bias
-        return linear(x, self.dequantized(), self.bias)
+        else:
+            return linear(x, self.dequantized(), self.bias)
+        y = y.to(self.dtype)
+        return y if self.bias is None else y + self.bias
 
     def vnni(self) -> bool:
         """Whether ``int8_gemm`` runs here on this layer's shape."""

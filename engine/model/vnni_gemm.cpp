@@ -60,8 +60,10 @@ __m512 load_bf16(const at::BFloat16* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
 }
 
-// Quantizes one group of 32 activations; returns its scale a and stores its exact sum.
-float quantize_group(const at::BFloat16* x, int8_t* codes, int8_t* fine, float* sum) {
+// Quantizes one group of 32 activations; returns its scale a and stores its exact sum. With
+// `offset` set to 0x80 the codes are stored as unsigned bytes, c + 128 and f + 128.
+float quantize_group(const at::BFloat16* x, int8_t* codes, int8_t* fine, float* sum,
+                     __m128i offset) {
   __m512 lo = load_bf16(x), hi = load_bf16(x + 16);
   float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
   *sum = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
@@ -71,9 +73,10 @@ float quantize_group(const at::BFloat16* x, int8_t* codes, int8_t* fine, float* 
     __m512 scaled = _mm512_mul_ps(half, inverse);  // x / a
     __m512 rounded = _mm512_roundscale_ps(scaled, _MM_FROUND_TO_NEAREST_INT);
     __m512i remainder = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_sub_ps(scaled, rounded), step));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(codes),
-                     _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(rounded)));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(fine), _mm512_cvtsepi32_epi8(remainder));
+    __m128i c = _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(rounded));
+    __m128i f = _mm512_cvtsepi32_epi8(remainder);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(codes), _mm_xor_si128(c, offset));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(fine), _mm_xor_si128(f, offset));
     codes += 16;
     fine += 16;
   }
@@ -90,14 +93,15 @@ __m512i gather_index(int h) {
   return _mm512_load_si512(index.data());
 }
 
-// Rows m0..m0+T-1 of y, outputs 16h..16h+15 and 32+16h..32+16h+15 of block `block`.
+// Rows m0..m0+T-1 of y, outputs 16h..16h+15 and 32+16h..32+16h+15 of block `block`;
+// `index` is gather_index(h).
 template <int T>
 void tile(const Activations& act, int64_t m0, int64_t K, const uint8_t* pack, const uint32_t* sz,
-          int64_t N, int64_t block, int h, float* y) {
+          int64_t N, int64_t block, int h, __m512i index, float* y) {
   const int64_t groups = K / kGroup;
   const int64_t n_low = block * kBlock + 16 * h, n_high = n_low + 32;
   const uint8_t* weights = pack + block * K * 32;
-  const __m512i index = gather_index(h), nibble = _mm512_set1_epi8(0x0F);
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
   const __m512i high_half = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
   __m512 acc[T][2];
   for (int t = 0; t < T; ++t) acc[t][0] = acc[t][1] = _mm512_setzero_ps();
@@ -152,7 +156,7 @@ struct QuantizedRows {
   Activations view;
 };
 
-QuantizedRows quantize_rows(const at::Tensor& x) {
+QuantizedRows quantize_rows(const at::Tensor& x, bool unsigned_codes) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "x: [rows, in] bfloat16");
   TORCH_CHECK(x.size(1) % kGroup == 0, "in must be a multiple of 32");
   const auto input = x.contiguous();
@@ -165,10 +169,11 @@ QuantizedRows quantize_rows(const at::Tensor& x) {
   auto* fine = q.fine.data_ptr<int8_t>();
   auto* scales = q.scales.data_ptr<float>();
   auto* sums = q.sums.data_ptr<float>();
+  const __m128i offset = _mm_set1_epi8(unsigned_codes ? static_cast<char>(0x80) : 0);
   for (int64_t m = 0; m < M; ++m)
     for (int64_t g = 0; g < groups; ++g) {
       const int64_t first = m * K + g * kGroup, at = m * groups + g;
-      scales[at] = quantize_group(xp + first, codes + first, fine + first, sums + at);
+      scales[at] = quantize_group(xp + first, codes + first, fine + first, sums + at, offset);
     }
   q.view = Activations{codes, fine, scales, sums};
   return q;
@@ -195,7 +200,7 @@ at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& pack, const at::Tens
   TORCH_CHECK(scales_and_zeros.dim() == 3 && scales_and_zeros.size(2) == 2 &&
                   scales_and_zeros.scalar_type() == at::kBFloat16,
               "scales_and_zeros: [in / 32, out, 2] bfloat16");
-  const auto q = quantize_rows(x);
+  const auto q = quantize_rows(x, false);
   const int64_t M = x.size(0), K = x.size(1), N = scales_and_zeros.size(1);
   TORCH_CHECK(N % kBlock == 0 && scales_and_zeros.size(0) == K / kGroup,
               "int4: out must be a multiple of 64");
@@ -210,8 +215,9 @@ at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& pack, const at::Tens
     for (int64_t task = begin; task < end; ++task) {
       const int64_t block = task / 2;
       const int h = static_cast<int>(task % 2);
+      const __m512i index = gather_index(h);
       over_tiles<kTile>(M, [&](auto rows, int64_t m0) {
-        tile<decltype(rows)::value>(q.view, m0, K, weights, szp, N, block, h, out);
+        tile<decltype(rows)::value>(q.view, m0, K, weights, szp, N, block, h, index, out);
       });
     }
   });
@@ -297,8 +303,7 @@ void tile8(const Activations& act, int64_t m0, int64_t K, const __m512i* vectors
 at::Tensor int8_gemm(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales) {
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kChar, "weight: [out, in] int8");
   TORCH_CHECK(scales.dim() == 1 && scales.scalar_type() == at::kBFloat16, "scales: [out] bfloat16");
-  auto q = quantize_rows(x);
-  for (auto* codes : {&q.codes, &q.fine}) codes->bitwise_xor_(-128);  // + 128: unsigned bytes
+  const auto q = quantize_rows(x, true);
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
   TORCH_CHECK(weight.size(1) == K && scales.size(0) == N, "weight: [out, in], scales: [out]");
   TORCH_CHECK(K % (2 * kGroup) == 0 && N % 16 == 0,

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +15,7 @@ from engine.model import quantized, vnni_gemm
 from engine.model.layers import Linear
 from engine.model.quantized import Int4Linear, Int8Linear, QuantizedEmbedding, quantize_linears
 from engine.setup import LoadedModel
+from shared.cpu import cpu_flags
 
 PROMPTS = [
     "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n",
@@ -43,11 +43,24 @@ DTYPES = [torch.bfloat16, torch.float32]
 """What a model with low-bit layers computes in: each layer takes and returns its model's dtype."""
 
 
+@pytest.fixture(params=["vnni", "aten"])
+def kernel(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The low-bit kernels a layer runs: ``vnni_gemm``'s (where they run here) or PyTorch's."""
+    if request.param == "aten":
+        monkeypatch.setattr(quantized.vnni_gemm, "available", lambda: False)
+    elif not vnni_gemm.available():
+        pytest.skip("the VNNI kernels do not run here")
+    return request.param
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("rows", [1, 5, quantized.DENSE_FROM_ROWS, 150])
-def test_int8_linear_matches_dense_arithmetic(rows: int, bias: bool, dtype: torch.dtype) -> None:
-    """Both the int8 kernel (few rows) and the dequantized GEMM (many) compute x·Wᵀ+b."""
+@pytest.mark.parametrize("rows", [1, 5, quantized.DENSE_FROM_ROWS, 150, 400])
+def test_int8_linear_matches_dense_arithmetic(
+    rows: int, bias: bool, dtype: torch.dtype, kernel: str
+) -> None:
+    """Each int8 kernel (``vnni_gemm``'s from 4 rows where it runs, else PyTorch's) and the
+    dequantized GEMM (many rows) compute x·Wᵀ+b."""
     dense = _random_linear(96, 64, bias, dtype)
     layer = quantized.quantize(dense, "int8")
     assert layer.weight.dtype == torch.int8 and layer.scale.shape == (96,)
@@ -117,16 +130,11 @@ def test_quantized_default_model_follows_fp32(loaded_model: LoadedModel) -> None
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("rows", [1, 5, quantized.DENSE_FROM_ROWS, 150, 400])
-@pytest.mark.parametrize("kernel", ["vnni", "aten"])
 def test_int4_linear_matches_its_dequantized_weight(
-    rows: int, bias: bool, dtype: torch.dtype, kernel: str, monkeypatch: pytest.MonkeyPatch
+    rows: int, bias: bool, dtype: torch.dtype, kernel: str
 ) -> None:
-    """Each int4 kernel (``vnni_gemm`` where the CPU has VNNI, else PyTorch's) and the
-    dequantized GEMM (many rows) compute x·Wᵀ+b."""
-    if kernel == "aten":
-        monkeypatch.setattr(quantized.vnni_gemm, "available", lambda: False)
-    elif not vnni_gemm.available():
-        pytest.skip("the VNNI kernels do not run here")
+    """Each int4 kernel (``vnni_gemm``'s where it runs, else PyTorch's) and the dequantized
+    GEMM (many rows) compute x·Wᵀ+b."""
     dense = _random_linear(192, 96, bias, dtype)
     layer = quantized.quantize(dense, "int4")
     assert isinstance(layer, Int4Linear) and layer.weight.dtype == torch.uint8
@@ -194,9 +202,8 @@ print(torch.backends.cpu.get_cpu_capability(), pack_layout().block)
 def test_int4_reads_the_pack_layout_of_every_cpu_capability(capability: str) -> None:
     """PyTorch packs int4 rows by the vector width it dispatches to; dequantizing and
     embedding lookups read the pack the kernel reads, whichever that is."""
-    flags = Path("/proc/cpuinfo").read_text()
-    needed = {"avx2": " avx2 ", "avx512": " avx512f "}.get(capability, " ")
-    if needed not in flags:
+    needed = {"avx2": "avx2", "avx512": "avx512f"}.get(capability)
+    if needed is not None and needed not in cpu_flags():
         pytest.skip(f"this CPU has no {capability}")
     env = {**os.environ, "ATEN_CPU_CAPABILITY": capability}
     done = subprocess.run(
