@@ -24,11 +24,12 @@ Compiling runs in a child process (``engine.decode_compiler``), once per
 model, machine and PyTorch version. What it makes is kept under
 ``CACHE_DIR/decode/<key>``, where the key hashes everything the generated
 code depends on (the weights, this code, the CPU, the thread count, whether
-the VNNI kernels run): for each graph a shared library, loaded in place by
-PyTorch's C++ runner, the constants compiling made, and where the graph calls
-the VNNI kernels (``engine.model.vnni_gemm``) the description of those calls
-that the runner reads from beside the library. So this process never imports dynamo or inductor,
-keeps nothing compiling leaves behind, and a later start loads the graphs in
+the engine's own kernels run): for each graph a shared library, loaded in
+place by PyTorch's C++ runner, the constants compiling made, and where the
+graph calls those kernels (``engine.model.vnni_gemm``,
+``engine.attention.paged_decode``) the description of those calls that the
+runner reads from beside the library. So this process never imports dynamo or
+inductor, keeps nothing compiling leaves behind, and a later start loads the graphs in
 about a second. Loading hands each graph the model's own tensors; only the
 constants compiling made (the templates' repacked weights, about 105 MiB for
 the default model) are read from the cache, and graphs share identical ones.
@@ -55,7 +56,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine import CACHE_DIR
-from engine.attention import BatchLayout, KVCache
+from engine.attention import BatchLayout, KVCache, paged_decode
 from engine.attention.torch_backend import padded_tables
 from engine.model import vnni_gemm
 from shared.heap import return_free_memory
@@ -83,7 +84,13 @@ STALE_AFTER_S = 30 * 24 * 3600
 """Compiled graphs no start has loaded for this long are deleted when a start compiles: an
 upgrade of this code or of PyTorch changes the key, and the old entry would stay for good."""
 
-_SOURCES = ("model", "attention/torch_backend.py", "decode_compiler.py", "compiled.py")
+_SOURCES = (
+    "model",
+    "attention/torch_backend.py",
+    "attention/paged_decode.py",
+    "decode_compiler.py",
+    "compiled.py",
+)
 """The engine code a graph is traced from, relative to the package: part of the cache key."""
 
 
@@ -241,6 +248,7 @@ class CompiledDecode:
             torch.cpu._is_amx_tile_supported(),
             torch.cpu._is_avx512_bf16_supported(),
             vnni_gemm.available(),
+            paged_decode.available(),
             torch.get_num_threads(),
             self.kv_cache.block_size,
             self.kv_cache.k.dtype,

@@ -11,7 +11,8 @@ the graphs and why.
 Each graph is one decode step: the model's forward pass over one new token per
 row, attention included as pure reads of the paged KV cache (each row attends
 to the blocks its table names, the mask hiding the slots past its context, and
-to its own new key and value), then the head. It returns every row's float32
+to its own new key and value; ``engine.attention.paged_decode``'s kernel where
+it runs), then the head. It returns every row's float32
 logits and every layer's new keys and values; the caller writes those into
 the cache, so the graph mutates nothing. The weights are frozen into the
 graph, and inductor autotunes its matmuls between ATen's kernels and its own
@@ -32,7 +33,7 @@ import torch
 from torch import nn
 from torch.export import Dim
 
-from engine.attention import KVCache
+from engine.attention import KVCache, paged_decode
 from engine.attention.torch_backend import attend_decode, gather_blocks
 from engine.compiled import MAX_ROWS, MIN_BLOCKS, Graph, context, graph_files, model_tensors
 
@@ -78,13 +79,19 @@ class _CacheReads:
         k, v = k.to(self.k_cache.dtype), v.to(self.v_cache.dtype)
         self.new_keys.append(k)
         self.new_values.append(v)
-        keys = self._context(self.k_cache[layer], k, q.dtype)
-        values = self._context(self.v_cache[layer], v, q.dtype)
+        k_blocks, v_blocks = (self._blocks(cache[layer]) for cache in (self.k_cache, self.v_cache))
+        if paged_decode.serves(q, k_blocks):
+            return paged_decode.attend(q, k_blocks, v_blocks, self.tables, self.mask, (k, v))
+        keys = self._context(k_blocks, k, q.dtype)
+        values = self._context(v_blocks, v, q.dtype)
         return attend_decode(q, keys, values, self.mask)
 
-    def _context(self, slots: torch.Tensor, new: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    def _blocks(self, slots: torch.Tensor) -> torch.Tensor:
+        """One layer's slots as whole blocks ``[blocks, block_size, heads, dim]``."""
+        return slots.view(-1, self.block_size, *slots.shape[1:])
+
+    def _context(self, blocks: torch.Tensor, new: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Each row's blocks, then its new slot: ``[rows, blocks * block_size + 1, heads, dim]``."""
-        blocks = slots.view(-1, self.block_size, *slots.shape[1:])
         gathered = gather_blocks(blocks, self.tables, dtype)
         return torch.cat((gathered, new.unsqueeze(1).to(dtype)), dim=1)
 

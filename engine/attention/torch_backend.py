@@ -1,8 +1,9 @@
 """Paged attention in plain PyTorch: works on CPU and CUDA.
 
-Decodes are batched: each sequence's context is gathered from the cache into
-a padded ``[batch, context, kv_heads, dim]`` tensor, whole blocks at a time,
-with block tables built once in ``plan`` and reused by every layer. Prefill
+Decodes are batched, with block tables built once in ``plan`` and reused by
+every layer: ``paged_decode``'s kernel reads each sequence's context where the
+cache holds it, or, where the kernel does not run, the context is gathered into
+a padded ``[batch, context, kv_heads, dim]`` tensor, whole blocks at a time. Prefill
 chunks attend one sequence at a time; a chunk with no cached prefix attends
 to its own keys without touching the cache. The cache may store a narrower
 dtype than the model computes in (bfloat16 under a float32 model with low-bit
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from engine.attention import paged_decode
 from engine.attention.base import AttentionBackend, BatchLayout, KVCache
 
 
@@ -76,9 +78,7 @@ class TorchBackend(AttentionBackend):
         k_blocks, v_blocks = self._blocks[layer]
         decodes = None
         if plan.num_decodes:
-            keys = gather_blocks(k_blocks, plan.decode_gather, q.dtype)
-            values = gather_blocks(v_blocks, plan.decode_gather, q.dtype)
-            decodes = attend_decode(q[: plan.num_decodes], keys, values, plan.decode_mask)
+            decodes = self._decode(q[: plan.num_decodes], k_blocks, v_blocks)
             if not plan.prefills:  # a decode batch: nothing else to attend
                 return decodes
         out = torch.empty_like(q)
@@ -94,6 +94,17 @@ class TorchBackend(AttentionBackend):
                 values = gather_blocks(v_blocks, chunk.gather, q.dtype)
             out[chunk.start : chunk.end] = _attend(queries, keys, values, chunk.mask)[0]
         return out
+
+    def _decode(
+        self, q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Tensor
+    ) -> torch.Tensor:
+        """The decode rows' attention over their blocks, which already hold their new tokens."""
+        plan = self._plan
+        if paged_decode.serves(q, k_blocks):
+            return paged_decode.attend(q, k_blocks, v_blocks, plan.decode_gather, plan.decode_mask)
+        keys = gather_blocks(k_blocks, plan.decode_gather, q.dtype)
+        values = gather_blocks(v_blocks, plan.decode_gather, q.dtype)
+        return attend_decode(q, keys, values, plan.decode_mask)
 
     def _decode_index(
         self, layout: BatchLayout, num_decodes: int, device: torch.device

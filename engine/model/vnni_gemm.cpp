@@ -329,7 +329,7 @@ at::Tensor int8_gemm(const at::Tensor& x, const at::Tensor& weight, const at::Te
 
 }  // namespace
 
-TORCH_LIBRARY(sluice, m) {
+TORCH_LIBRARY_FRAGMENT(sluice, m) {
   m.def("int4_gemm(Tensor x, Tensor pack, Tensor scales_and_zeros) -> Tensor");
   m.def("int8_gemm(Tensor x, Tensor weight, Tensor scales) -> Tensor");
 }

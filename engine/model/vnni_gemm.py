@@ -3,10 +3,7 @@ on AVX-512 VNNI.
 
 The kernels (``vnni_gemm.cpp``) read PyTorch's AVX-512 int4 pack and its int8
 layout as they are, so a layer keeps one copy of its weights whichever kernel
-runs. They are compiled for this machine on first use (about 9 s) and kept
-under ``CACHE_DIR/kernels/<key>``, the key hashing the source, the flags and
-PyTorch's version; each build runs in a directory of its own and is renamed
-into place, so processes starting together never wait on one another's lock.
+runs. They are compiled for this machine on first use (``engine.native``).
 Where the CPU lacks the instructions or the build fails, ``available()`` is
 false and the layers keep PyTorch's kernels. It is false with AMX too: there
 the compiled decode graphs autotune PyTorch's kernels against inductor's AMX
@@ -16,17 +13,13 @@ templates, which run 32 rows of the 3072x576 int4 projection in 0.14-0.17 ms
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import os
-import shutil
-import tempfile
 from functools import cache
 from pathlib import Path
 
 import torch
 
-from engine import CACHE_DIR
+from engine import native
 from shared.cpu import cpu_flags
 
 log = logging.getLogger(__name__)
@@ -44,7 +37,7 @@ def available() -> bool:
     if not set(CPU_FLAGS) <= cpu_flags() or torch.cpu._is_amx_tile_supported():
         return False
     try:
-        _load()
+        native.load(NAME, SOURCE, FLAGS)
     except Exception as error:  # no compiler, no ninja, a full disk: PyTorch's kernel serves
         log.warning("the VNNI kernels are unavailable, using PyTorch's: %s", error)
         return False
@@ -61,37 +54,3 @@ def _int4_shape(
 
 def _int8_shape(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return x.new_empty((x.shape[0], weight.shape[0]), dtype=torch.float32)
-
-
-def _load() -> None:
-    """Load the kernels' shared library, compiling it first if no process has."""
-    digest = hashlib.blake2b(digest_size=12)
-    digest.update(SOURCE.read_bytes())
-    digest.update(repr((FLAGS, torch.__version__)).encode())
-    built = Path(CACHE_DIR) / "kernels" / digest.hexdigest()
-    library = built / f"{NAME}.so"
-    if library.is_file():
-        torch.ops.load_library(str(library))
-        return
-    import ninja  # the build tool, installed with the project
-    from torch.utils import cpp_extension  # imports setuptools: only when compiling
-
-    os.environ["PATH"] = os.pathsep.join((ninja.BIN_DIR, os.environ.get("PATH", "")))
-
-    built.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=built.parent, prefix=f"{built.name}."))
-    try:
-        cpp_extension.load(  # compiles and loads
-            NAME,
-            [str(SOURCE)],
-            extra_cflags=list(FLAGS),
-            extra_ldflags=["-fopenmp"],
-            build_directory=str(staging),
-            is_python_module=False,
-        )
-        staging.rename(built)
-    except OSError:
-        if not library.is_file():  # not a rival's rename that won
-            raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)  # gone if renamed; the loaded copy stays mapped

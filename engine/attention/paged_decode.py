@@ -1,0 +1,97 @@
+"""``torch.ops.sluice.paged_decode``: decode attention read straight from the paged KV cache.
+
+Attention over a gathered copy of each sequence's blocks reads and writes
+every key and value three times or more, and at 32 sequences of about 150
+tokens that copying cost more than a third of the default model's decode step.
+The kernel (``paged_decode.cpp``) reads each key and value once, from its block,
+for all the query heads that share its KV head. It is compiled for this
+machine on first use (``engine.native``) and needs AVX-512; where the CPU
+lacks it or the build fails, ``available()`` is false and decodes attend over
+gathered blocks with ``scaled_dot_product_attention``.
+"""
+
+from __future__ import annotations
+
+import logging
+from functools import cache
+from pathlib import Path
+
+import torch
+
+from engine import native
+from shared.cpu import cpu_flags
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("paged_decode.cpp")
+NAME = "sluice_paged_decode"
+FLAGS = ("-O3", "-march=x86-64-v4", "-fopenmp")
+CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq")
+"""What the kernel executes: x86-64-v4."""
+
+DTYPES = (torch.float32, torch.bfloat16)
+"""The dtypes of queries and of the cache that the kernel reads."""
+
+MAX_HEAD_DIM = 256
+MAX_GROUP = 16
+"""The most query heads that share one KV head."""
+
+
+@cache
+def available() -> bool:
+    """Whether the kernel runs here; builds and loads it on first call."""
+    if not set(CPU_FLAGS) <= cpu_flags():
+        return False
+    try:
+        native.load(NAME, SOURCE, FLAGS)
+    except Exception as error:  # no compiler, no ninja, a full disk: SDPA serves
+        log.warning("the paged decode kernel is unavailable, using SDPA: %s", error)
+        return False
+    torch.library.register_fake("sluice::paged_decode")(_shape)
+    return True
+
+
+def serves(q: torch.Tensor, cache: torch.Tensor) -> bool:
+    """Whether the kernel attends queries like ``q`` ``[rows, heads, dim]`` over ``cache``
+    ``[..., kv_heads, dim]``."""
+    heads, dim = q.shape[1:]
+    kv_heads = cache.shape[-2]
+    return (
+        q.device.type == "cpu"
+        and q.dtype in DTYPES
+        and cache.dtype in DTYPES
+        and dim % 16 == 0
+        and dim <= MAX_HEAD_DIM
+        and heads % kv_heads == 0
+        and heads // kv_heads <= MAX_GROUP
+        and available()
+    )
+
+
+def attend(
+    q: torch.Tensor,
+    k_blocks: torch.Tensor,
+    v_blocks: torch.Tensor,
+    tables: torch.Tensor,
+    mask: torch.Tensor,
+    new: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """q ``[rows, heads, dim]`` attends to the blocks ``tables [rows, width]`` names in
+    ``k_blocks`` / ``v_blocks`` ``[blocks, block_size, kv_heads, dim]`` and then, when
+    given, to its row's ``new`` key and value ``[rows, kv_heads, dim]``; ``mask``
+    ``[rows, 1, 1, context]`` is added to the scores, and a slot it sets to -inf is not read.
+    Returns ``[rows, heads, dim]`` in q's dtype."""
+    new_k, new_v = new if new is not None else (None, None)
+    return torch.ops.sluice.paged_decode(q, k_blocks, v_blocks, tables, mask, new_k, new_v)
+
+
+def _shape(
+    q: torch.Tensor,
+    k_blocks: torch.Tensor,
+    v_blocks: torch.Tensor,
+    tables: torch.Tensor,
+    mask: torch.Tensor,
+    new_k: torch.Tensor | None,
+    new_v: torch.Tensor | None,
+) -> torch.Tensor:
+    return torch.empty_like(q)

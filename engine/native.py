@@ -1,0 +1,58 @@
+"""Builds and loads the engine's C++ kernels, custom ops under ``torch.ops.sluice``.
+
+Each kernel is one C++ source compiled for this machine on first use (about
+9 s) with PyTorch's extension builder and kept under
+``CACHE_DIR/kernels/<key>``, the key hashing the source, the flags and
+PyTorch's version. Each build runs in a directory of its own and is renamed
+into place, so processes starting together never wait on one another's lock.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from engine import CACHE_DIR
+
+
+def load(name: str, source: Path, flags: Sequence[str]) -> None:
+    """Load ``source``'s shared library, compiling it first if no process has.
+
+    Raises when it cannot be built (no compiler, no ninja, a full disk).
+    """
+    digest = hashlib.blake2b(digest_size=12)
+    digest.update(source.read_bytes())
+    digest.update(repr((tuple(flags), torch.__version__)).encode())
+    built = Path(CACHE_DIR) / "kernels" / digest.hexdigest()
+    library = built / f"{name}.so"
+    if library.is_file():
+        torch.ops.load_library(str(library))
+        return
+    import ninja  # the build tool, installed with the project
+    from torch.utils import cpp_extension  # imports setuptools: only when compiling
+
+    os.environ["PATH"] = os.pathsep.join((ninja.BIN_DIR, os.environ.get("PATH", "")))
+
+    built.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=built.parent, prefix=f"{built.name}."))
+    try:
+        cpp_extension.load(  # compiles and loads
+            name,
+            [str(source)],
+            extra_cflags=list(flags),
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(staging),
+            is_python_module=False,
+        )
+        staging.rename(built)
+    except OSError:
+        if not library.is_file():  # not a rival's rename that won
+            raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)  # gone if renamed; the loaded copy stays mapped

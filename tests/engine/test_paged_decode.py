@@ -1,0 +1,148 @@
+"""``paged_decode``: the kernel against SDPA over the gathered blocks."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.attention import paged_decode
+from engine.attention.torch_backend import attend_decode, gather_blocks, padded_tables
+
+pytestmark = pytest.mark.skipif(
+    not paged_decode.available(), reason="the paged decode kernel does not run here"
+)
+
+BLOCK_SIZE = 16
+NUM_BLOCKS = 40
+
+
+def _case(
+    lengths: list[int], heads: int, kv_heads: int, dim: int, dtype: torch.dtype, seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Queries, a cache of random blocks, block tables for ``lengths`` (scattered, none
+    holding block 0, which pads them) and the mask."""
+    generator = torch.Generator().manual_seed(seed)
+    shape = (NUM_BLOCKS, BLOCK_SIZE, kv_heads, dim)
+    k_blocks = torch.randn(shape, generator=generator).to(dtype)
+    v_blocks = torch.randn(shape, generator=generator).to(dtype)
+    q = (torch.randn(len(lengths), heads, dim, generator=generator) * 2).to(dtype)
+    order = (torch.randperm(NUM_BLOCKS - 1, generator=generator) + 1).tolist()  # 0 pads
+    block_tables = []
+    for length in lengths:
+        count = -(-length // BLOCK_SIZE)
+        block_tables.append(order[:count])
+        order = order[count:]
+    tables, mask = padded_tables(block_tables, lengths, BLOCK_SIZE, min_blocks=2)
+    return q, k_blocks, v_blocks, tables, mask[:, None, None, :]
+
+
+def _reference(
+    q: torch.Tensor,
+    k_blocks: torch.Tensor,
+    v_blocks: torch.Tensor,
+    tables: torch.Tensor,
+    mask: torch.Tensor,
+    new: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """SDPA in float32 over the gathered blocks, then the new slot."""
+    keys = gather_blocks(k_blocks, tables, torch.float32)
+    values = gather_blocks(v_blocks, tables, torch.float32)
+    if new is not None:
+        keys = torch.cat((keys, new[0].float().unsqueeze(1)), dim=1)
+        values = torch.cat((values, new[1].float().unsqueeze(1)), dim=1)
+    return attend_decode(q.float(), keys, values, mask)
+
+
+def _tolerance(dtype: torch.dtype) -> float:
+    return 2e-2 if dtype == torch.bfloat16 else 2e-5
+
+
+@pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (4, 4, 32), (8, 1, 128)])
+def test_it_matches_sdpa_over_the_gathered_blocks(
+    q_dtype: torch.dtype, cache_dtype: torch.dtype, heads: int, kv_heads: int, dim: int
+) -> None:
+    lengths = [1, 5, 16, 17, 70, 33]  # within a block, on a boundary, past one, several
+    q, k_blocks, v_blocks, tables, mask = _case(lengths, heads, kv_heads, dim, cache_dtype)
+    q = q.to(q_dtype)
+    got = paged_decode.attend(q, k_blocks, v_blocks, tables, mask)
+    assert got.dtype == q_dtype and got.shape == q.shape
+    expected = _reference(q, k_blocks, v_blocks, tables, mask)
+    torch.testing.assert_close(got.float(), expected, atol=_tolerance(q_dtype), rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_each_row_attends_to_its_new_key_and_value_after_its_blocks(dtype: torch.dtype) -> None:
+    """As the compiled decode graphs call it: the new token is not in the cache yet."""
+    lengths = [3, 16, 40]
+    q, k_blocks, v_blocks, tables, mask = _case(lengths, 9, 3, 64, dtype, seed=1)
+    new = (torch.randn(3, 3, 64).to(dtype) * 3, torch.randn(3, 3, 64).to(dtype))
+    mask = torch.nn.functional.pad(mask, (0, 1))  # the new token's column: always seen
+    got = paged_decode.attend(q, k_blocks, v_blocks, tables, mask, new)
+    expected = _reference(q, k_blocks, v_blocks, tables, mask, new)
+    torch.testing.assert_close(got.float(), expected, atol=_tolerance(dtype), rtol=0)
+
+
+def test_slots_the_mask_hides_are_never_read() -> None:
+    """Past each row's length, and in block 0 that pads the tables, the cache holds NaN."""
+    lengths = [5, 30]
+    q, k_blocks, v_blocks, tables, mask = _case(lengths, 9, 3, 64, torch.bfloat16, seed=2)
+    expected = _reference(q, k_blocks, v_blocks, tables, mask)
+    for blocks in (k_blocks, v_blocks):
+        blocks[0] = float("nan")
+        for row, length in enumerate(lengths):
+            last = tables[row, (length - 1) // BLOCK_SIZE]
+            blocks[last, (length - 1) % BLOCK_SIZE + 1 :] = float("nan")
+    got = paged_decode.attend(q, k_blocks, v_blocks, tables, mask)
+    torch.testing.assert_close(got.float(), expected, atol=2e-2, rtol=0)
+
+
+def test_a_row_that_sees_nothing_gets_zeros() -> None:
+    q, k_blocks, v_blocks, tables, mask = _case([4, 4], 9, 3, 64, torch.float32)
+    mask[1] = float("-inf")
+    got = paged_decode.attend(q, k_blocks, v_blocks, tables, mask)
+    assert torch.equal(got[1], torch.zeros_like(got[1]))
+    torch.testing.assert_close(got[0], _reference(q, k_blocks, v_blocks, tables, mask)[0])
+
+
+def test_bad_shapes_and_dtypes_are_refused() -> None:
+    q, k_blocks, v_blocks, tables, mask = _case([4], 9, 3, 64, torch.float32)
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        paged_decode.attend(q[..., :60], k_blocks[..., :60], v_blocks[..., :60], tables, mask)
+    with pytest.raises(RuntimeError, match="multiple of kv_heads"):
+        paged_decode.attend(q[:, :8], k_blocks, v_blocks, tables, mask)
+    with pytest.raises(RuntimeError, match="mask must be"):
+        paged_decode.attend(q, k_blocks, v_blocks, tables, mask[..., 1:])
+    with pytest.raises(RuntimeError, match="tables must be int64"):
+        paged_decode.attend(q, k_blocks, v_blocks, tables.int(), mask)
+    with pytest.raises(RuntimeError, match="q must be"):
+        paged_decode.attend(q.half(), k_blocks, v_blocks, tables, mask)
+
+
+def test_it_serves_only_what_it_reads() -> None:
+    cache = torch.zeros(2, 16, 3, 64, dtype=torch.bfloat16)
+    assert paged_decode.serves(torch.zeros(1, 9, 64), cache)
+    assert not paged_decode.serves(torch.zeros(1, 9, 64, dtype=torch.float16), cache)
+    assert not paged_decode.serves(torch.zeros(1, 8, 64), cache)  # 8 heads over 3
+    assert not paged_decode.serves(torch.zeros(1, 9, 64), cache.half())
+
+
+def test_a_failed_build_leaves_sdpa_serving(tmp_path: Path) -> None:
+    """Without a working compiler, decodes attend over gathered blocks, with a warning."""
+    probe = (
+        "import torch; from engine.attention import paged_decode;"
+        "assert not paged_decode.available();"
+        "assert not paged_decode.serves(torch.zeros(1, 9, 64), torch.zeros(2, 16, 3, 64))"
+    )
+    env = os.environ | {"SLUICE_CACHE_DIR": str(tmp_path), "CXX": str(tmp_path / "no-compiler")}
+    done = subprocess.run(
+        [sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    assert "the paged decode kernel is unavailable" in done.stderr
