@@ -14,8 +14,10 @@
 // and value three times or more; at 32 rows of ~150 tokens that cost the default model more
 // than a third of a decode step. Here each key and value is read once, straight from its
 // block. A task is one row and one KV head, so the query heads that share that head (the
-// group of grouped-query attention) use each key and value as it is loaded: pass one takes
-// the scores, pass two the weighted sum of values.
+// group of grouped-query attention, a template argument up to 8) use each key and value as
+// it is loaded, their partial sums in registers: pass one takes the scores, four slots at a
+// time, pass two the weighted sum of values, 16 dimensions at a time, with the values
+// prefetched a few slots ahead.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -27,13 +29,14 @@
 #include <cstdint>
 #include <limits>
 #include <optional>
+#include <utility>
 #include <vector>
 
 namespace {
 
 constexpr int kLanes = 16;
 constexpr int kMaxChunks = 16;  // head_dim up to 256
-constexpr int kMaxGroup = 16;   // query heads per KV head
+constexpr int kMaxGroup = 8;    // query heads per KV head
 
 constexpr int64_t kAhead = 12;  // slots read ahead of use
 
@@ -103,117 +106,129 @@ struct Inputs {
   Q* out;
 };
 
-// One thread's working memory.
+// One thread's working memory: the slots a task's mask shows, padded with hidden ones to a
+// multiple of 16 (a hidden slot reads zeros and scores -inf).
+template <typename C>
 struct Scratch {
-  std::vector<float> scores;  // [group, padded]
-  std::vector<float> mask;    // [padded]: the row's mask, -inf past its context
-  std::vector<float> zeros;   // [dim]: what a hidden slot reads, in either dtype
+  explicit Scratch(const Shape& s)
+      : keys(s.padded), values(s.padded), bias(s.padded), scores(s.group * s.padded),
+        zeros(s.dim, C(0.f)) {}
+  std::vector<const C*> keys, values;
+  std::vector<float> bias;    // the mask's value of each slot
+  std::vector<float> scores;  // [group, slots]: scores, then unnormalized weights
+  std::vector<C> zeros;
 };
 
-// One task: row `row`, KV head `head`.
-template <typename Q, typename C>
-void attend(const Shape& s, const Inputs<Q, C>& in, int64_t row, int64_t head, Scratch& scratch) {
-  const int64_t group = s.group, chunks = s.chunks, context = s.context, padded = s.padded;
+// One task: row `row` and KV head `head`, for `G` query heads to the KV head. G is a template
+// argument so that each slot's G partial sums stay in registers.
+template <int G, typename Q, typename C>
+void attend(const Shape& s, const Inputs<Q, C>& in, int64_t row, int64_t head,
+            Scratch<C>& scratch) {
   const float hidden = -std::numeric_limits<float>::infinity();
+  const int64_t chunks = s.chunks, bytes = s.dim * static_cast<int64_t>(sizeof(C));
+  const C** keys = scratch.keys.data();
+  const C** values = scratch.values.data();
+  float* bias = scratch.bias.data();
   float* scores = scratch.scores.data();
-  float* mask = scratch.mask.data();
-  std::copy_n(in.mask + row * context, context, mask);
-  std::fill(mask + context, mask + padded, hidden);
-  const C* zeros = reinterpret_cast<const C*>(scratch.zeros.data());
+
+  // The slots the mask shows, in order: the row's blocks, then its new token.
+  const float* mask = in.mask + row * s.context;
   const int64_t* table = in.tables + row * s.width;
-  const int64_t bytes = s.dim * static_cast<int64_t>(sizeof(C));
-
-  // The key or value at position `pos` of this row's context, for this head.
-  auto slot = [&](const C* blocks, const C* fresh, int64_t pos) -> const C* {
-    if (pos == s.width * s.block_size) return fresh + (row * s.kv_heads + head) * s.dim;
-    int64_t at = table[pos / s.block_size] * s.block_size + pos % s.block_size;
-    return blocks + (at * s.kv_heads + head) * s.dim;
-  };
-  auto fetch_ahead = [&](const C* blocks, const C* fresh, int64_t from, int64_t count) {
-    for (int64_t pos = from; pos < std::min(from + count, context); ++pos) {
-      if (mask[pos] != hidden) prefetch(slot(blocks, fresh, pos), bytes);
+  const int64_t own = (row * s.kv_heads + head) * s.dim;
+  int64_t count = 0;
+  for (int64_t pos = 0; pos < s.context; ++pos) {
+    if (mask[pos] == hidden) continue;
+    if (pos == s.width * s.block_size) {
+      keys[count] = in.new_k + own;
+      values[count] = in.new_v + own;
+    } else {
+      int64_t at = table[pos / s.block_size] * s.block_size + pos % s.block_size;
+      keys[count] = in.k_blocks + at * s.kv_heads * s.dim + head * s.dim;
+      values[count] = in.v_blocks + at * s.kv_heads * s.dim + head * s.dim;
     }
-  };
-
-  __m512 query[kMaxGroup][kMaxChunks];
-  const float scale = 1.f / std::sqrt(static_cast<float>(s.dim));
-  for (int64_t g = 0; g < group; ++g) {
-    const Q* qg = in.q + (row * s.heads + head * group + g) * s.dim;
-    for (int64_t c = 0; c < chunks; ++c) {
-      query[g][c] = _mm512_mul_ps(load16(qg + c * kLanes), _mm512_set1_ps(scale));
-    }
+    bias[count++] = mask[pos];
+  }
+  const int64_t slots = (count + kLanes - 1) / kLanes * kLanes;
+  for (int64_t j = count; j < slots; ++j) {
+    keys[j] = values[j] = scratch.zeros.data();
+    bias[j] = hidden;
   }
 
   // Pass one: scores, four slots at a time so that one shuffle tree sums four dot products.
-  // A hidden slot reads zeros instead of its key; its score is -inf all the same.
-  for (int64_t pos = 0; pos < padded; pos += 4) {
-    const C* keys[4];
+  const Q* q = in.q + (row * s.heads + head * G) * s.dim;
+  const __m128 scale = _mm_set1_ps(1.f / std::sqrt(static_cast<float>(s.dim)));
+  for (int64_t j = 0; j < slots; j += 4) {
+    __m512 sum[4][G];
     for (int i = 0; i < 4; ++i) {
-      keys[i] = mask[pos + i] == hidden ? zeros : slot(in.k_blocks, in.new_k, pos + i);
+      for (int g = 0; g < G; ++g) sum[i][g] = _mm512_setzero_ps();
     }
-    __m512 sum[4][kMaxGroup];
-    for (int i = 0; i < 4; ++i) {
-      for (int64_t g = 0; g < group; ++g) sum[i][g] = _mm512_setzero_ps();
-    }
-    for (int i = 0; i < 4; ++i) {
-      for (int64_t c = 0; c < chunks; ++c) {
-        __m512 kc = load16(keys[i] + c * kLanes);
-        for (int64_t g = 0; g < group; ++g) sum[i][g] = _mm512_fmadd_ps(query[g][c], kc, sum[i][g]);
+    for (int64_t c = 0; c < chunks; ++c) {
+      for (int i = 0; i < 4; ++i) {
+        __m512 kc = load16(keys[j + i] + c * kLanes);
+        for (int g = 0; g < G; ++g) {
+          sum[i][g] = _mm512_fmadd_ps(load16(q + g * s.dim + c * kLanes), kc, sum[i][g]);
+        }
       }
     }
-    __m128 m = _mm_loadu_ps(mask + pos);
-    for (int64_t g = 0; g < group; ++g) {
-      __m128 four = _mm_add_ps(reduce4(sum[0][g], sum[1][g], sum[2][g], sum[3][g]), m);
-      _mm_storeu_ps(scores + g * padded + pos, four);
+    __m128 b = _mm_loadu_ps(bias + j);
+    for (int g = 0; g < G; ++g) {
+      __m128 four = reduce4(sum[0][g], sum[1][g], sum[2][g], sum[3][g]);
+      _mm_storeu_ps(scores + g * slots + j, _mm_fmadd_ps(four, scale, b));
     }
   }
 
   // Softmax weights in place, unnormalized; their sums divide the output.
-  fetch_ahead(in.v_blocks, in.new_v, 0, kAhead);
-  float total[kMaxGroup];
-  for (int64_t g = 0; g < group; ++g) {
-    float* sg = scores + g * padded;
+  for (int64_t j = 0; j < std::min<int64_t>(kAhead, count); ++j) prefetch(values[j], bytes);
+  float inverse[G];
+  for (int g = 0; g < G; ++g) {
+    float* sg = scores + g * slots;
     __m512 most = _mm512_set1_ps(hidden);
-    for (int64_t pos = 0; pos < padded; pos += kLanes) {
-      most = _mm512_max_ps(most, _mm512_loadu_ps(sg + pos));
-    }
+    for (int64_t j = 0; j < slots; j += kLanes) most = _mm512_max_ps(most, _mm512_loadu_ps(sg + j));
     float top = _mm512_reduce_max_ps(most);
     most = _mm512_set1_ps(top == hidden ? 0.f : top);
-    __m512 acc = _mm512_setzero_ps();
-    for (int64_t pos = 0; pos < padded; pos += kLanes) {
-      __m512 x = _mm512_loadu_ps(sg + pos);
+    __m512 total = _mm512_setzero_ps();
+    for (int64_t j = 0; j < slots; j += kLanes) {
+      __m512 x = _mm512_loadu_ps(sg + j);
       __mmask16 seen = _mm512_cmp_ps_mask(x, _mm512_set1_ps(hidden), _CMP_NEQ_OQ);
       __m512 e = _mm512_maskz_mov_ps(seen, exp16(_mm512_sub_ps(x, most)));
-      _mm512_storeu_ps(sg + pos, e);
-      acc = _mm512_add_ps(acc, e);
+      _mm512_storeu_ps(sg + j, e);
+      total = _mm512_add_ps(total, e);
     }
-    total[g] = _mm512_reduce_add_ps(acc);
+    float sum = _mm512_reduce_add_ps(total);
+    inverse[g] = sum > 0.f ? 1.f / sum : 0.f;  // a row that sees nothing gets zeros
   }
 
-  // Pass two: the weighted sum of the values the mask shows.
-  __m512 sum[kMaxGroup][kMaxChunks];
-  for (int64_t g = 0; g < group; ++g) {
-    for (int64_t c = 0; c < chunks; ++c) sum[g][c] = _mm512_setzero_ps();
-  }
-  for (int64_t pos = 0; pos < context; ++pos) {
-    fetch_ahead(in.v_blocks, in.new_v, pos + kAhead, 1);
-    if (mask[pos] == hidden) continue;
-    const C* value = slot(in.v_blocks, in.new_v, pos);
-    for (int64_t c = 0; c < chunks; ++c) {
-      __m512 vc = load16(value + c * kLanes);
-      for (int64_t g = 0; g < group; ++g) {
-        sum[g][c] = _mm512_fmadd_ps(_mm512_set1_ps(scores[g * padded + pos]), vc, sum[g][c]);
+  // Pass two: the weighted sum of values, 16 dimensions at a time, G of them in registers.
+  Q* out = in.out + (row * s.heads + head * G) * s.dim;
+  for (int64_t c = 0; c < chunks; ++c) {
+    __m512 sum[G];
+    for (int g = 0; g < G; ++g) sum[g] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < count; ++j) {
+      if (c == 0 && j + kAhead < count) prefetch(values[j + kAhead], bytes);
+      __m512 vc = load16(values[j] + c * kLanes);
+      for (int g = 0; g < G; ++g) {
+        sum[g] = _mm512_fmadd_ps(_mm512_set1_ps(scores[g * slots + j]), vc, sum[g]);
       }
     }
-  }
-  for (int64_t g = 0; g < group; ++g) {
-    // A row that sees nothing gets zeros, where SDPA gives NaN.
-    __m512 inverse = _mm512_set1_ps(total[g] > 0.f ? 1.f / total[g] : 0.f);
-    Q* og = in.out + (row * s.heads + head * group + g) * s.dim;
-    for (int64_t c = 0; c < chunks; ++c) {
-      store16(og + c * kLanes, _mm512_mul_ps(sum[g][c], inverse));
+    for (int g = 0; g < G; ++g) {
+      store16(out + g * s.dim + c * kLanes, _mm512_mul_ps(sum[g], _mm512_set1_ps(inverse[g])));
     }
   }
+}
+
+template <int G, typename Q, typename C>
+void run(const Shape& s, const Inputs<Q, C>& in) {
+  at::parallel_for(0, s.rows * s.kv_heads, 1, [&](int64_t begin, int64_t end) {
+    Scratch<C> scratch(s);
+    for (int64_t task = begin; task < end; ++task) {
+      attend<G>(s, in, task / s.kv_heads, task % s.kv_heads, scratch);
+    }
+  });
+}
+
+template <typename Q, typename C, int... Gs>
+void run_group(const Shape& s, const Inputs<Q, C>& in, std::integer_sequence<int, Gs...>) {
+  ((s.group == Gs + 1 ? run<Gs + 1>(s, in) : void()), ...);
 }
 
 template <typename Q, typename C>
@@ -229,13 +244,7 @@ void run(const Shape& s, const at::Tensor& q, const at::Tensor& k_blocks,
                   tables.data_ptr<int64_t>(),
                   mask.data_ptr<float>(),
                   out.data_ptr<Q>()};
-  at::parallel_for(0, s.rows * s.kv_heads, 1, [&](int64_t begin, int64_t end) {
-    Scratch scratch{std::vector<float>(s.group * s.padded), std::vector<float>(s.padded),
-                    std::vector<float>(s.dim, 0.f)};
-    for (int64_t task = begin; task < end; ++task) {
-      attend<Q, C>(s, in, task / s.kv_heads, task % s.kv_heads, scratch);
-    }
-  });
+  run_group(s, in, std::make_integer_sequence<int, kMaxGroup>());
 }
 
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_blocks,
@@ -259,8 +268,8 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_blocks,
   s.chunks = s.dim / kLanes;
   TORCH_CHECK(k_blocks.size(3) == s.dim && s.dim % kLanes == 0 && s.chunks <= kMaxChunks,
               "head_dim must match and be a multiple of 16 up to 256");
-  TORCH_CHECK(s.group * s.kv_heads == s.heads && s.group <= kMaxGroup,
-              "heads must be a multiple of kv_heads, at most 16 to one");
+  TORCH_CHECK(s.group * s.kv_heads == s.heads && s.group >= 1 && s.group <= kMaxGroup,
+              "heads must be a multiple of kv_heads, at most 8 to one");
   TORCH_CHECK(tables.dim() == 2 && tables.size(0) == s.rows && tables.scalar_type() == at::kLong,
               "tables must be int64 [rows, width]");
   TORCH_CHECK(mask.scalar_type() == at::kFloat && mask.numel() == s.rows * s.context,

@@ -33,7 +33,7 @@ DTYPES = (torch.float32, torch.bfloat16)
 """The dtypes of queries and of the cache that the kernel reads."""
 
 MAX_HEAD_DIM = 256
-MAX_GROUP = 16
+MAX_GROUP = 8
 """The most query heads that share one KV head."""
 
 

@@ -2,11 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -64,7 +59,9 @@ def _tolerance(dtype: torch.dtype) -> float:
 
 @pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (4, 4, 32), (8, 1, 128)])
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "dim"), [(9, 3, 64), (4, 4, 32), (14, 2, 64), (8, 1, 128)]
+)
 def test_it_matches_sdpa_over_the_gathered_blocks(
     q_dtype: torch.dtype, cache_dtype: torch.dtype, heads: int, kv_heads: int, dim: int
 ) -> None:
@@ -130,19 +127,5 @@ def test_it_serves_only_what_it_reads() -> None:
     assert paged_decode.serves(torch.zeros(1, 9, 64), cache)
     assert not paged_decode.serves(torch.zeros(1, 9, 64, dtype=torch.float16), cache)
     assert not paged_decode.serves(torch.zeros(1, 8, 64), cache)  # 8 heads over 3
+    assert not paged_decode.serves(torch.zeros(1, 27, 64), cache)  # 9 to one
     assert not paged_decode.serves(torch.zeros(1, 9, 64), cache.half())
-
-
-def test_a_failed_build_leaves_sdpa_serving(tmp_path: Path) -> None:
-    """Without a working compiler, decodes attend over gathered blocks, with a warning."""
-    probe = (
-        "import torch; from engine.attention import paged_decode;"
-        "assert not paged_decode.available();"
-        "assert not paged_decode.serves(torch.zeros(1, 9, 64), torch.zeros(2, 16, 3, 64))"
-    )
-    env = os.environ | {"SLUICE_CACHE_DIR": str(tmp_path), "CXX": str(tmp_path / "no-compiler")}
-    done = subprocess.run(
-        [sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=300
-    )
-    assert done.returncode == 0, done.stderr
-    assert "the paged decode kernel is unavailable" in done.stderr
