@@ -94,6 +94,7 @@ inline __m128 reduce4(__m512 a, __m512 b, __m512 c, __m512 d) {
 
 struct Shape {
   int64_t rows, heads, kv_heads, group, dim, chunks, block_size, width, context, padded;
+  int64_t q_row, new_k_row, new_v_row;  // strides between rows: q, new_k and new_v may be views
   bool has_new;
 };
 
@@ -134,13 +135,13 @@ void attend(const Shape& s, const Inputs<Q, C>& in, int64_t row, int64_t head,
   // The slots the mask shows, in order: the row's blocks, then its new token.
   const float* mask = in.mask + row * s.context;
   const int64_t* table = in.tables + row * s.width;
-  const int64_t own = (row * s.kv_heads + head) * s.dim;
+  const int64_t own = head * s.dim;
   int64_t count = 0;
   for (int64_t pos = 0; pos < s.context; ++pos) {
     if (mask[pos] == hidden) continue;
     if (pos == s.width * s.block_size) {
-      keys[count] = in.new_k + own;
-      values[count] = in.new_v + own;
+      keys[count] = in.new_k + row * s.new_k_row + own;
+      values[count] = in.new_v + row * s.new_v_row + own;
     } else {
       int64_t at = table[pos / s.block_size] * s.block_size + pos % s.block_size;
       keys[count] = in.k_blocks + at * s.kv_heads * s.dim + head * s.dim;
@@ -155,7 +156,7 @@ void attend(const Shape& s, const Inputs<Q, C>& in, int64_t row, int64_t head,
   }
 
   // Pass one: scores, four slots at a time so that one shuffle tree sums four dot products.
-  const Q* q = in.q + (row * s.heads + head * G) * s.dim;
+  const Q* q = in.q + row * s.q_row + head * G * s.dim;
   const __m128 scale = _mm_set1_ps(1.f / std::sqrt(static_cast<float>(s.dim)));
   for (int64_t j = 0; j < slots; j += 4) {
     __m512 sum[4][G];
@@ -247,6 +248,13 @@ void run(const Shape& s, const at::Tensor& q, const at::Tensor& k_blocks,
   run_group(s, in, std::make_integer_sequence<int, kMaxGroup>());
 }
 
+// `t` [rows, heads, dim] as it is where each row's heads are contiguous (a slice of the fused
+// projection's output is), else a contiguous copy.
+at::Tensor rows_of(const at::Tensor& t) {
+  bool packed = t.stride(2) == 1 && t.stride(1) == t.size(2);
+  return packed ? t : t.contiguous();
+}
+
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_blocks,
                         const at::Tensor& v_blocks, const at::Tensor& tables,
                         const at::Tensor& mask, const std::optional<at::Tensor>& new_k,
@@ -283,18 +291,21 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_blocks,
     TORCH_CHECK(new_k->scalar_type() == k_blocks.scalar_type() &&
                     new_v->scalar_type() == k_blocks.scalar_type(),
                 "new_k and new_v must have the cache's dtype");
-    TORCH_CHECK(new_k->numel() == s.rows * s.kv_heads * s.dim &&
-                    new_v->numel() == s.rows * s.kv_heads * s.dim,
+    const std::vector<int64_t> shape{s.rows, s.kv_heads, s.dim};
+    TORCH_CHECK(new_k->sizes() == shape && new_v->sizes() == shape,
                 "new_k and new_v must be [rows, kv_heads, dim]");
   }
-  at::Tensor qc = q.contiguous(), kc = k_blocks.contiguous(), vc = v_blocks.contiguous();
+  at::Tensor qc = rows_of(q), kc = k_blocks.contiguous(), vc = v_blocks.contiguous();
   at::Tensor tc = tables.contiguous(), mc = mask.contiguous();
   std::optional<at::Tensor> nk, nv;
+  s.q_row = qc.stride(0);
   if (s.has_new) {
-    nk = new_k->contiguous();
-    nv = new_v->contiguous();
+    nk = rows_of(*new_k);
+    nv = rows_of(*new_v);
+    s.new_k_row = nk->stride(0);
+    s.new_v_row = nv->stride(0);
   }
-  at::Tensor out = at::empty_like(qc);
+  at::Tensor out = at::empty({s.rows, s.heads, s.dim}, q.options());
   bool bf16_q = q.scalar_type() == at::kBFloat16;
   bool bf16_cache = k_blocks.scalar_type() == at::kBFloat16;
   if (bf16_q && bf16_cache) {

@@ -94,4 +94,4 @@ def _shape(
     new_k: torch.Tensor | None,
     new_v: torch.Tensor | None,
 ) -> torch.Tensor:
-    return torch.empty_like(q)
+    return q.new_empty(q.shape)  # contiguous, whatever q's strides

@@ -86,6 +86,20 @@ def test_each_row_attends_to_its_new_key_and_value_after_its_blocks(dtype: torch
     torch.testing.assert_close(got.float(), expected, atol=_tolerance(dtype), rtol=0)
 
 
+def test_queries_and_new_keys_may_be_slices_of_the_fused_projection() -> None:
+    """The model hands over views of one [rows, heads + 2 * kv_heads, dim] tensor."""
+    lengths = [7, 20]
+    q, k_blocks, v_blocks, tables, mask = _case(lengths, 9, 3, 64, torch.bfloat16, seed=3)
+    fused = torch.cat((q, torch.randn(2, 6, 64).bfloat16()), dim=1)
+    q, new_k, new_v = fused[:, :9], fused[:, 9:12], fused[:, 12:]
+    assert not q.is_contiguous() and not new_k.is_contiguous()
+    mask = torch.nn.functional.pad(mask, (0, 1))
+    got = paged_decode.attend(q, k_blocks, v_blocks, tables, mask, (new_k, new_v))
+    contiguous = (new_k.contiguous(), new_v.contiguous())
+    expected = paged_decode.attend(q.contiguous(), k_blocks, v_blocks, tables, mask, contiguous)
+    assert got.is_contiguous() and torch.equal(got, expected)
+
+
 def test_slots_the_mask_hides_are_never_read() -> None:
     """Past each row's length, and in block 0 that pads the tables, the cache holds NaN."""
     lengths = [5, 30]
