@@ -29,8 +29,8 @@ place by PyTorch's C++ runner, the constants compiling made, and where the
 graph calls those kernels (``engine.model.vnni_gemm``,
 ``engine.attention.paged_decode``) the description of those calls that the
 runner reads from beside the library. So this process never imports dynamo or
-inductor, keeps nothing compiling leaves behind, and a later start loads the graphs in
-about a second. Loading hands each graph the model's own tensors; only the
+inductor, keeps nothing compiling leaves behind, and a later start loads the
+graphs in about a second. Loading hands each graph the model's own tensors; only the
 constants compiling made (the templates' repacked weights, about 105 MiB for
 the default model) are read from the cache, and graphs share identical ones.
 """

@@ -12,13 +12,13 @@ Each graph is one decode step: the model's forward pass over one new token per
 row, attention included as pure reads of the paged KV cache (each row attends
 to the blocks its table names, the mask hiding the slots past its context, and
 to its own new key and value; ``engine.attention.paged_decode``'s kernel where
-it runs), then the head. It returns every row's float32
-logits and every layer's new keys and values; the caller writes those into
-the cache, so the graph mutates nothing. The weights are frozen into the
-graph, and inductor autotunes its matmuls between ATen's kernels and its own
-C++ templates where the spec asks. Only the constants compiling made (the
-templates' repacked weights) are kept; the model's own tensors are handed to
-the graph when it is loaded, so they are held once.
+it runs), then the head. It returns every row's float32 logits and every
+layer's new keys and values; the caller writes those into the cache, so the
+graph mutates nothing. The weights are frozen into the graph, and inductor
+autotunes its matmuls between ATen's kernels and its own C++ templates where
+the spec asks. Only the constants compiling made (the templates' repacked
+weights) are kept; the model's own tensors are handed to the graph when it is
+loaded, so they are held once.
 """
 
 from __future__ import annotations
