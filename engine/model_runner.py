@@ -118,7 +118,7 @@ class ModelRunner:
         )
 
     def prepare(self, scheduled: list[ScheduledSeq]) -> StepInputs:
-        ordered = sorted(scheduled, key=lambda s: s.num_tokens != 1)  # decodes first
+        ordered = sorted(scheduled, key=lambda s: s.num_tokens)  # decodes, then short chunks
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []

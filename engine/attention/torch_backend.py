@@ -5,7 +5,11 @@ every layer: ``paged_decode``'s kernel reads each sequence's context where the
 cache holds it, or, where the kernel does not run, the context is gathered into
 a padded ``[batch, context, kv_heads, dim]`` tensor, whole blocks at a time. Prefill
 chunks attend one sequence at a time; a chunk with no cached prefix attends
-to its own keys without touching the cache. The cache may store a narrower
+to its own keys without touching the cache. Where the kernel runs, a small
+chunk (``SMALL_CHUNK_READS``) joins the decodes instead: each of its tokens is
+one more row, whose context is its sequence's slots up to its own, which the
+cache holds by then. A burst of short new messages on a cached system prompt
+then attends in one call per layer, not one per chunk. The cache may store a narrower
 dtype than the model computes in (bfloat16 under a float32 model with low-bit
 layers); keys and values are cast on the way in and out, and attention
 computes in the queries' dtype.
@@ -20,6 +24,11 @@ import torch.nn.functional as F
 
 from engine.attention import paged_decode
 from engine.attention.base import AttentionBackend, BatchLayout, KVCache
+
+SMALL_CHUNK_READS = 2048
+"""The most (new tokens x context tokens) of a prefill chunk that joins the decodes' kernel
+call: each of its tokens reads its whole context there, where attending the chunk alone
+costs about 0.1 ms a layer whatever its size."""
 
 
 @dataclass(slots=True)
@@ -38,6 +47,12 @@ class _Plan:
     decode_gather: torch.Tensor | None  # [decodes, max_blocks] block tables, zero-padded
     decode_mask: torch.Tensor | None  # [decodes, 1, 1, max_context], additive
     prefills: list[_Prefill]
+    # The decodes, then the tokens of the first ``rows_chunks`` prefill chunks, as rows of
+    # one kernel call: their block tables and masks as for decodes; None when none joined.
+    rows: int = 0
+    rows_chunks: int = 0
+    rows_gather: torch.Tensor | None = None
+    rows_mask: torch.Tensor | None = None
 
 
 class TorchBackend(AttentionBackend):
@@ -67,6 +82,25 @@ class TorchBackend(AttentionBackend):
             prefills.append(self._prefill(layout, i, start, end, cached, device))
             start = end
         self._plan = _Plan(layout.slot_mapping, num_decodes, gather, mask, prefills)
+        if paged_decode.available() and layout.slot_mapping.device.type == "cpu":
+            self._join_small_chunks(layout)
+
+    def _join_small_chunks(self, layout: BatchLayout) -> None:
+        """Make the leading small prefill chunks rows of the decodes' kernel call."""
+        plan = self._plan
+        tables = layout.block_tables[: plan.num_decodes]
+        lengths = layout.context_lens[: plan.num_decodes]
+        for i in range(plan.num_decodes, len(layout.query_lens)):
+            query, context = layout.query_lens[i], layout.context_lens[i]
+            if query * context > SMALL_CHUNK_READS:
+                break
+            tables += [layout.block_tables[i]] * query
+            lengths += range(context - query + 1, context + 1)  # each token sees itself
+            plan.rows_chunks += 1
+        if not plan.rows_chunks:
+            return
+        gather, mask = padded_tables(tables, lengths, self.kv_cache.block_size)
+        plan.rows, plan.rows_gather, plan.rows_mask = len(lengths), gather, mask[:, None, None]
 
     def forward(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
@@ -76,15 +110,19 @@ class TorchBackend(AttentionBackend):
         k_cache.index_copy_(0, plan.slot_mapping, k.to(k_cache.dtype))
         v_cache.index_copy_(0, plan.slot_mapping, v.to(v_cache.dtype))
         k_blocks, v_blocks = self._blocks[layer]
-        decodes = None
-        if plan.num_decodes:
-            decodes = self._decode(q[: plan.num_decodes], k_blocks, v_blocks)
-            if not plan.prefills:  # a decode batch: nothing else to attend
-                return decodes
+        prefills, rows = plan.prefills, plan.num_decodes
+        if plan.rows and paged_decode.serves(q, k_blocks):
+            prefills, rows = prefills[plan.rows_chunks :], plan.rows
+            gather, mask = plan.rows_gather, plan.rows_mask
+            attended = paged_decode.attend(q[:rows], k_blocks, v_blocks, gather, mask)
+        elif rows:
+            attended = self._decode(q[:rows], k_blocks, v_blocks)
+        if not prefills:  # nothing else to attend
+            return attended
         out = torch.empty_like(q)
-        if decodes is not None:
-            out[: plan.num_decodes] = decodes
-        for chunk in plan.prefills:
+        if rows:
+            out[:rows] = attended
+        for chunk in prefills:
             queries = q[chunk.start : chunk.end].unsqueeze(0)
             if chunk.gather is None:
                 keys = k[chunk.start : chunk.end].unsqueeze(0)
