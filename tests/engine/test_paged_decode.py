@@ -5,8 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.attention import paged_decode
-from engine.attention.torch_backend import attend_decode, gather_blocks, padded_tables
+from engine.attention import BatchLayout, KVCache, paged_decode, torch_backend
+from engine.attention.torch_backend import (
+    TorchBackend,
+    attend_decode,
+    gather_blocks,
+    padded_tables,
+)
 
 pytestmark = pytest.mark.skipif(
     not paged_decode.available(), reason="the paged decode kernel does not run here"
@@ -143,3 +148,47 @@ def test_it_serves_only_what_it_reads() -> None:
     assert not paged_decode.serves(torch.zeros(1, 8, 64), cache)  # 8 heads over 3
     assert not paged_decode.serves(torch.zeros(1, 27, 64), cache)  # 9 to one
     assert not paged_decode.serves(torch.zeros(1, 9, 64), cache.half())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_small_prefill_chunks_attend_as_rows_of_the_decodes_call(
+    dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In a mixed step, the tokens of small prefill chunks (a new message on a cached prefix,
+    a first short prompt) join the decodes' kernel call; every token gets what attending its
+    chunk alone with SDPA gives. A large chunk still attends alone."""
+    heads, kv_heads, dim = 9, 3, 64
+    cache = KVCache.allocate(1, NUM_BLOCKS, BLOCK_SIZE, kv_heads, dim, dtype, torch.device("cpu"))
+    generator = torch.Generator().manual_seed(7)
+    cache.k.copy_(torch.randn(cache.k.shape, generator=generator))
+    cache.v.copy_(torch.randn(cache.v.shape, generator=generator))
+    # (new tokens, context): 2 decodes, a chunk on a cached prefix, a whole short prompt,
+    # and a chunk too large to join
+    steps = [(1, 20), (1, 35), (6, 40), (5, 5), (40, 90)]
+    order = (torch.randperm(NUM_BLOCKS - 1, generator=generator) + 1).tolist()
+    tables, slots = [], []
+    for query, context in steps:
+        table, order = order[: -(-context // BLOCK_SIZE)], order[-(-context // BLOCK_SIZE) :]
+        tables.append(table)
+        new = range(context - query, context)
+        slots += [table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in new]
+    layout = BatchLayout(
+        query_lens=[q for q, _ in steps],
+        context_lens=[c for _, c in steps],
+        block_tables=tables,
+        slot_mapping=torch.tensor(slots),
+    )
+    tokens = len(slots)
+    q = torch.randn(tokens, heads, dim, generator=generator).to(dtype)
+    k = torch.randn(tokens, kv_heads, dim, generator=generator).to(dtype)
+    v = torch.randn(tokens, kv_heads, dim, generator=generator).to(dtype)
+
+    backend = TorchBackend(cache)
+    backend.plan(layout)
+    assert backend._plan.rows_chunks == 2 and backend._plan.rows == 2 + 6 + 5
+    joined = backend.forward(0, q, k, v)
+    monkeypatch.setattr(torch_backend, "SMALL_CHUNK_READS", 0)  # every chunk alone
+    backend.plan(layout)
+    assert backend._plan.rows == 0
+    alone = backend.forward(0, q, k, v)
+    torch.testing.assert_close(joined.float(), alone.float(), atol=_tolerance(dtype), rtol=0)

@@ -55,7 +55,9 @@ def kernel(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> s
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("rows", [1, 5, quantized.DENSE_FROM_ROWS, 150, 400])
+@pytest.mark.parametrize(
+    "rows", [1, 5, quantized.AMX_INT4_DENSE_FROM_ROWS, quantized.DENSE_FROM_ROWS, 150, 400]
+)
 def test_int8_linear_matches_dense_arithmetic(
     rows: int, bias: bool, dtype: torch.dtype, kernel: str
 ) -> None:
@@ -129,7 +131,9 @@ def test_quantized_default_model_follows_fp32(loaded_model: LoadedModel) -> None
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("rows", [1, 5, quantized.DENSE_FROM_ROWS, 150, 400])
+@pytest.mark.parametrize(
+    "rows", [1, 5, quantized.AMX_INT4_DENSE_FROM_ROWS, quantized.DENSE_FROM_ROWS, 150, 400]
+)
 def test_int4_linear_matches_its_dequantized_weight(
     rows: int, bias: bool, dtype: torch.dtype, kernel: str
 ) -> None:
