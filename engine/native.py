@@ -10,6 +10,7 @@ into place, so processes starting together never wait on one another's lock.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import shutil
 import tempfile
@@ -19,6 +20,23 @@ from pathlib import Path
 import torch
 
 from engine import CACHE_DIR
+from shared.cpu import cpu_flags
+
+log = logging.getLogger(__name__)
+
+
+def runs(name: str, source: Path, flags: Sequence[str], needs: Sequence[str], instead: str) -> bool:
+    """Whether ``source``'s kernels run here: the CPU has the ``needs`` flags and the library
+    loads, built first if no process has. A failed build (no compiler, no ninja, a full
+    disk) is logged, with what serves ``instead``."""
+    if not set(needs) <= cpu_flags():
+        return False
+    try:
+        load(name, source, flags)
+    except Exception as error:
+        log.warning("%s is unavailable, %s serves instead: %s", name, instead, error)
+        return False
+    return True
 
 
 def load(name: str, source: Path, flags: Sequence[str]) -> None:

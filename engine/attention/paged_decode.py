@@ -12,16 +12,12 @@ gathered blocks with ``scaled_dot_product_attention``.
 
 from __future__ import annotations
 
-import logging
 from functools import cache
 from pathlib import Path
 
 import torch
 
 from engine import native
-from shared.cpu import cpu_flags
-
-log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("paged_decode.cpp")
 NAME = "sluice_paged_decode"
@@ -40,12 +36,7 @@ MAX_GROUP = 8
 @cache
 def available() -> bool:
     """Whether the kernel runs here; builds and loads it on first call."""
-    if not set(CPU_FLAGS) <= cpu_flags():
-        return False
-    try:
-        native.load(NAME, SOURCE, FLAGS)
-    except Exception as error:  # no compiler, no ninja, a full disk: SDPA serves
-        log.warning("the paged decode kernel is unavailable, using SDPA: %s", error)
+    if not native.runs(NAME, SOURCE, FLAGS, CPU_FLAGS, "SDPA"):
         return False
     torch.library.register_fake("sluice::paged_decode")(_shape)
     return True

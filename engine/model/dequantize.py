@@ -12,16 +12,12 @@ the layers dequantize with PyTorch's ops.
 
 from __future__ import annotations
 
-import logging
 from functools import cache
 from pathlib import Path
 
 import torch
 
 from engine import native
-from shared.cpu import cpu_flags
-
-log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("dequantize.cpp")
 NAME = "sluice_dequantize"
@@ -38,14 +34,7 @@ PACK_BLOCK = 64
 @cache
 def available() -> bool:
     """Whether the kernel runs here; builds and loads it on first call."""
-    if not set(CPU_FLAGS) <= cpu_flags():
-        return False
-    try:
-        native.load(NAME, SOURCE, FLAGS)
-    except Exception as error:  # no compiler, no ninja, a full disk: PyTorch's ops serve
-        log.warning("the int4 dequantize kernel is unavailable, using PyTorch's ops: %s", error)
-        return False
-    return True
+    return native.runs(NAME, SOURCE, FLAGS, CPU_FLAGS, "PyTorch's ops")
 
 
 def serves(block: int, in_order: bool, dtype: torch.dtype) -> bool:

@@ -13,16 +13,12 @@ templates, which run 32 rows of the 3072x576 int4 projection in 0.14-0.17 ms
 
 from __future__ import annotations
 
-import logging
 from functools import cache
 from pathlib import Path
 
 import torch
 
 from engine import native
-from shared.cpu import cpu_flags
-
-log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("vnni_gemm.cpp")
 NAME = "sluice_vnni_gemm"
@@ -34,12 +30,9 @@ CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx5
 @cache
 def available() -> bool:
     """Whether the kernels run here; builds and loads them on first call."""
-    if not set(CPU_FLAGS) <= cpu_flags() or torch.cpu._is_amx_tile_supported():
+    if torch.cpu._is_amx_tile_supported():
         return False
-    try:
-        native.load(NAME, SOURCE, FLAGS)
-    except Exception as error:  # no compiler, no ninja, a full disk: PyTorch's kernel serves
-        log.warning("the VNNI kernels are unavailable, using PyTorch's: %s", error)
+    if not native.runs(NAME, SOURCE, FLAGS, CPU_FLAGS, "PyTorch's kernels"):
         return False
     torch.library.register_fake("sluice::int4_gemm")(_int4_shape)
     torch.library.register_fake("sluice::int8_gemm")(_int8_shape)
