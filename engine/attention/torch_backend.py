@@ -7,12 +7,12 @@ a padded ``[batch, context, kv_heads, dim]`` tensor, whole blocks at a time. Pre
 chunks attend one sequence at a time; a chunk with no cached prefix attends
 to its own keys without touching the cache. Where the kernel runs, a small
 chunk (``SMALL_CHUNK_READS``) joins the decodes instead: each of its tokens is
-one more row, whose context is its sequence's slots up to its own, which the
-cache holds by then. A burst of short new messages on a cached system prompt
-then attends in one call per layer, not one per chunk. The cache may store a narrower
-dtype than the model computes in (bfloat16 under a float32 model with low-bit
-layers); keys and values are cast on the way in and out, and attention
-computes in the queries' dtype.
+one more decode row, whose context is its sequence's slots up to its own,
+which the cache holds by then. A burst of short new messages on a cached
+system prompt then attends in one call per layer, not one per chunk. The cache
+may store a narrower dtype than the model computes in (bfloat16 under a
+float32 model with low-bit layers); keys and values are cast on the way in and
+out, and attention computes in the queries' dtype.
 """
 
 from __future__ import annotations
@@ -43,16 +43,10 @@ class _Prefill:
 @dataclass(slots=True)
 class _Plan:
     slot_mapping: torch.Tensor
-    num_decodes: int
-    decode_gather: torch.Tensor | None  # [decodes, max_blocks] block tables, zero-padded
-    decode_mask: torch.Tensor | None  # [decodes, 1, 1, max_context], additive
-    prefills: list[_Prefill]
-    # The decodes, then the tokens of the first ``rows_chunks`` prefill chunks, as rows of
-    # one kernel call: their block tables and masks as for decodes; None when none joined.
-    rows: int = 0
-    rows_chunks: int = 0
-    rows_gather: torch.Tensor | None = None
-    rows_mask: torch.Tensor | None = None
+    decode_rows: int  # the decodes, then the tokens of the small chunks that joined them
+    decode_gather: torch.Tensor | None  # [decode_rows, max_blocks] block tables, zero-padded
+    decode_mask: torch.Tensor | None  # [decode_rows, 1, 1, max_context], additive
+    prefills: list[_Prefill]  # the chunks that attend alone
 
 
 class TorchBackend(AttentionBackend):
@@ -70,37 +64,36 @@ class TorchBackend(AttentionBackend):
 
     def plan(self, layout: BatchLayout) -> None:
         device = layout.slot_mapping.device
-        num_decodes = layout.num_decodes
+        tables, lengths, joined = self._decode_rows(layout)
         gather = mask = None
-        if num_decodes:
-            gather, mask = self._decode_index(layout, num_decodes, device)
+        if lengths:
+            gather, mask = padded_tables(tables, lengths, self.kv_cache.block_size)
+            gather, mask = gather.to(device), mask[:, None, None, :].to(device)
         prefills = []
-        start = num_decodes
-        for i in range(num_decodes, len(layout.query_lens)):
+        start = len(lengths)
+        for i in range(layout.num_decodes + joined, len(layout.query_lens)):
             end = start + layout.query_lens[i]
             cached = layout.context_lens[i] - layout.query_lens[i]
             prefills.append(self._prefill(layout, i, start, end, cached, device))
             start = end
-        self._plan = _Plan(layout.slot_mapping, num_decodes, gather, mask, prefills)
-        if paged_decode.available() and layout.slot_mapping.device.type == "cpu":
-            self._join_small_chunks(layout)
+        self._plan = _Plan(layout.slot_mapping, len(lengths), gather, mask, prefills)
 
-    def _join_small_chunks(self, layout: BatchLayout) -> None:
-        """Make the leading small prefill chunks rows of the decodes' kernel call."""
-        plan = self._plan
-        tables = layout.block_tables[: plan.num_decodes]
-        lengths = layout.context_lens[: plan.num_decodes]
-        for i in range(plan.num_decodes, len(layout.query_lens)):
+    def _decode_rows(self, layout: BatchLayout) -> tuple[list[list[int]], list[int], int]:
+        """The block table and context length of each decode row, and how many prefill
+        chunks joined the decodes: the leading small ones, where the kernel runs."""
+        decodes = layout.num_decodes
+        tables, lengths = layout.block_tables[:decodes], layout.context_lens[:decodes]
+        if not (paged_decode.available() and layout.slot_mapping.device.type == "cpu"):
+            return tables, lengths, 0
+        joined = 0
+        for i in range(decodes, len(layout.query_lens)):
             query, context = layout.query_lens[i], layout.context_lens[i]
             if query * context > SMALL_CHUNK_READS:
                 break
             tables += [layout.block_tables[i]] * query
             lengths += range(context - query + 1, context + 1)  # each token sees itself
-            plan.rows_chunks += 1
-        if not plan.rows_chunks:
-            return
-        gather, mask = padded_tables(tables, lengths, self.kv_cache.block_size)
-        plan.rows, plan.rows_gather, plan.rows_mask = len(lengths), gather, mask[:, None, None]
+            joined += 1
+        return tables, lengths, joined
 
     def forward(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
@@ -110,19 +103,15 @@ class TorchBackend(AttentionBackend):
         k_cache.index_copy_(0, plan.slot_mapping, k.to(k_cache.dtype))
         v_cache.index_copy_(0, plan.slot_mapping, v.to(v_cache.dtype))
         k_blocks, v_blocks = self._blocks[layer]
-        prefills, rows = plan.prefills, plan.num_decodes
-        if plan.rows and paged_decode.serves(q, k_blocks):
-            prefills, rows = prefills[plan.rows_chunks :], plan.rows
-            gather, mask = plan.rows_gather, plan.rows_mask
-            attended = paged_decode.attend(q[:rows], k_blocks, v_blocks, gather, mask)
-        elif rows:
-            attended = self._decode(q[:rows], k_blocks, v_blocks)
-        if not prefills:  # nothing else to attend
-            return attended
+        rows = plan.decode_rows
+        if rows:
+            decodes = self._decode(q[:rows], k_blocks, v_blocks)
+            if not plan.prefills:  # nothing else to attend
+                return decodes
         out = torch.empty_like(q)
         if rows:
-            out[:rows] = attended
-        for chunk in prefills:
+            out[:rows] = decodes
+        for chunk in plan.prefills:
             queries = q[chunk.start : chunk.end].unsqueeze(0)
             if chunk.gather is None:
                 keys = k[chunk.start : chunk.end].unsqueeze(0)
@@ -136,23 +125,14 @@ class TorchBackend(AttentionBackend):
     def _decode(
         self, q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Tensor
     ) -> torch.Tensor:
-        """The decode rows' attention over their blocks, which already hold their new tokens."""
+        """The decode rows' attention over their blocks, which already hold their new tokens
+        (gathered for SDPA where the kernel does not serve these queries)."""
         plan = self._plan
         if paged_decode.serves(q, k_blocks):
             return paged_decode.attend(q, k_blocks, v_blocks, plan.decode_gather, plan.decode_mask)
         keys = gather_blocks(k_blocks, plan.decode_gather, q.dtype)
         values = gather_blocks(v_blocks, plan.decode_gather, q.dtype)
         return attend_decode(q, keys, values, plan.decode_mask)
-
-    def _decode_index(
-        self, layout: BatchLayout, num_decodes: int, device: torch.device
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        tables, mask = padded_tables(
-            layout.block_tables[:num_decodes],
-            layout.context_lens[:num_decodes],
-            self.kv_cache.block_size,
-        )
-        return tables.to(device), mask[:, None, None, :].to(device)
 
     def _prefill(
         self,

@@ -156,7 +156,8 @@ def test_small_prefill_chunks_attend_as_rows_of_the_decodes_call(
 ) -> None:
     """In a mixed step, the tokens of small prefill chunks (a new message on a cached prefix,
     a first short prompt) join the decodes' kernel call; every token gets what attending its
-    chunk alone with SDPA gives. A large chunk still attends alone."""
+    chunk alone with SDPA gives, from the kernel or, where it does not serve, from SDPA over
+    each row's gathered blocks. A large chunk still attends alone."""
     heads, kv_heads, dim = 9, 3, 64
     cache = KVCache.allocate(1, NUM_BLOCKS, BLOCK_SIZE, kv_heads, dim, dtype, torch.device("cpu"))
     generator = torch.Generator().manual_seed(7)
@@ -185,10 +186,14 @@ def test_small_prefill_chunks_attend_as_rows_of_the_decodes_call(
 
     backend = TorchBackend(cache)
     backend.plan(layout)
-    assert backend._plan.rows_chunks == 2 and backend._plan.rows == 2 + 6 + 5
+    assert backend._plan.decode_rows == 2 + 6 + 5 and len(backend._plan.prefills) == 1
     joined = backend.forward(0, q, k, v)
+    with monkeypatch.context() as patched:  # the same rows where the kernel does not serve
+        patched.setattr(paged_decode, "serves", lambda *_: False)
+        gathered = backend.forward(0, q, k, v)
     monkeypatch.setattr(torch_backend, "SMALL_CHUNK_READS", 0)  # every chunk alone
     backend.plan(layout)
-    assert backend._plan.rows == 0
+    assert backend._plan.decode_rows == 2 and len(backend._plan.prefills) == 3
     alone = backend.forward(0, q, k, v)
-    torch.testing.assert_close(joined.float(), alone.float(), atol=_tolerance(dtype), rtol=0)
+    for ours in (joined, gathered):
+        torch.testing.assert_close(ours.float(), alone.float(), atol=_tolerance(dtype), rtol=0)
