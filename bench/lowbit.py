@@ -9,7 +9,9 @@ int8) and each row count, one process times:
 - PyTorch's weight-only kernel (``_weight_int4pack_mm_for_cpu`` or
   ``_weight_int8pack_mm``), the baseline;
 - ``vnni_gemm``'s kernel on the same weights, where it runs on this CPU;
-- a bfloat16 GEMM on a dense copy, the memory-hungry alternative.
+- a bfloat16 GEMM on a dense copy, the memory-hungry alternative;
+- for int4, dequantizing the pack then that GEMM, what prefill chunks from
+  ``Int4Linear.dense_from_rows()`` rows run.
 
 Each figure is the mean of ``--repeats`` calls after a warm-up, in ms.
 """
@@ -53,6 +55,7 @@ def _kernels(out: int, inp: int, bits: int, x: torch.Tensor) -> dict[str, Callab
         kernels["pytorch"] = lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(
             x, layer.weight, GROUP_SIZE, layer.scales_and_zeros
         )
+        kernels["dequantize + GEMM"] = lambda: x @ layer.dequantized_transposed()
         ours = torch.ops.sluice.int4_gemm if vnni_gemm.available() else None
     else:
         layer = Int8Linear(weight, None)
@@ -75,7 +78,8 @@ def main(argv: list[str] | None = None) -> int:
         f"VNNI kernels {'on' if vnni_gemm.available() else 'off'}"
     )
     print(
-        f"{'projection':<18} {'rows':>4} {'pytorch':>9} {'vnni':>9} {'ratio':>7} {'bf16 GEMM':>10}"
+        f"{'projection':<18} {'rows':>4} {'pytorch':>9} {'vnni':>9} {'ratio':>7} "
+        f"{'bf16 GEMM':>10} {'dequantize + GEMM':>18}"
     )
     for name, (out, inp, bits) in SHAPES.items():
         for rows in map(int, args.rows.split(",")):
@@ -84,7 +88,8 @@ def main(argv: list[str] | None = None) -> int:
             ours = times.get("vnni", float("nan"))
             print(
                 f"{name:<18} {rows:>4} {times['pytorch']:>9.3f} {ours:>9.3f} "
-                f"{times['pytorch'] / ours:>6.2f}x {times['bf16 GEMM']:>10.3f}"
+                f"{times['pytorch'] / ours:>6.2f}x {times['bf16 GEMM']:>10.3f} "
+                f"{times.get('dequantize + GEMM', float('nan')):>18.3f}"
             )
     return 0
 

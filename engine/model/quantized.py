@@ -25,7 +25,9 @@ same weights instead: they multiply the weights with int8 activations, each
 unpacked weight vector serving several rows. ``int4_gemm`` beats PyTorch's
 int4 kernel at every size (1.6-2.8x at one row on the default model's larger
 projections, 1.2-1.9x at 32); ``int8_gemm`` its int8 kernel from
-``INT8_VNNI_FROM_ROWS`` (2.2-3x at 32 rows on the head). Both beat
+``INT8_VNNI_FROM_ROWS`` (2.2-3x at 32 rows on the head). An int4 layer in
+bfloat16 dequantizes and runs the GEMM from ``VNNI_INT4_DENSE_FROM_ROWS``,
+where ``engine.model.dequantize``'s kernel serves; otherwise both kernels beat
 dequantize-then-GEMM up to ``VNNI_DENSE_FROM_ROWS``.
 
 A tied embedding reads its rows from the quantized head (``QuantizedEmbedding``)
@@ -62,9 +64,15 @@ dequantized by ``engine.model.dequantize``'s kernel: a layer of the default mode
 Compiled decode graphs keep the low-bit kernel at every batch they take."""
 
 VNNI_DENSE_FROM_ROWS = 384
-"""Input rows from which dequantize-then-GEMM beats ``int4_gemm`` and ``int8_gemm``
-(bfloat16, AVX-512 with VNNI: 3.1 against 4.5 ms at 256 rows for the 3072x576 int4
-projection, 7.4 both ways at 512)."""
+"""Input rows from which dequantizing in PyTorch's ops then the GEMM beats ``int4_gemm`` and
+``int8_gemm`` (bfloat16, AVX-512 with VNNI: 3.1 against 4.5 ms at 256 rows for the
+3072x576 int4 projection, 7.4 both ways at 512)."""
+
+VNNI_INT4_DENSE_FROM_ROWS = 64
+"""``VNNI_DENSE_FROM_ROWS`` of int4 layers in bfloat16 that ``engine.model.dequantize``'s
+kernel dequantizes. A whole prefill of the default model on AVX-512 with VNNI, dense against
+``int4_gemm``: 0.95-0.97x the time at 64 rows, 0.98-1.02x at 96, 0.77-0.79x at 128, 0.89-0.93x
+at 192, 0.66-0.75x at 256; 1.19-1.22x at 32 and 48 (``LLM.generate``, one new token)."""
 
 INT8_VNNI_FROM_ROWS = 4
 """Input rows from which ``int8_gemm`` runs instead of PyTorch's int8 kernel (the default
@@ -207,20 +215,22 @@ class Int4Linear(nn.Module):
         return rows % _PACK_ROWS == 0 and columns % GROUP_SIZE == 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.vnni() and x.shape[0] < VNNI_DENSE_FROM_ROWS:
-            y = torch.ops.sluice.int4_gemm(x.to(KERNEL_DTYPE), self.weight, self.scales_and_zeros)
-            y = y.to(self.dtype)
-        elif torch.compiler.is_exporting() or x.shape[0] < self.dense_from_rows():
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(
-                x.to(KERNEL_DTYPE), self.weight, GROUP_SIZE, self.scales_and_zeros
-            ).to(self.dtype)
+        if torch.compiler.is_exporting() or x.shape[0] < self.dense_from_rows():
+            y = self._low_bit(x.to(KERNEL_DTYPE)).to(self.dtype)
         else:
             y = linear(x, self.dequantized_transposed().T)
         return y if self.bias is None else y + self.bias
 
+    def _low_bit(self, x: torch.Tensor) -> torch.Tensor:
+        if self.vnni():
+            return torch.ops.sluice.int4_gemm(x, self.weight, self.scales_and_zeros)
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x, self.weight, GROUP_SIZE, self.scales_and_zeros
+        )
+
     def vnni(self) -> bool:
         """Whether ``int4_gemm`` runs here on this layer's pack (AVX-512's, rows in order)."""
-        return self.layout.block == 64 and self.layout.in_order and vnni_gemm.available()
+        return _int4_vnni(self.layout.block, self.layout.in_order)
 
     def dense_from_rows(self) -> int:
         """Input rows from which this layer dequantizes and runs the dense GEMM."""
@@ -256,12 +266,19 @@ class Int4Linear(nn.Module):
         return (grouped * scale.T[..., None] + zero.T[..., None]).view(count, -1)
 
 
+def _int4_vnni(block: int, in_order: bool) -> bool:
+    return block == 64 and in_order and vnni_gemm.available()
+
+
 @cache
 def _int4_dense_from_rows(block: int, in_order: bool, dtype: torch.dtype) -> int:
-    amx = dtype == torch.bfloat16 and torch.cpu._is_amx_tile_supported()
-    if amx and dequantize.serves(block, in_order, dtype):
-        return AMX_INT4_DENSE_FROM_ROWS
-    return DENSE_FROM_ROWS
+    vnni = _int4_vnni(block, in_order)
+    if dtype == torch.bfloat16 and dequantize.serves(block, in_order, dtype):
+        if vnni:
+            return VNNI_INT4_DENSE_FROM_ROWS
+        if torch.cpu._is_amx_tile_supported():
+            return AMX_INT4_DENSE_FROM_ROWS
+    return VNNI_DENSE_FROM_ROWS if vnni else DENSE_FROM_ROWS
 
 
 QuantizedLinear = Int8Linear | Int4Linear

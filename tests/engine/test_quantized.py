@@ -5,13 +5,14 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from engine import LLM, SamplingParams
-from engine.model import quantized, vnni_gemm
+from engine.model import dequantize, quantized, vnni_gemm
 from engine.model.layers import Linear
 from engine.model.quantized import Int4Linear, Int8Linear, QuantizedEmbedding, quantize_linears
 from engine.setup import LoadedModel
@@ -39,25 +40,36 @@ def _random_linear(
     return layer.to(dtype)
 
 
+ROWS = [
+    1,
+    5,
+    quantized.AMX_INT4_DENSE_FROM_ROWS,
+    quantized.VNNI_INT4_DENSE_FROM_ROWS,
+    quantized.DENSE_FROM_ROWS,
+    150,
+    400,
+]
+"""Each side of every threshold between the low-bit kernels and the dense GEMM."""
+
 DTYPES = [torch.bfloat16, torch.float32]
 """What a model with low-bit layers computes in: each layer takes and returns its model's dtype."""
 
 
 @pytest.fixture(params=["vnni", "aten"])
-def kernel(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+def kernel(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     """The low-bit kernels a layer runs: ``vnni_gemm``'s (where they run here) or PyTorch's."""
     if request.param == "aten":
         monkeypatch.setattr(quantized.vnni_gemm, "available", lambda: False)
     elif not vnni_gemm.available():
         pytest.skip("the VNNI kernels do not run here")
-    return request.param
+    quantized._int4_dense_from_rows.cache_clear()  # the threshold follows the kernel
+    yield request.param
+    quantized._int4_dense_from_rows.cache_clear()
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize(
-    "rows", [1, 5, quantized.AMX_INT4_DENSE_FROM_ROWS, quantized.DENSE_FROM_ROWS, 150, 400]
-)
+@pytest.mark.parametrize("rows", ROWS)
 def test_int8_linear_matches_dense_arithmetic(
     rows: int, bias: bool, dtype: torch.dtype, kernel: str
 ) -> None:
@@ -131,9 +143,7 @@ def test_quantized_default_model_follows_fp32(loaded_model: LoadedModel) -> None
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize(
-    "rows", [1, 5, quantized.AMX_INT4_DENSE_FROM_ROWS, quantized.DENSE_FROM_ROWS, 150, 400]
-)
+@pytest.mark.parametrize("rows", ROWS)
 def test_int4_linear_matches_its_dequantized_weight(
     rows: int, bias: bool, dtype: torch.dtype, kernel: str
 ) -> None:
@@ -153,6 +163,39 @@ def test_int4_linear_matches_its_dequantized_weight(
     quiet = weight - dense.weight.float()
     quiet[3, :32] = 0
     assert quiet.abs().max() < 0.6 * (0.05 * 8 / 15), quiet.abs().max()
+
+
+def _ops_run(layer: Int4Linear, rows: int) -> set[str]:
+    x = torch.randn(rows, layer.in_features).to(layer.dtype)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        layer(x)
+    return {event.key for event in profile.key_averages()}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_int4_layers_dequantize_from_the_rows_this_cpu_measures(
+    dtype: torch.dtype, kernel: str
+) -> None:
+    """Below ``dense_from_rows()`` an int4 layer runs its low-bit kernel; from there it
+    dequantizes and runs the GEMM. With the dequantize kernel in bfloat16 the threshold is
+    what was measured for this CPU's low-bit kernel (VNNI or AMX)."""
+    layer = quantized.quantize(_random_linear(192, 96, False, dtype), "int4")
+    amx = torch.cpu._is_amx_tile_supported()
+    by_kernel = dequantize.available() and dtype == torch.bfloat16
+    expected = {
+        (True, True): quantized.VNNI_INT4_DENSE_FROM_ROWS,
+        (True, False): quantized.VNNI_DENSE_FROM_ROWS,
+        (False, True): quantized.AMX_INT4_DENSE_FROM_ROWS if amx else quantized.DENSE_FROM_ROWS,
+        (False, False): quantized.DENSE_FROM_ROWS,
+    }[layer.vnni(), by_kernel]
+    assert layer.dense_from_rows() == expected
+
+    low_bit = "sluice::int4_gemm" if kernel == "vnni" else "aten::_weight_int4pack_mm_for_cpu"
+    below, above = _ops_run(layer, expected - 1), _ops_run(layer, expected)
+    assert low_bit in below and "aten::mm" not in below
+    assert low_bit not in above and "aten::mm" in above
+    if dequantize.serves(layer.layout.block, layer.layout.in_order, dtype):
+        assert "sluice::int4_dequantize" in above
 
 
 def test_int4_keeps_the_codes_of_a_q4_1_grid() -> None:
