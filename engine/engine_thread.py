@@ -7,6 +7,8 @@ While the engine has work the thread steps it and hands each step's events
 to ``on_events``; when it has none the thread sleeps on a condition, so an
 idle host costs no CPU, and returns the C heap's free pages to the system
 first, so an idle host holds no more memory than before its last burst.
+Once warm, it drops the library code pages only the start ran
+(``shared.heap.drop_code_pages``).
 Callbacks run on the engine thread: they may call the engine directly but
 must not block for long, since every request waits for them.
 """
@@ -23,7 +25,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from shared.events import InferenceEvent
-from shared.heap import return_free_memory
+from shared.heap import drop_code_pages, return_free_memory
 
 if TYPE_CHECKING:
     from engine.llm_engine import LLMEngine
@@ -83,6 +85,7 @@ class EngineThread:
         _name_os_thread(self._thread.name)
         engine = self.engine
         engine.warm_up()  # commands queued meanwhile wait for it
+        drop_code_pages()
         self._warm.set()
         while (commands := self._next_commands()) is not None:
             for command in commands:

@@ -1,14 +1,18 @@
-"""``freeze_startup_heap``: startup garbage is freed, the rest is out of the collector's view."""
+"""``freeze_startup_heap``: startup garbage is freed, the rest is out of the collector's view.
+``drop_code_pages``: clean library code leaves the resident set and faults back when run."""
 
 from __future__ import annotations
 
 import gc
+import subprocess
+import sys
 import weakref
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
-from shared.heap import freeze_startup_heap
+from shared.heap import _clean_code_mappings, freeze_startup_heap
 
 
 class Node:
@@ -46,3 +50,70 @@ def test_a_full_collection_scans_only_what_came_after() -> None:
     assert tracked_after_freeze < gc.get_freeze_count()  # the permanent generation is not listed
     gc.collect()
     assert later() is None  # garbage made while serving is still freed
+
+
+SMAPS = """\
+55d0c0000000-55d0c0010000 r-xp 00004000 fe:00 260368                     /usr/bin/python3
+Size:                 64 kB
+Rss:                  48 kB
+Anonymous:             0 kB
+VmFlags: rd ex mr mw me
+7f0000000000-7f0000100000 r--p 00000000 fe:00 339380                     /usr/lib/libc.so.6
+Rss:                 100 kB
+Anonymous:             0 kB
+7f0000100000-7f0000200000 r-xp 00026000 fe:00 339380                     /usr/lib/libc.so.6
+Rss:                 900 kB
+Anonymous:             4 kB
+7f0000200000-7f0000300000 r-xp 00000000 00:00 0
+Rss:                  12 kB
+Anonymous:            12 kB
+7f0000300000-7f0000400000 r-xp 00010000 fe:00 1234                       /opt/lib/libtorch_cpu.so
+Rss:                   0 kB
+Anonymous:             0 kB
+7f0000400000-7f0000500000 r-xp 00020000 fe:00 1234                       /opt/lib/libtorch_cpu.so
+Rss:                2048 kB
+Anonymous:             0 kB
+7ffd00000000-7ffd00002000 r-xp 00000000 00:00 0                          [vdso]
+Rss:                   8 kB
+Anonymous:             0 kB
+"""
+
+
+def test_only_clean_resident_library_code_is_dropped() -> None:
+    """Read-only data, code with a written page (a breakpoint, say), anonymous code, the
+    vdso and mappings with nothing resident are kept."""
+    assert _clean_code_mappings(SMAPS) == [
+        (0x55D0C0000000, 0x55D0C0010000, 48),
+        (0x7F0000400000, 0x7F0000500000, 2048),
+    ]
+
+
+DROP = """
+import re
+import torch
+from shared.heap import drop_code_pages
+
+CODE = re.compile(r" r-xp .*libtorch_cpu.*\\n(?:.*\\n)*?Rss: +(\\d+)")
+
+def code_kib():
+    return sum(int(kib) for kib in CODE.findall(open("/proc/self/smaps").read()))
+
+x = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+before = code_kib()
+dropped = drop_code_pages()
+after = code_kib()
+print(before, dropped, after, (x @ x.T).sum().item(), flush=True)
+"""
+
+
+def test_dropped_code_pages_fault_back_when_run() -> None:
+    """A process that imported torch holds far less of libtorch's code once the pages are
+    dropped, and still computes what it did."""
+    if not Path("/proc/self/smaps").exists():
+        pytest.skip("no /proc/self/smaps here")
+    done = subprocess.run([sys.executable, "-c", DROP], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    before, dropped, after, total = done.stdout.split()
+    assert int(dropped) >= int(before) > 1024
+    assert int(after) < int(before) / 4
+    assert float(total) == 1134  # the squared length of the rows' sum, (12, 15, 18, 21)
