@@ -7,7 +7,7 @@ While the engine has work the thread steps it and hands each step's events
 to ``on_events``; when it has none the thread sleeps on a condition, so an
 idle host costs no CPU, and returns the C heap's free pages to the system
 first, so an idle host holds no more memory than before its last burst.
-Once warm, it drops the library code pages only the start ran
+Once warm, it drops the pages of libtorch's code that only the start ran
 (``shared.heap.drop_code_pages``).
 Callbacks run on the engine thread: they may call the engine directly but
 must not block for long, since every request waits for them.

@@ -58,10 +58,10 @@ Size:                 64 kB
 Rss:                  48 kB
 Anonymous:             0 kB
 VmFlags: rd ex mr mw me
-7f0000000000-7f0000100000 r--p 00000000 fe:00 339380                     /usr/lib/libc.so.6
+7f0000000000-7f0000100000 r--p 00000000 fe:00 1234                       /opt/lib/libtorch_cpu.so
 Rss:                 100 kB
 Anonymous:             0 kB
-7f0000100000-7f0000200000 r-xp 00026000 fe:00 339380                     /usr/lib/libc.so.6
+7f0000100000-7f0000200000 r-xp 00026000 fe:00 1234                       /opt/lib/libtorch_cpu.so
 Rss:                 900 kB
 Anonymous:             4 kB
 7f0000200000-7f0000300000 r-xp 00000000 00:00 0
@@ -73,16 +73,22 @@ Anonymous:             0 kB
 7f0000400000-7f0000500000 r-xp 00020000 fe:00 1234                       /opt/lib/libtorch_cpu.so
 Rss:                2048 kB
 Anonymous:             0 kB
+7f0000500000-7f0000600000 r-xp 00020000 fe:00 1235                      /opt/lib/libtorch_cpu.so.1
+Rss:                 512 kB
+Anonymous:             0 kB
 7ffd00000000-7ffd00002000 r-xp 00000000 00:00 0                          [vdso]
 Rss:                   8 kB
 Anonymous:             0 kB
 """
 
 
-def test_only_clean_resident_library_code_is_dropped() -> None:
-    """Read-only data, code with a written page (a breakpoint, say), anonymous code, the
-    vdso and mappings with nothing resident are kept."""
-    assert _clean_code_mappings(SMAPS) == [
+def test_only_clean_resident_code_of_the_named_libraries_is_dropped() -> None:
+    """Other libraries, read-only data, code with a written page (a breakpoint, say),
+    anonymous code, the vdso and mappings with nothing resident are kept."""
+    assert _clean_code_mappings(SMAPS, ("libtorch_cpu.so",)) == [
+        (0x7F0000400000, 0x7F0000500000, 2048)
+    ]
+    assert _clean_code_mappings(SMAPS, ("python3", "libtorch_cpu.so")) == [
         (0x55D0C0000000, 0x55D0C0010000, 48),
         (0x7F0000400000, 0x7F0000500000, 2048),
     ]
