@@ -49,7 +49,7 @@ ROWS = [
     150,
     400,
 ]
-"""Each side of every threshold between the low-bit kernels and the dense GEMM."""
+"""The thresholds between the low-bit kernels and the dense GEMM, and rows below and above."""
 
 DTYPES = [torch.bfloat16, torch.float32]
 """What a model with low-bit layers computes in: each layer takes and returns its model's dtype."""
