@@ -60,8 +60,8 @@ STARTUP_CODE = ("libtorch_cpu.so",)
 _MAPPING = re.compile(r"^([0-9a-f]+)-([0-9a-f]+) (\S{4}) \S+ \S+ \S+ *(\S.*)?$")
 
 
-def drop_code_pages(libraries: tuple[str, ...] = STARTUP_CODE) -> int:
-    """Unmap the code pages of ``libraries`` this process holds; returns how many KiB it dropped.
+def drop_code_pages() -> int:
+    """Unmap the code pages of ``STARTUP_CODE`` this process holds; returns how many KiB it dropped.
 
     Importing torch runs static initializers spread over libtorch's code,
     which leaves 60-110 MiB of it resident (more when the page cache holds
@@ -72,14 +72,14 @@ def drop_code_pages(libraries: tuple[str, ...] = STARTUP_CODE) -> int:
     pages were written (no ``Anonymous`` pages, so nothing private is lost)
     are dropped. Dropping every library's code, the interpreter's and the
     kernels' included, cost about 7% of a 32-stream burst's throughput on the
-    AMD EPYC VM (six runs against seven); libtorch's alone cost nothing
+    AMD EPYC VM (four alternated runs each); libtorch's alone cost nothing
     measurable. Call it once the process has loaded and warmed up what it
     serves; the libraries stay loaded. Elsewhere than Linux it does nothing.
     """
     if not sys.platform.startswith("linux"):
         return 0
     try:
-        mappings = _clean_code_mappings(SMAPS.read_text(), libraries)
+        mappings = _clean_code_mappings(SMAPS.read_text(), STARTUP_CODE)
     except OSError:  # no /proc: nothing is dropped
         return 0
     madvise = ctypes.CDLL(None).madvise
