@@ -46,7 +46,7 @@ from shared.conversation import (
 )
 from shared.images.layout import expand_images
 from shared.prompting import PromptFormatError, RenderedPrompt, render
-from shared.registry import UNSUPPORTED_IMAGE, ModelRegistry, ModelSpec, UnknownModel
+from shared.registry import UNSUPPORTED_IMAGE, ModelRegistry, ModelSpec
 from shared.sampling import SamplingParams, StructuredOutputs
 from shared.tokenization import PromptEncodingError, encode_prompt, encode_text
 from shared.wire import ParsingOptions, PreparedRequest, WireImage
@@ -269,17 +269,14 @@ def resolve_model(name: str, ctx: PreparationContext) -> ServedModel:
     """The loaded model for a name or alias.
 
     An unknown name is the client's mistake in the request body: 400, with
-    the registry's own message listing every accepted name. Paths are never
-    accepted over HTTP: a client must not make the server open files.
+    every accepted name listed. Only registered names are looked up: a name
+    is never read as a path over HTTP, so the answer is the same whether or not
+    a file of that name exists on the server.
     """
     if name not in ctx.registry.names():
-        try:
-            ctx.registry.resolve(name)
-        except UnknownModel as exc:
-            raise bad_request(str(exc), "model", "model_not_found") from exc
+        accepted = ", ".join(ctx.registry.names())
         raise bad_request(
-            f"Model paths are not accepted over HTTP; the supported API model names are "
-            f"{', '.join(ctx.registry.names())}, but you passed {name}.",
+            f"The supported API model names are {accepted}, but you passed {name}.",
             "model",
             "model_not_found",
         )

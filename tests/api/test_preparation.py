@@ -180,10 +180,17 @@ def test_unknown_model_is_a_400_with_the_registrys_message(ctx: PreparationConte
     )
 
 
-def test_a_local_path_is_not_a_model_name_over_http(ctx: PreparationContext, default_spec):
-    error = _error(prepare, MINIMAL, {"model": str(default_spec.weights)}, ctx)
-    assert error.status == 400
-    assert "paths are not accepted" in error.message
+def test_a_local_path_is_not_a_model_name_over_http(
+    ctx: PreparationContext, default_spec, tmp_path
+):
+    """A path that exists and one that does not get the same answer: no file-existence oracle."""
+    existing = _error(prepare, MINIMAL, {"model": str(default_spec.weights)}, ctx)
+    missing = _error(prepare, MINIMAL, {"model": str(tmp_path / "none.gguf")}, ctx)
+    assert (existing.status, existing.param, existing.code) == (400, "model", "model_not_found")
+    assert (missing.status, missing.param, missing.code) == (400, "model", "model_not_found")
+    assert existing.message.replace(str(default_spec.weights), "?") == missing.message.replace(
+        str(tmp_path / "none.gguf"), "?"
+    )
 
 
 def test_aliases_resolve_to_the_registry_name(ctx: PreparationContext):
