@@ -17,6 +17,7 @@ from PIL import Image
 
 from api.errors import ApiError
 from api.images.destinations import DestinationPolicy, UnresolvableHost, system_resolver
+from api.images.fetching import ImageFetchError, fetch_image
 from api.images.resolution import ImageOptions, ImageQuota, resolve_images
 from shared.conversation import ImageSource
 from tests.image_server import ImageServer, image_server, png_bytes
@@ -188,6 +189,96 @@ def test_only_http_and_https_are_fetched(url: str):
     error = _error(url, allow=("127.0.0.1",))
     assert (error.status, error.code) == (400, "invalid_image_url")
     assert "only http and https" in error.message
+
+
+# --- malformed hosts -----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "host",
+    [
+        "xn--localhost-",  # an A-label that decodes to ASCII: invalid punycode for IDNA
+        "xn--",  # an A-label with nothing after its prefix
+        "xn--a",  # punycode for U+0080, a control character
+        "xn--zz-",
+        "images.xn--localhost-",  # the invalid A-label after the first label
+        "xn--55qx5d.xn--",
+        "a" * 64 + ".example.com",  # a label over 63 characters
+        ".".join(["a" * 63] * 4) + ".com",  # a name over 253 characters
+        "a..example.com",  # an empty label
+        ".example.com",
+        "a%00b.example.com",  # a NUL, percent-encoded
+        "ex%20ample.com",
+        "a!b.example.com",
+        "[fe80::1%25eth0]",  # an IPv6 zone index
+    ],
+)
+def test_a_malformed_host_is_the_clients_fault_and_is_not_resolved(host: str):
+    resolved: list[str] = []
+
+    def resolver(name: str, port: int) -> list[str]:
+        resolved.append(name)
+        return ["127.0.0.1"]
+
+    with pytest.raises(ImageFetchError) as caught:
+        fetch_image(
+            f"http://{host}:8399/a",
+            DestinationPolicy(resolver=resolver),
+            max_bytes=2**20,
+            deadline=time.monotonic() + 5,
+        )
+    assert caught.value.client_fault and not caught.value.timed_out
+    assert "not a valid name or address" in str(caught.value), str(caught.value)
+    assert resolved == []
+
+
+def test_an_invalid_punycode_host_is_a_400_naming_the_image():
+    error = _error("http://xn--localhost-:8399/a", resolver=lambda host, port: ["127.0.0.1"])
+    assert (error.status, error.code) == (400, "invalid_image_url")
+    assert error.message.startswith("image 0: ") and "xn--localhost-" in error.message
+
+
+@pytest.mark.parametrize("host", ["xn--localhost-", "images.xn--localhost-", "a..example.com"])
+def test_a_redirect_to_a_malformed_host_is_a_400(served: ImageServer, host: str):
+    """httpx decodes a redirect's host as it reads the answer, before the policy sees it."""
+    error = _error(f"{served.base}/redirect?to=http://{host}:1/", allow=("127.0.0.1",))
+    assert (error.status, error.code) == (400, "invalid_image_url"), error.message
+    assert host in error.message
+    assert served.paths == [f"/redirect?to=http://{host}:1/"]
+
+
+@pytest.mark.parametrize("port", ["0", "65536", "99999"])
+def test_a_port_out_of_range_is_the_clients_fault(port: str):
+    with pytest.raises(ImageFetchError) as caught:
+        fetch_image(
+            f"http://images.example.com:{port}/a",
+            DestinationPolicy(resolver=lambda host, _: ["93.184.216.34"]),
+            max_bytes=2**20,
+            deadline=time.monotonic() + 5,
+        )
+    assert caught.value.client_fault and f"port {port}" in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    "host",
+    ["bücher.example", "xn--bcher-kva.example", "images.xn--bcher-kva.example", "a_b.example"],
+)
+def test_a_well_formed_name_is_resolved_in_its_ascii_form(host: str):
+    resolved: list[str] = []
+
+    def resolver(name: str, port: int) -> list[str]:
+        resolved.append(name)
+        return ["127.0.0.1"]
+
+    with pytest.raises(ImageFetchError) as caught:
+        fetch_image(
+            f"http://{host}/a",
+            DestinationPolicy(resolver=resolver),
+            max_bytes=2**20,
+            deadline=time.monotonic() + 5,
+        )
+    assert caught.value.client_fault and "loopback" in str(caught.value)
+    assert resolved == [host.replace("bücher", "xn--bcher-kva")]
 
 
 # --- the error split ------------------------------------------------------------
