@@ -46,7 +46,9 @@ from api.rate_limits import MemoryRateLimiter, RateLimiter, RedisRateLimiter
 from api.serving import Serving
 from api.settings import Settings, load_models
 from api.stall_guard import StallGuard
+from api.store_errors import store_unreachable
 from api.streaming import collect, event_source
+from api.unexpected_errors import UnexpectedErrors
 from shared.events import InferenceEvent, Text
 from shared.registry import ModelSpec
 
@@ -57,6 +59,7 @@ log = logging.getLogger(__name__)
 # Names the request fields that were ignored because no reader of the protocol knows them.
 IGNORED_FIELDS_HEADER = "sluice-ignored-fields"
 MAX_IGNORED_HEADER = 1000
+STORE_RETRY_AFTER_S = 2
 
 T = TypeVar("T")
 
@@ -91,7 +94,7 @@ def create_app(settings: Settings | None = None, backend: Backend | None = None)
     app.add_api_route("/health", _health, methods=["GET"])
     app.add_api_route("/ready", _ready_route(serving), methods=["GET"])
     app.add_api_route("/metrics", _metrics_route(serving), methods=["GET"])
-    app.include_router(jobs_router(manager, stored, settings))
+    app.include_router(jobs_router(manager, settings))
     keys = KeyRing.configured(settings.api_keys, settings.api_keys_file)
     _add_batches(app, manager, keys, settings)
     _install_error_handlers(app, serving)
@@ -159,6 +162,7 @@ def _add_batches(app: FastAPI, manager: JobManager, keys: KeyRing, settings: Set
         objects,
         max_file_bytes=settings.max_file_bytes,
         max_bytes_per_key=settings.max_file_bytes_per_key,
+        max_files_per_key=settings.max_files_per_key,
         default_expiry_s=settings.job_retention_s,
         body_timeout_s=settings.body_timeout_s,
     )
@@ -237,9 +241,10 @@ def _responses_route(
     async def create_response(request: Request) -> Response:
         arrived = time.monotonic()
         owner = caller_name(request)
-        body = await stored.resolve_previous(await serving.read_json(request), owner)
+        body = await serving.read_json(request)
         if isinstance(body, dict) and body.get("background") is True:
-            return await stored.submit_background(body, caller_key(request))
+            return await stored.submit_background(body, caller_key(request))  # resolves it
+        body = await stored.resolve_previous(body, owner)
         response, prepared = await _generate(serving, responses.PROTOCOL, request, body, arrived)
         processor = request.state.access.processor
         if not prepared.request.echo["store"] or processor is None:
@@ -433,14 +438,23 @@ def _install_error_handlers(app: FastAPI, serving: Serving) -> None:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         return respond(request, ApiError(exc.status_code, str(exc.detail), kind))
 
-    async def unexpected(request: Request, exc: Exception) -> Response:
+    def unexpected_response(request: Request, exc: Exception) -> Response:
+        if store_unreachable(exc):  # Redis is down or slow: nothing the client did, retry
+            log.warning("%s: the store failed: %s", request.url.path, exc)
+            message = "The server's store (Redis) did not answer; retry shortly."
+            headers = {"Retry-After": str(STORE_RETRY_AFTER_S)}
+            return respond(request, ApiError(503, message, "overloaded_error", headers=headers))
         log.exception("unhandled error on %s", request.url.path, exc_info=exc)
         return respond(request, ApiError(500, f"Internal server error: {exc}", "api_error"))
+
+    async def unexpected(request: Request, exc: Exception) -> Response:
+        return unexpected_response(request, exc)
 
     app.add_exception_handler(ApiError, api_error)
     app.add_exception_handler(RequestValidationError, validation_error)
     app.add_exception_handler(HTTPException, http_error)
-    app.add_exception_handler(Exception, unexpected)
+    app.add_exception_handler(Exception, unexpected)  # what the middlewares themselves raise
+    app.add_middleware(UnexpectedErrors, render=unexpected_response)  # right around the routes
 
 
 __all__ = ["create_app"]

@@ -163,6 +163,7 @@ def _serve(args: argparse.Namespace) -> int:
         max_batch_jobs=args.max_batch_jobs,
         max_file_bytes=args.max_file_bytes,
         max_file_bytes_per_key=args.max_file_bytes_per_key,
+        max_files_per_key=args.max_files_per_key,
         batch_concurrency=args.batch_concurrency,
         batch_completion_window_s=args.batch_completion_window,
         api_keys=tuple(args.api_key or ()) + _environment_key(),
@@ -365,6 +366,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=512 * 2**20,
         metavar="N",
         help="what one API key's files may hold together",
+    )
+    serve.add_argument(
+        "--max-files-per-key",
+        type=int,
+        default=10_000,
+        metavar="N",
+        help="how many files one API key may hold (batch outputs are not counted)",
     )
     serve.add_argument(
         "--batch-concurrency",

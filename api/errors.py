@@ -22,6 +22,18 @@ class ApiError(Exception):
     def __str__(self) -> str:
         return self.message
 
+    @property
+    def retry_after_s(self) -> float | None:
+        """When a retry may succeed, from ``Retry-After`` (or its milliseconds twin); None: the
+        error says retrying does not help, so the request must change first."""
+        headers = {name.lower(): value for name, value in (self.headers or {}).items()}
+        for name, scale in (("retry-after-ms", 1000), ("retry-after", 1)):
+            try:
+                return float(headers[name]) / scale
+            except (KeyError, ValueError):
+                continue
+        return None
+
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> ApiError:
     """A 400 naming the offending field, e.g. ``bad_request("... got -1", "temperature")``."""

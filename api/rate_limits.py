@@ -57,10 +57,14 @@ class KeyLimits:
 
 @dataclass(slots=True)
 class Verdict:
-    """One admission's outcome, with what is left of each limit (None: no such limit)."""
+    """One admission's outcome, with what is left of each limit (None: no such limit).
+
+    ``retry_after_s`` is None on a refusal no wait can lift (a request larger than a
+    minute's tokens): it carries no ``Retry-After``, so no client or batch waits for it.
+    """
 
     allowed: bool
-    retry_after_s: float = 0.0
+    retry_after_s: float | None = 0.0
     limits: KeyLimits = field(default_factory=KeyLimits)
     remaining_requests: float | None = None
     remaining_tokens: float | None = None
@@ -87,7 +91,7 @@ class Verdict:
                 out[f"x-ratelimit-limit-{kind}"] = str(limit)
                 out[f"x-ratelimit-remaining-{kind}"] = str(left)
                 out[f"x-ratelimit-reset-{kind}"] = _duration(full_in)
-        if not self.allowed:
+        if not self.allowed and self.retry_after_s is not None:
             out["retry-after"] = str(max(math.ceil(self.retry_after_s), 1))
             out["retry-after-ms"] = str(max(math.ceil(self.retry_after_s * 1000), 1))
         return out
@@ -98,8 +102,11 @@ class RateLimiter(Protocol):
         """Take one request, ``tokens`` tokens and a concurrent place, or refuse."""
         ...
 
-    async def release(self, key: str, limits: KeyLimits, unused_tokens: int) -> None:
-        """The request ended: give back its place and the tokens it reserved but did not use."""
+    async def release(
+        self, key: str, limits: KeyLimits, unused_tokens: int, unused_requests: int = 0
+    ) -> None:
+        """The request ended: give back its place and the tokens it reserved but did not use
+        (and its request, ``unused_requests`` 1, when it never ran)."""
         ...
 
 
@@ -127,17 +134,21 @@ class MemoryRateLimiter:
                 self._running[key] = running + 1
         return verdict
 
-    async def release(self, key: str, limits: KeyLimits, unused_tokens: int) -> None:
+    async def release(
+        self, key: str, limits: KeyLimits, unused_tokens: int, unused_requests: int = 0
+    ) -> None:
         if limits.max_concurrent is not None:
             self._running[key] = max(self._running.get(key, 0) - 1, 0)
-        if limits.tokens_per_minute is not None and unused_tokens > 0:
-            now = time.monotonic()
-            level = self._level(key, "tokens", limits.tokens_per_minute, now)
-            assert level is not None
-            self._buckets[(key, "tokens")] = (
-                min(level + unused_tokens, limits.tokens_per_minute),
-                now,
-            )
+        self._refill(key, "tokens", limits.tokens_per_minute, unused_tokens)
+        self._refill(key, "requests", limits.requests_per_minute, unused_requests)
+
+    def _refill(self, key: str, kind: str, limit: int | None, amount: int) -> None:
+        if limit is None or amount <= 0:
+            return
+        now = time.monotonic()
+        level = self._level(key, kind, limit, now)
+        assert level is not None
+        self._buckets[(key, kind)] = (min(level + amount, limit), now)
 
     def _level(self, key: str, kind: str, limit: int | None, now: float) -> float | None:
         if limit is None:
@@ -162,7 +173,9 @@ class RedisRateLimiter:
         share = KeyShare(key, limits, tokens)
         return share.verdict(await self._acquire(keys=share.script_keys, args=share.script_args))
 
-    async def release(self, key: str, limits: KeyLimits, unused_tokens: int) -> None:
+    async def release(
+        self, key: str, limits: KeyLimits, unused_tokens: int, unused_requests: int = 0
+    ) -> None:
         await self._release(
             keys=_keys(key),
             args=[
@@ -170,6 +183,8 @@ class RedisRateLimiter:
                 max(unused_tokens, 0),
                 MINUTE_S,
                 _arg(limits.max_concurrent),
+                _arg(limits.requests_per_minute),
+                max(unused_requests, 0),
             ],
         )
 
@@ -206,7 +221,7 @@ class KeyShare:
         limits = self.limits
         return Verdict(
             bool(int(allowed)),
-            float(retry_after),
+            None if float(retry_after) < 0 else float(retry_after),
             limits,
             None if limits.requests_per_minute is None else float(requests),
             None if limits.tokens_per_minute is None else float(token_level),
@@ -247,6 +262,15 @@ class RateLimitTicket:
         share = self.share
         await self._limiter.release(share.key, share.limits, share.tokens - used_tokens)
 
+    async def give_back(self) -> None:
+        """The request never ran (its batch was refused): all of the share goes back, the
+        request itself included."""
+        if not self.taken:
+            return
+        self.taken = False
+        share = self.share
+        await self._limiter.release(share.key, share.limits, share.tokens, unused_requests=1)
+
 
 def _judge(
     limits: KeyLimits,
@@ -258,7 +282,7 @@ def _judge(
     """The verdict on levels already refilled to now; the Redis script mirrors it."""
     verdict = Verdict(True, 0.0, limits, requests, tokens_level)
     if limits.tokens_per_minute is not None and tokens > limits.tokens_per_minute:
-        verdict.allowed, verdict.retry_after_s = False, MINUTE_S
+        verdict.allowed, verdict.retry_after_s = False, None
         verdict.reason = (
             f"this request needs {tokens} tokens (prompt and max_tokens), more than the key's "
             f"{limits.tokens_per_minute} tokens per minute; lower max_tokens"

@@ -57,10 +57,12 @@ class Settings:
     # Async jobs (api/jobs): kept this long after submission; a batch holds at most this many.
     job_retention_s: float = 86_400.0
     max_batch_jobs: int = 100
-    # Files and batches (api/batches): a file's size, a key's files together, a batch's lines
-    # running at once, and how long they may take before what is left expires.
+    # Files and batches (api/batches): a file's size, a key's files together (bytes and how
+    # many), a batch's lines running at once, and how long they may take before what is left
+    # expires.
     max_file_bytes: int = 64 * 2**20
     max_file_bytes_per_key: int = 512 * 2**20
+    max_files_per_key: int = 10_000
     batch_concurrency: int = 32
     batch_completion_window_s: float = 86_400.0
     # Who may call (api/auth.py): plain keys, a TOML file of named keys, the /metrics token.

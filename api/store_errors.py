@@ -18,3 +18,9 @@ def store_errors() -> tuple[type[Exception], ...]:
     if redis_exceptions is None:
         return (OSError,)
     return (OSError, redis_exceptions.RedisError)
+
+
+def store_unreachable(exc: BaseException) -> bool:
+    """Whether ``exc`` is the Redis client's: the shared store failed, not the request."""
+    redis_exceptions = sys.modules.get("redis.exceptions")
+    return redis_exceptions is not None and isinstance(exc, redis_exceptions.RedisError)

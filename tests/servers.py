@@ -88,3 +88,9 @@ def rss_mib(pid: int | None) -> float | None:
         return None
     found = re.search(r"VmRSS:\s+(\d+) kB", status)
     return int(found.group(1)) / 1024 if found else None
+
+
+def cpu_seconds(pid: int) -> float:
+    """The CPU time (user and system) the process has used so far (Linux only)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")

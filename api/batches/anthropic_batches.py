@@ -14,7 +14,7 @@ RFC 3339 strings, as Anthropic writes them. Errors take Anthropic's shape.
 
 from __future__ import annotations
 
-import json
+import asyncio
 import re
 import secrets
 import time
@@ -25,8 +25,11 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
 from api.auth import caller_name
+from api.batches.files import KIND as FILE_KIND
 from api.batches.files import Files
+from api.batches.openai_batches import jsonl
 from api.batches.service import Batches, Line, Outcome, refuse_unknown
+from api.cursors import id_cursor
 from api.errors import bad_request
 from api.protocols import messages
 
@@ -49,7 +52,8 @@ def anthropic_batches_router(batches: Batches, files: Files, window_s: float) ->
             "expires_at": now + int(window_s),
             "owner": caller_name(request),
         }
-        return JSONResponse(view(await batches.create(record, read_requests(body)), request))
+        lines = await batches.manager.serving.off_loop(read_requests, body)
+        return JSONResponse(view(await batches.create(record, lines), request))
 
     @router.get("")
     async def list_batches(
@@ -61,15 +65,13 @@ def anthropic_batches_router(batches: Batches, files: Files, window_s: float) ->
         if not 1 <= limit <= 1000:
             raise bad_request(f"limit must be between 1 and 1000, got {limit}", "limit")
         owner = caller_name(request)
-        records, more = await batches.list(owner, API, 10_000, None)
-        ids = [record["id"] for record in records]
-        if after_id is not None:
-            records = records[ids.index(after_id) + 1 :] if after_id in ids else []
-        elif before_id is not None:
-            records = records[: ids.index(before_id)] if before_id in ids else []
-            records, more = records[-limit:], len(records) > limit
-        page = records[:limit]
-        more = more or len(records) > limit
+        if before_id is None or after_id is not None:
+            after = id_cursor(after_id, "after_id")
+            page, more = await batches.list(owner, API, limit, after)
+        else:  # the page just newer than before_id: read upwards from it, shown newest first
+            before = id_cursor(before_id, "before_id")
+            page, more = await batches.list(owner, API, limit, before, ascending=True)
+            page.reverse()
         data = [view(record, request) for record in page]
         return JSONResponse(
             {
@@ -92,7 +94,10 @@ def anthropic_batches_router(batches: Batches, files: Files, window_s: float) ->
 
     @router.delete("/{batch_id}")
     async def delete(batch_id: str, request: Request) -> Response:
-        await batches.delete(batch_id, caller_name(request), API)
+        owner = caller_name(request)
+        record = await batches.delete(batch_id, owner, API)
+        if record.get("results_file_id") is not None:  # the results go with their batch
+            await files.objects.delete(FILE_KIND, record["results_file_id"])
         return JSONResponse({"id": batch_id, "type": "message_batch_deleted"})
 
     @router.get("/{batch_id}/results")
@@ -173,11 +178,11 @@ def results_finalizer(files: Files):  # noqa: ANN201
     """Writes a finished batch's results as a file; returns its id for the record."""
 
     async def finalize(record: dict[str, Any], outcomes: list[Outcome]) -> dict[str, Any]:
-        lines = [json.dumps({"custom_id": o.custom_id, "result": _result(o)}) for o in outcomes]
-        content = "".join(line + "\n" for line in lines).encode()
+        lines = [{"custom_id": o.custom_id, "result": _result(o)} for o in outcomes]
+        content = await asyncio.to_thread(jsonl, lines)
         saved = await files.create(
             content, f"{record['id']}_results.jsonl", "batch_output", record.get("owner"),
-            limited=False,
+            charged=False,
         )  # fmt: skip
         return {"results_file_id": saved["id"]}
 

@@ -3,14 +3,16 @@
 - ``POST /v1/files`` (multipart: ``file``, ``purpose`` ``batch``, optional
   ``expires_after[anchor]`` ``created_at`` and ``expires_after[seconds]``)
   → the file object. A file over ``--max-file-bytes`` is a 413 naming the
-  limit; one that would take its key past ``--max-file-bytes-per-key`` is too.
+  limit; one that would take its key past ``--max-file-bytes-per-key`` or
+  ``--max-files-per-key`` is too.
 - ``GET /v1/files`` (``purpose``, ``limit``, ``after``, ``order``: newest first
   unless ``asc``),
   ``GET /v1/files/{id}``, ``GET /v1/files/{id}/content``, ``DELETE /v1/files/{id}``.
 
 Files expire after ``expires_after`` seconds (1 hour to 30 days, as OpenAI
 allows), by default after the job retention. Batch output and error files are
-written here too (purpose ``batch_output``), owned by the batch's key.
+written here too (purpose ``batch_output``), owned by the batch's key and not
+charged to its quota.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ from fastapi.responses import JSONResponse
 from starlette.datastructures import UploadFile
 
 from api.auth import caller_name
-from api.batches.objects import ObjectStore, visible
+from api.batches.objects import ObjectStore, Quota, QuotaExceeded, visible
+from api.cursors import id_cursor
 from api.errors import ApiError, bad_request
 from api.request_body import read_body
 
@@ -36,7 +39,12 @@ DEFAULT_LIST_LIMIT, MAX_LIST_LIMIT = 20, 10_000
 
 
 class Files:
-    """Files of one server, with its limits; the batch machinery reads and writes them too."""
+    """Files of one server, with its limits; the batch machinery reads and writes them too.
+
+    A key's uploads are charged to it: ``max_bytes_per_key`` and ``max_files_per_key``
+    bound what they hold together. A batch's output is not charged: the server writes
+    it whatever the key holds (the batch was accepted), and it expires as asked.
+    """
 
     def __init__(
         self,
@@ -44,12 +52,13 @@ class Files:
         *,
         max_file_bytes: int,
         max_bytes_per_key: int,
+        max_files_per_key: int,
         default_expiry_s: float,
         body_timeout_s: float,
     ) -> None:
         self.objects = objects
         self.max_file_bytes = max_file_bytes
-        self.max_bytes_per_key = max_bytes_per_key
+        self.quota = Quota(max_bytes_per_key, max_files_per_key)
         self.default_expiry_s = default_expiry_s
         self.body_timeout_s = body_timeout_s
 
@@ -61,12 +70,15 @@ class Files:
         owner: str | None,
         expiry_s: float | None = None,
         *,
-        limited: bool = True,
+        charged: bool = True,
     ) -> dict[str, Any]:
-        """Save ``content``; 413 over the file or the key limit (unless not ``limited``: a
-        batch's output is written whatever its size, the batch having been accepted)."""
-        if limited:
-            await self._check_room(len(content), owner)
+        """Save ``content``; 413 over the file limit or the key's quota (unless not
+        ``charged``: a batch's output)."""
+        if charged and len(content) > self.max_file_bytes:
+            raise _too_large(
+                f"The file is {len(content)} bytes; files may hold at most "
+                f"{self.max_file_bytes} bytes (--max-file-bytes)"
+            )
         now = int(time.time())
         record = {
             "id": "file-" + secrets.token_hex(12),
@@ -81,21 +93,13 @@ class Files:
             "owner": owner,
         }
         record["kept_until"] = record["expires_at"]
-        await self.objects.put(KIND, record["id"], record, content)
+        try:
+            await self.objects.put(
+                KIND, record["id"], record, content, self.quota if charged else None
+            )
+        except QuotaExceeded as exc:
+            raise _over_quota(exc) from None
         return record
-
-    async def _check_room(self, size: int, owner: str | None) -> None:
-        if size > self.max_file_bytes:
-            raise _too_large(
-                f"The file is {size} bytes; files may hold at most "
-                f"{self.max_file_bytes} bytes (--max-file-bytes)"
-            )
-        held = await self.bytes_held(owner)
-        if held + size > self.max_bytes_per_key:
-            raise _too_large(
-                f"This key's files would hold {held + size} bytes; a key's files may hold "
-                f"at most {self.max_bytes_per_key} bytes (--max-file-bytes-per-key): delete some"
-            )
 
     async def get(self, file_id: str, owner: str | None) -> dict[str, Any]:
         record = await self.objects.get(KIND, file_id)
@@ -113,10 +117,6 @@ class Files:
         await self.get(file_id, owner)
         await self.objects.delete(KIND, file_id)
         return {"id": file_id, "object": "file", "deleted": True}
-
-    async def bytes_held(self, owner: str | None) -> int:
-        records, _ = await self.objects.list(KIND, owner, MAX_LIST_LIMIT, None)
-        return sum(record["bytes"] for record in records if record.get("owner") == owner)
 
 
 def files_router(files: Files) -> APIRouter:
@@ -165,15 +165,15 @@ def files_router(files: Files) -> APIRouter:
             raise bad_request(f"limit must be between 1 and {MAX_LIST_LIMIT}, got {limit}", "limit")
         if order not in ("asc", "desc"):
             raise bad_request(f"order must be 'asc' or 'desc', got {order!r}", "order")
-        records, _ = await files.objects.list(KIND, caller_name(request), MAX_LIST_LIMIT, None)
-        chosen = [r for r in records if purpose is None or r["purpose"] == purpose]
-        if order == "asc":
-            chosen.reverse()
-        ids = [r["id"] for r in chosen]
-        if after is not None:
-            chosen = chosen[ids.index(after) + 1 :] if after in ids else []
-        page = chosen[:limit]
-        return JSONResponse(list_page([_view(r) for r in page], len(chosen) > limit))
+        records, more = await files.objects.list(
+            KIND,
+            caller_name(request),
+            limit,
+            id_cursor(after, "after"),
+            ascending=order == "asc",
+            where=None if purpose is None else lambda record: record["purpose"] == purpose,
+        )
+        return JSONResponse(list_page([_view(r) for r in records], more))
 
     @router.get("/{file_id}")
     async def retrieve(file_id: str, request: Request) -> Response:
@@ -256,6 +256,19 @@ def _view(record: dict[str, Any]) -> dict[str, Any]:
 
 def _too_large(message: str) -> ApiError:
     return ApiError(413, message, "invalid_request_error", "file", "file_too_large")
+
+
+def _over_quota(exc: QuotaExceeded) -> ApiError:
+    quota = exc.quota
+    if exc.held_count + 1 > quota.count:
+        return _too_large(
+            f"This key holds {exc.held_count} files; a key may hold at most {quota.count} "
+            "files (--max-files-per-key): delete some"
+        )
+    return _too_large(
+        f"This key's files would hold {exc.held_bytes + exc.size} bytes; a key's files may "
+        f"hold at most {quota.bytes} bytes (--max-file-bytes-per-key): delete some"
+    )
 
 
 __all__ = ["Files", "expiry_seconds", "files_router", "list_page"]

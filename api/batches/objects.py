@@ -5,41 +5,84 @@ until deleted), whom it belongs to (``owner``) and when it was made
 (``created_at``).
 
 Files and batches need less than jobs (no event stream): a record per
-object, a file's content, listing newest first per owner, expiry, and (for
-batches, in distributed mode) a runner lease so that another API replica
-takes over a batch whose replica stopped. ``MemoryObjects`` keeps them in
-this process (embedded mode, lost on restart); ``RedisObjects`` keeps them
-in Redis, shared by the replicas:
+object, a file's content, listing newest first per owner, expiry, a quota per
+owner, and (for batches, in distributed mode) a runner lease so that another
+API replica takes over a batch whose replica stopped.
+
+Each owner's objects are indexed on their own, so what one owner holds costs
+nothing to another's listing or upload. A quota (``Quota``: bytes and objects)
+is kept as counters that every charged write, deletion and expiry updates in
+the same step, and a charged write that would pass it is refused in that step
+(``QuotaExceeded``): the counters never need a listing to be right, however
+many objects an owner holds. ``MemoryObjects`` keeps all of this in this
+process (embedded mode, lost on restart); ``RedisObjects`` keeps it in Redis,
+shared by the replicas:
 
 - ``sluice:<kind>:<id>`` — hash: ``record`` (JSON) and ``blob`` (bytes),
   expiring with the object.
-- ``sluice:<kind>:index`` — sorted set of ids by creation time.
+- ``sluice:<kind>:owner:<owner>`` — sorted set of the owner's ids by creation.
+- ``sluice:<kind>:held:<owner>`` — hash: ``bytes`` and ``count`` charged to the
+  owner, and each charged object's size under its id.
+- ``sluice:<kind>:lapse:<owner>`` — sorted set of the charged ids by the time
+  they stop being kept: the counters give them back once that has passed.
 - ``sluice:<kind>:active`` — set of unfinished ids (batches), for takeover.
 - ``sluice:<kind>:<id>:runner`` — the runner lease: holder id, short TTL.
 
 A file's content is one Redis value, so files are bounded (``--max-file-bytes``)
-and so is each key's total (``--max-file-bytes-per-key``): Redis holds them in
-memory.
+and so is what each key's files hold together (``--max-file-bytes-per-key``,
+``--max-files-per-key``): Redis holds them in memory.
 """
 
 from __future__ import annotations
 
+import heapq
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 PREFIX = "sluice"
 LIST_BATCH = 100
+LAPSE_BATCH = 1000  # expired charges given back per write, at most: a write stays short
+
+Where = Callable[[dict[str, Any]], bool]
+
+
+@dataclass(frozen=True, slots=True)
+class Quota:
+    """What one owner's charged objects of a kind may hold together."""
+
+    bytes: int
+    count: int
+
+
+class QuotaExceeded(Exception):
+    """A charged write that would take its owner past the quota; nothing was written."""
+
+    def __init__(self, held_bytes: int, held_count: int, size: int, quota: Quota) -> None:
+        super().__init__(f"{held_count} objects of {held_bytes} bytes held, {size} more asked")
+        self.held_bytes = held_bytes
+        self.held_count = held_count
+        self.size = size
+        self.quota = quota
 
 
 class ObjectStore(Protocol):
     shared: bool
 
     async def put(
-        self, kind: str, object_id: str, record: dict[str, Any], blob: bytes | None = None
+        self,
+        kind: str,
+        object_id: str,
+        record: dict[str, Any],
+        blob: bytes | None = None,
+        quota: Quota | None = None,
     ) -> None:
-        """Save a new object; ``record`` holds ``created_at``, ``kept_until`` and ``owner``."""
+        """Save a new object; ``record`` holds ``created_at``, ``kept_until`` and ``owner``.
+
+        With ``quota`` the blob's size is charged to the owner, or ``QuotaExceeded``.
+        """
         ...
 
     async def update(self, kind: str, object_id: str, record: dict[str, Any]) -> None: ...
@@ -48,12 +91,26 @@ class ObjectStore(Protocol):
 
     async def blob(self, kind: str, object_id: str) -> bytes | None: ...
 
-    async def delete(self, kind: str, object_id: str) -> bool: ...
+    async def delete(self, kind: str, object_id: str) -> bool:
+        """Forget the object (its charge goes back); whether it was there."""
+        ...
+
+    async def held(self, kind: str, owner: str | None) -> tuple[int, int]:
+        """The bytes and the number of objects charged to ``owner``."""
+        ...
 
     async def list(
-        self, kind: str, owner: str | None, limit: int, after: str | None
+        self,
+        kind: str,
+        owner: str | None,
+        limit: int,
+        after: str | None,
+        *,
+        ascending: bool = False,
+        where: Where | None = None,
     ) -> tuple[list[dict[str, Any]], bool]:
-        """The owner's objects, newest first, after ``after``; and whether more follow."""
+        """The owner's objects (those ``where`` accepts), newest first unless ``ascending``,
+        after ``after``; and whether more follow."""
         ...
 
     async def set_active(self, kind: str, object_id: str, active: bool) -> None: ...
@@ -82,6 +139,15 @@ class _Kept:
     record: dict[str, Any]
     blob: bytes | None = None
     holder: tuple[str, float] | None = None  # (holder, lease deadline)
+    charge: int | None = None  # the bytes charged to its owner, when it is charged
+
+
+@dataclass(slots=True)
+class _Held:
+    """One owner's charged objects of a kind: their bytes and their number."""
+
+    bytes: int = 0
+    count: int = 0
 
 
 @dataclass
@@ -90,13 +156,33 @@ class MemoryObjects:
 
     shared = False
     _objects: dict[str, dict[str, _Kept]] = field(default_factory=dict)
+    _owned: dict[tuple[str, str | None], dict[str, None]] = field(default_factory=dict)
+    _held: dict[tuple[str, str | None], _Held] = field(default_factory=dict)
+    _lapses: dict[str, list[tuple[float, str]]] = field(default_factory=dict)  # heaps
     _active: dict[str, set[str]] = field(default_factory=dict)
 
     async def put(
-        self, kind: str, object_id: str, record: dict[str, Any], blob: bytes | None = None
+        self,
+        kind: str,
+        object_id: str,
+        record: dict[str, Any],
+        blob: bytes | None = None,
+        quota: Quota | None = None,
     ) -> None:
-        self._sweep(kind)
-        self._objects.setdefault(kind, {})[object_id] = _Kept(dict(record), blob)
+        self._forget_lapsed(kind)
+        owner = record.get("owner")
+        kept = _Kept(dict(record), blob)
+        if quota is not None:
+            held = self._held.setdefault((kind, owner), _Held())
+            size = len(blob or b"")
+            if held.bytes + size > quota.bytes or held.count + 1 > quota.count:
+                raise QuotaExceeded(held.bytes, held.count, size, quota)
+            held.bytes, held.count, kept.charge = held.bytes + size, held.count + 1, size
+        await self.delete(kind, object_id)  # a rewrite replaces it, charge and all
+        self._objects.setdefault(kind, {})[object_id] = kept
+        self._owned.setdefault((kind, owner), {})[object_id] = None
+        if record.get("kept_until") is not None:
+            heapq.heappush(self._lapses.setdefault(kind, []), (record["kept_until"], object_id))
 
     async def update(self, kind: str, object_id: str, record: dict[str, Any]) -> None:
         kept = self._objects.get(kind, {}).get(object_id)
@@ -113,18 +199,40 @@ class MemoryObjects:
 
     async def delete(self, kind: str, object_id: str) -> bool:
         self._active.get(kind, set()).discard(object_id)
-        return self._objects.get(kind, {}).pop(object_id, None) is not None
+        kept = self._objects.get(kind, {}).pop(object_id, None)
+        if kept is None:
+            return False
+        owner = kept.record.get("owner")
+        self._owned.get((kind, owner), {}).pop(object_id, None)
+        if kept.charge is not None:
+            held = self._held[(kind, owner)]
+            held.bytes, held.count = held.bytes - kept.charge, held.count - 1
+        return True
+
+    async def held(self, kind: str, owner: str | None) -> tuple[int, int]:
+        self._forget_lapsed(kind)
+        held = self._held.get((kind, owner), _Held())
+        return held.bytes, held.count
 
     async def list(
-        self, kind: str, owner: str | None, limit: int, after: str | None
+        self,
+        kind: str,
+        owner: str | None,
+        limit: int,
+        after: str | None,
+        *,
+        ascending: bool = False,
+        where: Where | None = None,
     ) -> tuple[list[dict[str, Any]], bool]:
-        ids = list(reversed(self._objects.get(kind, {})))
+        ids = list(self._owned.get((kind, owner), {}))
+        if not ascending:
+            ids.reverse()
         if after is not None:
             ids = ids[ids.index(after) + 1 :] if after in ids else []
         found = []
         for object_id in ids:
             record = await self.get(kind, object_id)
-            if record is not None and visible(record, owner):
+            if record is not None and (where is None or where(record)):
                 found.append(record)
                 if len(found) > limit:
                     break
@@ -153,10 +261,20 @@ class MemoryObjects:
     async def close(self) -> None:
         return None
 
-    def _sweep(self, kind: str) -> None:
-        objects = self._objects.get(kind, {})
-        for object_id in [i for i, kept in objects.items() if not _live(kept.record)]:
-            del objects[object_id]
+    def _forget_lapsed(self, kind: str) -> None:
+        """Forget the objects no longer kept; their charges go back to their owners."""
+        lapses, objects = self._lapses.get(kind, []), self._objects.get(kind, {})
+        now = time.time()
+        while lapses and lapses[0][0] <= now:
+            _, object_id = heapq.heappop(lapses)
+            kept = objects.get(object_id)
+            if kept is not None and not _live(kept.record):
+                objects.pop(object_id)
+                owner = kept.record.get("owner")
+                self._owned.get((kind, owner), {}).pop(object_id, None)
+                if kept.charge is not None:
+                    held = self._held[(kind, owner)]
+                    held.bytes, held.count = held.bytes - kept.charge, held.count - 1
 
 
 # KEYS: lease. ARGV: holder, ttl ms. Takes a free lease or renews one's own.
@@ -173,6 +291,82 @@ redis.call('HSET', KEYS[1], 'record', ARGV[1])
 return 1
 """
 
+# Gives back the charges of the owner's objects whose time is up (at most LAPSE_BATCH).
+# KEYS: held, lapse, owner index. ARGV: now (unix s). Defines lapse() for the scripts below.
+_LAPSE = f"""
+local function lapse(held, lapsing, owned, now)
+  local gone = redis.call('ZRANGEBYSCORE', lapsing, '-inf', now, 'LIMIT', 0, {LAPSE_BATCH})
+  for _, id in ipairs(gone) do
+    local size = redis.call('HGET', held, id)
+    if size then
+      redis.call('HINCRBY', held, 'bytes', 0 - tonumber(size))
+      redis.call('HINCRBY', held, 'count', -1)
+      redis.call('HDEL', held, id)
+    end
+    redis.call('ZREM', lapsing, id)
+    redis.call('ZREM', owned, id)
+  end
+end
+"""
+
+# KEYS: object, owner index, held, lapse. ARGV: id, record JSON, created_at, kept_until (ms,
+# or ""), blob ("" and ARGV[8] = 0: none), size, quota bytes (-1: not charged), quota count,
+# has blob (1/0), now (s). Returns {1} when written, {0, bytes held, count held} when refused.
+_PUT = (
+    _LAPSE
+    + """
+local charged = tonumber(ARGV[7]) >= 0
+local size = tonumber(ARGV[6])
+if charged then
+  lapse(KEYS[3], KEYS[4], KEYS[2], ARGV[10])
+  local bytes = tonumber(redis.call('HGET', KEYS[3], 'bytes') or '0')
+  local count = tonumber(redis.call('HGET', KEYS[3], 'count') or '0')
+  if bytes + size > tonumber(ARGV[7]) or count + 1 > tonumber(ARGV[8]) then
+    return {0, bytes, count}
+  end
+end
+if ARGV[9] == '1' then
+  redis.call('HSET', KEYS[1], 'record', ARGV[2], 'blob', ARGV[5])
+else
+  redis.call('HSET', KEYS[1], 'record', ARGV[2])
+end
+if ARGV[4] ~= '' then redis.call('PEXPIREAT', KEYS[1], ARGV[4]) end
+redis.call('ZADD', KEYS[2], ARGV[3], ARGV[1])
+if charged then
+  redis.call('HINCRBY', KEYS[3], 'bytes', size)
+  redis.call('HINCRBY', KEYS[3], 'count', 1)
+  redis.call('HSET', KEYS[3], ARGV[1], size)
+  if ARGV[4] ~= '' then redis.call('ZADD', KEYS[4], tonumber(ARGV[4]) / 1000, ARGV[1]) end
+end
+return {1}
+"""
+)
+
+# KEYS: object, lease, active, owner index, held, lapse. ARGV: id.
+_DELETE = """
+local deleted = redis.call('DEL', KEYS[1], KEYS[2])
+redis.call('SREM', KEYS[3], ARGV[1])
+redis.call('ZREM', KEYS[4], ARGV[1])
+redis.call('ZREM', KEYS[6], ARGV[1])
+local size = redis.call('HGET', KEYS[5], ARGV[1])
+if size then
+  redis.call('HINCRBY', KEYS[5], 'bytes', 0 - tonumber(size))
+  redis.call('HINCRBY', KEYS[5], 'count', -1)
+  redis.call('HDEL', KEYS[5], ARGV[1])
+end
+return deleted
+"""
+
+# KEYS: held, lapse, owner index. ARGV: now (s). Returns {bytes, count}.
+_HELD = (
+    _LAPSE
+    + """
+lapse(KEYS[1], KEYS[2], KEYS[3], ARGV[1])
+return {tonumber(redis.call('HGET', KEYS[1], 'bytes') or '0'),
+        tonumber(redis.call('HGET', KEYS[1], 'count') or '0')}
+"""
+)
+
 
 class RedisObjects:
     """The shared store: see the module docstring for its keys."""
@@ -182,23 +376,41 @@ class RedisObjects:
     def __init__(self, redis_url: str) -> None:
         from redis.asyncio import Redis  # distributed mode only; embedded never loads it
 
-        self._redis = Redis.from_url(redis_url, socket_timeout=30, socket_connect_timeout=2)
+        self._redis = Redis.from_url(redis_url, socket_timeout=10, socket_connect_timeout=2)
         self._claim = self._redis.register_script(_CLAIM)
         self._update = self._redis.register_script(_UPDATE)
+        self._put = self._redis.register_script(_PUT)
+        self._delete = self._redis.register_script(_DELETE)
+        self._held = self._redis.register_script(_HELD)
 
     async def put(
-        self, kind: str, object_id: str, record: dict[str, Any], blob: bytes | None = None
+        self,
+        kind: str,
+        object_id: str,
+        record: dict[str, Any],
+        blob: bytes | None = None,
+        quota: Quota | None = None,
     ) -> None:
-        key = _key(kind, object_id)
-        mapping: dict[str, Any] = {"record": json.dumps(record)}
-        if blob is not None:
-            mapping["blob"] = blob
-        async with self._redis.pipeline(transaction=True) as pipe:
-            pipe.hset(key, mapping=mapping)
-            if record.get("kept_until") is not None:
-                pipe.pexpireat(key, int(record["kept_until"] * 1000))
-            pipe.zadd(_key(kind, "index"), {object_id: record["created_at"]})
-            await pipe.execute()
+        owner, kept_until = record.get("owner"), record.get("kept_until")
+        size = len(blob or b"")
+        reply = await self._put(
+            keys=[_key(kind, object_id), *_owner_keys(kind, owner)],
+            args=[
+                object_id,
+                json.dumps(record),
+                record["created_at"],
+                "" if kept_until is None else int(kept_until * 1000),
+                blob or b"",
+                size,
+                -1 if quota is None else quota.bytes,
+                -1 if quota is None else quota.count,
+                0 if blob is None else 1,
+                time.time(),
+            ],
+        )
+        if not int(reply[0]):
+            assert quota is not None
+            raise QuotaExceeded(int(reply[1]), int(reply[2]), size, quota)
 
     async def update(self, kind: str, object_id: str, record: dict[str, Any]) -> None:
         """Replace the record of an object that still exists (an expired one stays gone)."""
@@ -212,29 +424,41 @@ class RedisObjects:
         return await self._redis.hget(_key(kind, object_id), "blob")
 
     async def delete(self, kind: str, object_id: str) -> bool:
-        async with self._redis.pipeline(transaction=True) as pipe:
-            pipe.delete(_key(kind, object_id), _key(kind, f"{object_id}:runner"))
-            pipe.zrem(_key(kind, "index"), object_id)
-            pipe.srem(_key(kind, "active"), object_id)
-            deleted, *_ = await pipe.execute()
+        record = await self.get(kind, object_id)
+        owned, held, lapsing = _owner_keys(kind, None if record is None else record.get("owner"))
+        lease, active = _key(kind, f"{object_id}:runner"), _key(kind, "active")
+        deleted = await self._delete(
+            keys=[_key(kind, object_id), lease, active, owned, held, lapsing], args=[object_id]
+        )
         return bool(deleted)
 
+    async def held(self, kind: str, owner: str | None) -> tuple[int, int]:
+        owned, held, lapsing = _owner_keys(kind, owner)
+        counts = await self._held(keys=[held, lapsing, owned], args=[time.time()])
+        return int(counts[0]), int(counts[1])
+
     async def list(
-        self, kind: str, owner: str | None, limit: int, after: str | None
+        self,
+        kind: str,
+        owner: str | None,
+        limit: int,
+        after: str | None,
+        *,
+        ascending: bool = False,
+        where: Where | None = None,
     ) -> tuple[list[dict[str, Any]], bool]:
-        index = _key(kind, "index")
+        index = _owner_keys(kind, owner)[0]
+        rank = self._redis.zrank if ascending else self._redis.zrevrank
+        span = self._redis.zrange if ascending else self._redis.zrevrange
         start = 0
         if after is not None:
-            rank = await self._redis.zrevrank(index, after)
-            if rank is None:
+            at = await rank(index, after)
+            if at is None:
                 return [], False
-            start = rank + 1
+            start = at + 1
         found: list[dict[str, Any]] = []
         while len(found) <= limit:
-            ids = [
-                i.decode()
-                for i in await self._redis.zrevrange(index, start, start + LIST_BATCH - 1)
-            ]
+            ids = [i.decode() for i in await span(index, start, start + LIST_BATCH - 1)]
             if not ids:
                 break
             start += len(ids)
@@ -243,11 +467,12 @@ class RedisObjects:
                     pipe.hget(_key(kind, object_id), "record")
                 replies = await pipe.execute()
             gone = [i for i, raw in zip(ids, replies, strict=True) if raw is None]
-            if gone:
+            if gone:  # expired: out of the index (a charged one's charge lapses on its own)
                 await self._redis.zrem(index, *gone)
+                start -= len(gone)
             for raw in replies:
                 record = json.loads(raw) if raw is not None else None
-                if record is not None and visible(record, owner):
+                if record is not None and (where is None or where(record)):
                     found.append(record)
         return found[:limit], len(found) > limit
 
@@ -272,4 +497,11 @@ def _key(kind: str, name: str) -> str:
     return f"{PREFIX}:{kind}:{name}"
 
 
-__all__ = ["MemoryObjects", "ObjectStore", "RedisObjects", "visible"]
+def _owner_keys(kind: str, owner: str | None) -> tuple[str, str, str]:
+    """The owner's index, counters and lapse schedule (objects without an owner share ``-``;
+    a key's name is never empty, so ``=name`` cannot meet it)."""
+    name = "-" if owner is None else f"={owner}"
+    return _key(kind, f"owner:{name}"), _key(kind, f"held:{name}"), _key(kind, f"lapse:{name}")
+
+
+__all__ = ["MemoryObjects", "ObjectStore", "Quota", "QuotaExceeded", "RedisObjects", "visible"]

@@ -19,6 +19,7 @@ that failed is in the error file; ``request_counts.failed`` counts those,
 
 from __future__ import annotations
 
+import asyncio
 import json
 import secrets
 import time
@@ -30,6 +31,7 @@ from fastapi.responses import JSONResponse
 from api.auth import caller_name
 from api.batches.files import Files, expiry_seconds, list_page
 from api.batches.service import Batches, Line, Outcome, refuse_unknown
+from api.cursors import id_cursor
 from api.errors import bad_request
 from api.jobs.records import read_metadata
 
@@ -97,7 +99,7 @@ def openai_batches_router(batches: Batches, files: Files, window_s: float) -> AP
                 body.get("output_expires_after"), "output_expires_after"
             ),
         }
-        lines, errors = read_lines(content, endpoint)
+        lines, errors = await batches.manager.serving.off_loop(read_lines, content, endpoint)
         if errors:
             record.update(status="failed", failed_at=now, total=0, counts={}, errors=errors)
             record["kept_until"] = record["expires_at"] + batches.retention_s
@@ -109,6 +111,7 @@ def openai_batches_router(batches: Batches, files: Files, window_s: float) -> AP
     async def list_batches(request: Request, limit: int = 20, after: str | None = None) -> Response:
         if not 1 <= limit <= 100:
             raise bad_request(f"limit must be between 1 and 100, got {limit}", "limit")
+        after = id_cursor(after, "after")
         records, more = await batches.list(caller_name(request), API, limit, after)
         return JSONResponse(list_page([view(record) for record in records], more))
 
@@ -129,10 +132,12 @@ def read_lines(content: bytes, endpoint: str) -> tuple[list[Line], dict[str, Any
     errors: list[dict[str, Any]] = []
     seen: set[str] = set()
     try:
-        text = content.decode("utf-8")
+        text = content.decode("utf-8").removeprefix("\ufeff")
     except UnicodeDecodeError:
         text, errors = "", [_error("invalid_json", "the file is not UTF-8 text", None)]
-    for number, raw in enumerate(text.splitlines(), 1):
+    # JSON lines end at "\n" (or "\r\n") only: U+2028, U+0085 and the like are characters
+    # a JSON string may hold raw, where str.splitlines() would cut the line.
+    for number, raw in enumerate(text.split("\n"), 1):
         if not raw.strip():
             continue
         problem = _line_problem(raw, endpoint, seen)
@@ -215,7 +220,7 @@ def output_finalizer(files: Files):  # noqa: ANN201
         ids: dict[str, Any] = {}
         for name, lines in (("output_file_id", output), ("error_file_id", errors)):
             if lines:
-                content = "".join(json.dumps(line) + "\n" for line in lines).encode()
+                content = await asyncio.to_thread(jsonl, lines)
                 filename = f"{record['id']}_{name.removesuffix('_file_id')}.jsonl"
                 saved = await files.create(
                     content,
@@ -223,12 +228,17 @@ def output_finalizer(files: Files):  # noqa: ANN201
                     "batch_output",
                     record.get("owner"),
                     record.get("output_expiry_s"),
-                    limited=False,
+                    charged=False,
                 )
                 ids[name] = saved["id"]
         return ids
 
     return finalize
+
+
+def jsonl(items: list[dict[str, Any]]) -> bytes:
+    """JSON lines, one dump each (a thread writing many lets the event loop run between)."""
+    return "".join(json.dumps(item) + "\n" for item in items).encode()
 
 
 def _output_line(outcome: Outcome) -> dict[str, Any]:
@@ -250,4 +260,4 @@ def _output_line(outcome: Outcome) -> dict[str, Any]:
     }
 
 
-__all__ = ["openai_batches_router", "output_finalizer", "read_lines", "view"]
+__all__ = ["jsonl", "openai_batches_router", "output_finalizer", "read_lines", "view"]

@@ -5,7 +5,9 @@ A batch is a record (``api.batches.objects``, kind ``batch``) with its lines
 in order, at most ``window`` unfinished at once and at ``BATCH_PRIORITY``, so
 a batch never crowds out interactive requests: the queue and the engine serve
 more urgent work first. A line the endpoint refuses (a 400) fails that line
-only; a refusal that says "later" (429, 503) is retried.
+only; a refusal that says when to retry (``Retry-After``: the key's rate limits,
+a full server) is retried then, and a line whose job was lost or failed in a way
+that says to retry later is queued again.
 
 Line ``i``'s job id is the batch's random part followed by ``i``, so the
 lines' jobs can be found again: when the replica running a batch stops, its
@@ -28,7 +30,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI
@@ -50,7 +52,6 @@ BATCH_PRIORITY = 6  # kombu's third priority step: interactive requests (0) go f
 POLL_S = 0.25
 LEASE_TTL_S = 10.0
 ENDED = ("completed", "cancelled", "failed", "expired")
-RETRY_LATER = (429, 503)
 
 
 @dataclass(slots=True)
@@ -122,10 +123,11 @@ class Batches:
             total=len(lines),
             submitted=0,
             refused={},
+            requeued=[],
             counts=_counts(len(lines)),
             kept_until=record["expires_at"] + self.retention_s,
         )
-        blob = json.dumps([asdict(line) for line in lines]).encode()
+        blob = await asyncio.to_thread(encode_lines, lines)
         await self.objects.put(KIND, record["id"], record, blob)
         await self.objects.set_active(KIND, record["id"], True)
         await self.objects.claim(KIND, record["id"], self.manager.holder, LEASE_TTL_S)
@@ -149,11 +151,13 @@ class Batches:
         return record
 
     async def list(
-        self, owner: str | None, api: str, limit: int, after: str | None
+        self, owner: str | None, api: str, limit: int, after: str | None, *, ascending: bool = False
     ) -> tuple[list[dict[str, Any]], bool]:
-        records, _ = await self.objects.list(KIND, owner, 10_000, after)
-        mine = [await self._with_cancel(r) for r in records if r.get("api") == api]
-        return mine[:limit], len(mine) > limit
+        """The owner's batches of ``api``, newest first unless ``ascending``, after ``after``."""
+        records, more = await self.objects.list(
+            KIND, owner, limit, after, ascending=ascending, where=lambda r: r.get("api") == api
+        )
+        return [await self._with_cancel(record) for record in records], more
 
     async def cancel(self, batch_id: str, owner: str | None, api: str) -> dict[str, Any]:
         """Ask the runner to stop: ``cancelling`` until its unfinished lines are cancelled.
@@ -168,7 +172,8 @@ class Batches:
         record.update(status="cancelling", cancelling_at=int(flag["created_at"]))
         return record
 
-    async def delete(self, batch_id: str, owner: str | None, api: str) -> None:
+    async def delete(self, batch_id: str, owner: str | None, api: str) -> dict[str, Any]:
+        """Forget an ended batch; its record, for the caller to forget what it made."""
         record = await self.get(batch_id, owner, api)
         if record["status"] not in ENDED:
             raise ApiError(
@@ -179,6 +184,7 @@ class Batches:
                 "batch_id",
             )
         await self.objects.delete(KIND, batch_id)
+        return record
 
     # --- running ---------------------------------------------------------------------
 
@@ -200,14 +206,15 @@ class Batches:
         blob = await self.objects.blob(KIND, batch_id)
         if record is None or blob is None:
             return
-        lines = [Line(**line) for line in json.loads(blob)]
-        outstanding = {
-            index for index in range(record["submitted"]) if str(index) not in record["refused"]
-        }
+        lines = await asyncio.to_thread(decode_lines, blob)
+        record.setdefault("requeued", [])
+        waiting = set(record["refused"]) | {str(index) for index in record["requeued"]}
+        outstanding = {index for index in range(record["submitted"]) if str(index) not in waiting}
         watchers: dict[int, asyncio.Task[None]] = {}
+        retry_at = 0.0  # time.monotonic() before which a refused submission is not tried again
         try:
             while True:
-                if await self.objects.get(KIND, batch_id) is None:  # deleted or expired
+                if not await self._still_kept(record, blob):  # deleted: nothing more to do
                     return
                 if await self.objects.get(CANCEL_KIND, batch_id) is not None:
                     record["cancelling_at"] = int(time.time())
@@ -217,16 +224,32 @@ class Batches:
                     record["expired_at"] = int(time.time())
                     await self._cancel_lines(record, outstanding)
                     break
-                await self._submit_lines(record, lines, outstanding)
-                await self._wait_for_an_end(record, outstanding, watchers)
-                record["counts"]["processing"] = len(outstanding) + len(lines) - record["submitted"]
-                await self.objects.update(KIND, batch_id, record)
-                if not outstanding and record["submitted"] == len(lines):
+                if time.monotonic() >= retry_at:
+                    retry_at = time.monotonic() + await self._submit_lines(
+                        record, lines, outstanding
+                    )
+                if not outstanding and not _unsubmitted(record, lines):
                     break
+                await self._wait_for_an_end(record, outstanding, watchers)
+                record["counts"]["processing"] = len(outstanding) + _unsubmitted(record, lines)
+                await self.objects.update(KIND, batch_id, record)
         finally:
             for watcher in watchers.values():
                 watcher.cancel()
         await self._finalize(record, lines)
+
+    async def _still_kept(self, record: dict[str, Any], blob: bytes) -> bool:
+        """Whether the batch is still there to run; one whose record was lost (a Redis
+        restart without persistence) is written back from what this runner holds, since
+        nothing but a deletion (refused while it runs) may end a batch's record early."""
+        if await self.objects.get(KIND, record["id"]) is not None:
+            return True
+        if time.time() >= record["kept_until"]:
+            return False
+        log.warning("batch %s: its record was lost; writing it back", record["id"])
+        await self.objects.put(KIND, record["id"], record, blob)
+        await self.objects.set_active(KIND, record["id"], True)
+        return True
 
     async def _wait_for_an_end(
         self, record: dict[str, Any], outstanding: set[int], watchers: dict[int, asyncio.Task[None]]
@@ -235,18 +258,27 @@ class Batches:
 
         Each running line has a watcher that reads its job's stream to the end, so a
         finished line is noticed as soon as its last chunk is stored, not at the next poll.
+        A line whose job was lost, or failed in a way that says to retry later, is queued
+        again rather than counted.
         """
         for index in outstanding - watchers.keys():
             job_id = _job_id(record["id"], index)
             watchers[index] = asyncio.create_task(self._ended(job_id), name=f"sluice-{job_id}")
-        if watchers:
-            await asyncio.wait(watchers.values(), timeout=POLL_S, return_when="FIRST_COMPLETED")
+        if not watchers:
+            await asyncio.sleep(POLL_S)
+            return
+        await asyncio.wait(watchers.values(), timeout=POLL_S, return_when="FIRST_COMPLETED")
         for index in [index for index, watcher in watchers.items() if watcher.done()]:
             del watchers[index]
-            job = await self.manager.store.get(_job_id(record["id"], index))
+            job_id = _job_id(record["id"], index)
+            job = await self.manager.store.get(job_id)
             if job is not None and not job.status.terminal:
                 continue  # its stream was cut (an adopting replica re-reads it): watch again
             outstanding.discard(index)
+            if job is None or _retry_after(job) is not None:
+                await self.manager.store.delete(job_id)
+                record["requeued"].append(index)
+                continue
             record["counts"][_job_outcome(Line("", "", {}), job).kind] += 1
 
     async def _ended(self, job_id: str) -> None:
@@ -257,11 +289,18 @@ class Batches:
 
     async def _submit_lines(
         self, record: dict[str, Any], lines: list[Line], outstanding: set[int]
-    ) -> None:
+    ) -> float:
+        """Submit lines in order while the window has room; the seconds to wait before
+        submitting again when a refusal says when to retry (0 when none did).
+
+        A refusal without ``Retry-After`` (a body the endpoint refuses, a request larger
+        than the key's tokens per minute) fails its line at once; one with it (the key's
+        rate limits, a full server) keeps the line next in order until then.
+        """
         key = self.keys.named(record.get("owner"))
         protocols = self.manager.protocols
-        while record["submitted"] < len(lines) and len(outstanding) < self.window:
-            index = record["submitted"]
+        while len(outstanding) < self.window and _unsubmitted(record, lines):
+            index = record["requeued"][0] if record["requeued"] else record["submitted"]
             line = lines[index]
             job = JobRequest(
                 protocols[line.endpoint],
@@ -275,15 +314,17 @@ class Batches:
                 try:
                     await self.manager.submit([job], key, owner=record.get("owner"))
                 except SubmitError as exc:
-                    if exc.error.status in RETRY_LATER:
-                        return  # the server or the key is full: try again next round
+                    wait = exc.error.retry_after_s
+                    if wait is not None:
+                        return max(wait, POLL_S)
                     body = job.protocol.error_body(exc.error)
                     record["refused"][str(index)] = {"status": exc.error.status, "body": body}
                     record["counts"]["errored"] += 1
-                    record["submitted"] += 1
+                    _take(record, index)
                     continue
             outstanding.add(index)
-            record["submitted"] += 1
+            _take(record, index)
+        return 0.0
 
     async def _cancel_lines(self, record: dict[str, Any], outstanding: set[int]) -> None:
         for index in outstanding:
@@ -313,7 +354,7 @@ class Batches:
         if refused is not None:
             return Outcome(line.custom_id, "errored", None, refused["status"], refused["body"])
         unfinished = "expired" if record.get("expired_at") is not None else "canceled"
-        if index >= record["submitted"]:
+        if index >= record["submitted"] or index in record["requeued"]:
             return Outcome(line.custom_id, unfinished)
         outcome = _job_outcome(line, await self.manager.store.get(_job_id(record["id"], index)))
         if outcome.kind == "canceled":  # cut short by the batch's cancel or by its expiry
@@ -340,6 +381,22 @@ class Batches:
                 log.warning("batch maintenance failed: %s", exc)
 
 
+def encode_lines(lines: list[Line]) -> bytes:
+    """A batch's lines as its blob: JSON lines, one dump each, so that encoding a large batch
+    on a thread lets the event loop run between lines."""
+    return "\n".join(
+        json.dumps({"custom_id": x.custom_id, "endpoint": x.endpoint, "body": x.body})
+        for x in lines
+    ).encode()
+
+
+def decode_lines(blob: bytes) -> list[Line]:
+    """The lines of ``encode_lines``' blob (or of a blob written as one JSON array)."""
+    if blob.startswith(b"["):
+        return [Line(**line) for line in json.loads(blob)]
+    return [Line(**json.loads(text)) for text in blob.split(b"\n")]
+
+
 def refuse_unknown(body: dict[str, Any], known: tuple[str, ...]) -> None:
     """A 400 for a field a create route does not read: it would otherwise be ignored."""
     for name in body:
@@ -364,6 +421,26 @@ def _job_outcome(line: Line, job: JobRecord | None) -> Outcome:
     return Outcome(line.custom_id, "canceled", job.response_id)
 
 
+def _unsubmitted(record: dict[str, Any], lines: list[Line]) -> int:
+    """Lines not submitted yet: those never taken, and those queued again."""
+    return len(lines) - record["submitted"] + len(record["requeued"])
+
+
+def _take(record: dict[str, Any], index: int) -> None:
+    """Line ``index`` is submitted (or refused): it leaves the lines to submit."""
+    if record["requeued"] and record["requeued"][0] == index:
+        record["requeued"].pop(0)
+    else:
+        record["submitted"] += 1
+
+
+def _retry_after(job: JobRecord) -> float | None:
+    """When a failed job's error said a retry may succeed (a lost worker, a full queue)."""
+    if job.status is not JobStatus.FAILED or job.error is None:
+        return None
+    return job.error.get("retry_after")
+
+
 def _counts(processing: int) -> dict[str, int]:
     return {"processing": processing, "succeeded": 0, "errored": 0, "canceled": 0, "expired": 0}
 
@@ -376,4 +453,12 @@ def _job_id(batch_id: str, index: int) -> str:
     return "job_" + _line_hex(batch_id, index)
 
 
-__all__ = ["BATCH_PRIORITY", "Batches", "Line", "Outcome", "refuse_unknown"]
+__all__ = [
+    "BATCH_PRIORITY",
+    "Batches",
+    "Line",
+    "Outcome",
+    "decode_lines",
+    "encode_lines",
+    "refuse_unknown",
+]

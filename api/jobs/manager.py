@@ -29,7 +29,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -38,7 +38,7 @@ from fastapi import FastAPI
 from api.admission import error_for
 from api.errors import ApiError
 from api.jobs.records import JobOutcome, JobRecord, JobStatus, StoredChunk, new_job_hex
-from api.jobs.runner import JobRunner, job_processor
+from api.jobs.runner import JobRunner, failure_of, job_processor
 from api.jobs.store import JobStore
 from api.preparation import Prepared
 from api.protocols.base import Protocol
@@ -57,6 +57,10 @@ log = logging.getLogger(__name__)
 CANCEL_WAIT_S = 10.0  # a local runner ends within an engine step; this bounds a stuck one
 STOP_WAIT_S = 5.0
 DEFAULT_MAINTAIN_INTERVAL_S = 3.0
+
+
+# A body and its owner → the body as the synchronous route would prepare it.
+Resolver = Callable[[dict, str | None], Awaitable[dict]]
 
 
 @dataclass(slots=True)
@@ -100,6 +104,8 @@ class JobManager:
         self.store = store
         self.protocols = protocols
         self.holder = uuid.uuid4().hex
+        # By protocol path: what completes a body before it is prepared (``submit``).
+        self.resolvers: dict[str, Resolver] = {}
         self._channel = channel
         self._runners: dict[str, tuple[JobRunner, asyncio.Task[None]]] = {}
         self._maintainer: asyncio.Task[None] | None = None
@@ -129,17 +135,18 @@ class JobManager:
         """Prepare every body and take its share of ``key``'s limits first (one refused body
         queues nothing), then start them all. The jobs belong to ``key`` (else ``owner``).
         """
+        owner = key.name if key is not None else owner
         prepared = []
         for index, job in enumerate(jobs):
             job_hex = job.job_hex or new_job_hex()
             try:
+                job.body = await self._resolve(job, owner)
                 ready = await self._prepare(job.protocol, job.body, job_hex, key=key)
             except ApiError as exc:
                 raise SubmitError(job.protocol, exc, index) from exc
             ready.wire.priority = max(ready.wire.priority, job.priority)
             prepared.append((job_hex, ready))
         tickets = await self._limit(jobs, [ready for _, ready in prepared], key)
-        owner = key.name if key is not None else owner
         records = []
         for index, (job, (job_hex, ready)) in enumerate(zip(jobs, prepared, strict=True)):
             record = self._new_record(job, job_hex, ready, owner)
@@ -152,6 +159,12 @@ class JobManager:
             self._launch(self._runner(record, ready, events), tickets[index])
             records.append(record)
         return records
+
+    async def _resolve(self, job: JobRequest, owner: str | None) -> dict:
+        """The body with what it refers to filled in by its protocol's resolver (the Responses
+        API's ``previous_response_id``), as the synchronous route would see it."""
+        resolver = self.resolvers.get(job.protocol.path)
+        return job.body if resolver is None else await resolver(job.body, owner)
 
     async def _limit(
         self, jobs: list[JobRequest], prepared: list[Prepared], key: ApiKey | None
@@ -354,8 +367,7 @@ class JobManager:
         try:
             prepared = await self._prepare(protocol, record.body, job_hex, admit=False)
         except ApiError as exc:  # e.g. the model this job asked for is no longer served
-            failure = {"status": exc.status, "type": exc.type, "message": exc.message}
-            await self.store.finish(record.id, JobOutcome(JobStatus.FAILED, error=failure))
+            await self.store.finish(record.id, JobOutcome(JobStatus.FAILED, error=failure_of(exc)))
             return
         kept = await self._stored_chunks(record.id)
         deadlines = self._channel.limits.adoption_deadlines(record.created_at)
@@ -409,10 +421,11 @@ class JobManager:
 
 
 async def _release_unused(tickets: list[RateLimitTicket | None]) -> None:
-    """Give back the shares of jobs that were refused before they ran."""
+    """Give back the whole shares of jobs that were refused before they ran: a refused
+    batch spends none of its key's requests or tokens."""
     for ticket in tickets:
         if ticket is not None:
-            await ticket.release(0)
+            await ticket.give_back()
 
 
 def _duration(seconds: float) -> str:

@@ -29,7 +29,7 @@ from typing import Any
 from redis.asyncio import Redis
 
 from api.jobs.records import JobOutcome, JobRecord, JobStatus, StoredChunk
-from api.jobs.store import DEFAULT_RETENTION_S, JobEnded
+from api.jobs.store import DEFAULT_RETENTION_S, JobEnded, check_read_start
 from shared import keys
 
 LEASE_TTL_S = 10.0  # a runner renews its lease every LEASE_TTL_S / 3
@@ -223,6 +223,7 @@ class RedisJobStore:
         return int(entry_id.split("-")[0])
 
     async def read(self, job_id: str, after: int) -> AsyncIterator[tuple[int, StoredChunk]]:
+        check_read_start(after)
         key, last = keys.job_events(job_id), f"{after}-0"
         while await self._redis.exists(keys.job_record(job_id)):  # until it expires, at the latest
             reply = await self._blocking.xread({key: last}, count=256, block=READ_BLOCK_MS)

@@ -12,7 +12,9 @@ a response is its ``sequence_number`` plus one.
   ``in_progress``, and finally the response itself (``completed`` or
   ``incomplete``), ``failed`` or ``cancelled``.
 - A foreground response with ``store`` (true unless false) runs as before and
-  is saved, finished, once its last byte is sent.
+  is saved, finished, once its last byte is sent. A ``/v1/jobs`` job of this
+  endpoint whose body says ``store: false`` is a job only: the Responses routes
+  and ``previous_response_id`` do not find it.
 - ``previous_response_id`` is resolved before parsing: the stored response's
   input (itself resolved when it was stored) and output become the start of
   ``input``. Its instructions are not carried over, as OpenAI's are not. The
@@ -33,6 +35,7 @@ from sse_starlette import ServerSentEvent
 
 from api.auth import caller_name
 from api.batches.files import list_page
+from api.cursors import event_cursor, id_cursor
 from api.errors import ApiError, bad_request
 from api.jobs.manager import JobManager, JobRequest, SubmitError
 from api.jobs.records import JobOutcome, JobRecord, JobStatus
@@ -61,6 +64,7 @@ class StoredResponses:
 
     def __init__(self, manager: JobManager) -> None:
         self.manager = manager
+        manager.resolvers[PATH] = self.resolve_previous  # jobs and batch lines resolve it too
 
     async def resolve_previous(self, body: Any, owner: str | None) -> Any:
         """``body`` with the stored conversation of ``previous_response_id`` before its input."""
@@ -134,11 +138,11 @@ class StoredResponses:
         return await self._record(response_id, owner)
 
     async def events(
-        self, response_id: str, owner: str | None, starting_after: int | None
+        self, response_id: str, owner: str | None, starting_after: str | None
     ) -> AsyncIterator[ServerSentEvent]:
         """The background response's events after sequence number ``starting_after``."""
         record = await self._background(response_id, owner, "streamed again", "stream")
-        after = 0 if starting_after is None else starting_after + 1
+        after = 0 if starting_after is None else event_cursor(starting_after, "starting_after") + 1
         chunks = await self.manager.events(record.id, owner, after)
 
         async def sse() -> AsyncIterator[ServerSentEvent]:
@@ -190,6 +194,8 @@ class StoredResponses:
             raise missing from None
         if record.endpoint != PATH or record.status is JobStatus.EXPIRED:
             raise missing
+        if record.body.get("store") is False:  # a job of /v1/jobs that asked not to be stored
+            raise missing
         return record
 
 
@@ -203,7 +209,7 @@ def responses_router(stored: StoredResponses) -> APIRouter:
         response_id: str,
         request: Request,
         stream: bool = False,
-        starting_after: int | None = None,
+        starting_after: str | None = None,
     ) -> Response:
         owner = caller_name(request)
         if stream:
@@ -224,6 +230,7 @@ def responses_router(stored: StoredResponses) -> APIRouter:
             raise bad_request(f"include {include!r} is not supported here", "include")
         if not 1 <= limit <= 100 or order not in ("asc", "desc"):
             raise bad_request("limit must be 1 to 100 and order 'asc' or 'desc'", "limit")
+        after = id_cursor(after, "after")
         record = await stored.get(response_id, caller_name(request))
         items = input_items_of(record)
         if order == "desc":

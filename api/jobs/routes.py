@@ -31,11 +31,10 @@ from fastapi.responses import JSONResponse
 from sse_starlette import ServerSentEvent
 
 from api.auth import caller_key, caller_name
+from api.cursors import event_cursor, id_cursor
 from api.errors import ApiError, bad_request
 from api.jobs.manager import JobManager, JobRequest, SubmitError
 from api.jobs.records import JobRecord, JobStatus, StoredChunk, read_metadata
-from api.jobs.responses import StoredResponses
-from api.protocols import responses
 from api.protocols.base import Protocol
 from api.sse import SSEResponse
 
@@ -47,32 +46,24 @@ DEFAULT_LIST_LIMIT = 20
 MAX_LIST_LIMIT = 100
 
 
-def jobs_router(manager: JobManager, stored: StoredResponses, settings: Settings) -> APIRouter:
+def jobs_router(manager: JobManager, settings: Settings) -> APIRouter:
     """The routes; the manager's lifespan is the router's (it closes the manager's store).
 
-    A Responses body's ``previous_response_id`` is resolved as ``POST /v1/responses`` does.
+    A Responses body's ``previous_response_id`` is resolved as ``POST /v1/responses`` does
+    (the manager's resolvers).
     """
     protocols, serving = manager.protocols, manager.serving
     router = APIRouter(prefix="/v1/jobs", lifespan=manager.lifespan)
 
-    async def job_requests(request: Request, items: list[Any], where: str) -> list[JobRequest]:
-        jobs = []
-        for index, item in enumerate(items):
-            job = _job_request(item, protocols, where.format(index))
-            if job.protocol is responses.PROTOCOL:
-                job.body = await stored.resolve_previous(job.body, caller_name(request))
-            jobs.append(job)
-        return jobs
-
     @router.post("")
     async def submit_job(request: Request) -> Response:
-        jobs = await job_requests(request, [await serving.read_json(request)], "")
+        jobs = [_job_request(await serving.read_json(request), protocols, "")]
         return await _submitted(manager, jobs, caller_key(request), batch=False)
 
     @router.post("/batch")
     async def submit_jobs(request: Request) -> Response:
         items = _batch_items(await serving.read_json(request, value=True), settings.max_batch_jobs)
-        jobs = await job_requests(request, items, "jobs[{}].")
+        jobs = [_job_request(item, protocols, f"jobs[{i}].") for i, item in enumerate(items)]
         return await _submitted(manager, jobs, caller_key(request), batch=True)
 
     @router.get("")
@@ -82,7 +73,7 @@ def jobs_router(manager: JobManager, stored: StoredResponses, settings: Settings
         limit: int = DEFAULT_LIST_LIMIT,
         after: str | None = None,
     ) -> Response:
-        wanted, limit = _status(status), _limit(limit)
+        wanted, limit, after = _status(status), _limit(limit), id_cursor(after, "after")
         records, more = await manager.list(caller_name(request), wanted, limit, after)
         return JSONResponse(_page(records, more))
 
@@ -92,7 +83,8 @@ def jobs_router(manager: JobManager, stored: StoredResponses, settings: Settings
 
     @router.get("/{job_id}/events")
     async def job_events(job_id: str, request: Request, after: str | None = None) -> Response:
-        start = _last_event_id(request.headers.get("last-event-id", after))
+        header = request.headers.get("last-event-id")
+        start = event_cursor(*((after, "after") if header is None else (header, "Last-Event-ID")))
         chunks = await manager.events(job_id, caller_name(request), start)
         return SSEResponse(_sse(chunks), sep="\n")
 
@@ -168,18 +160,6 @@ def _limit(value: int) -> int:
     if not 1 <= value <= MAX_LIST_LIMIT:
         raise bad_request(f"limit must be between 1 and {MAX_LIST_LIMIT}, got {value}", "limit")
     return value
-
-
-def _last_event_id(value: str | None) -> int:
-    """The event to resume after: 0 (the beginning) when absent."""
-    if value is None or value == "":
-        return 0
-    if not (value.isascii() and value.isdigit() and len(value) <= 18):
-        raise bad_request(
-            f"Last-Event-ID must be an event id from this stream (a number), got {value!r}",
-            "Last-Event-ID",
-        )
-    return int(value)
 
 
 def _page(records: list[JobRecord], more: bool) -> dict[str, Any]:

@@ -35,6 +35,7 @@ from typing import Any
 
 import anyio
 
+from api.errors import ApiError
 from api.jobs.records import JobOutcome, JobRecord, JobStatus, StoredChunk
 from api.jobs.store import JobEnded, JobStore
 from api.output_parser import OutputParser
@@ -269,8 +270,7 @@ class JobRunner:
     def _outcome(self) -> JobOutcome:
         error = self._processor.error
         if error is not None:
-            failure = {"status": error.status, "type": error.type, "message": error.message}
-            return JobOutcome(JobStatus.FAILED, self._usage(), error=failure)
+            return JobOutcome(JobStatus.FAILED, self._usage(), error=failure_of(error))
         result = self._aligner.apply(self._processor.response())
         return JobOutcome(JobStatus.COMPLETED, self._usage(), result=result)
 
@@ -282,6 +282,15 @@ class JobRunner:
             await self._store.release(self.job_id, self._holder)
         except store_errors() as exc:  # it lapses on its own
             log.debug("releasing the lease of job %s failed: %s", self.job_id, exc)
+
+
+def failure_of(error: ApiError) -> dict[str, Any]:
+    """A failed job's ``error``: status, type, message, and ``retry_after`` (seconds) when the
+    error said a retry may succeed."""
+    failure: dict[str, Any] = {"status": error.status, "type": error.type, "message": error.message}
+    if error.retry_after_s is not None:
+        failure["retry_after"] = error.retry_after_s
+    return failure
 
 
 def usage_of(processor: StreamProcessor) -> dict[str, int]:
@@ -299,6 +308,7 @@ def usage_of(processor: StreamProcessor) -> dict[str, int]:
 __all__ = [
     "IdAligner",
     "JobRunner",
+    "failure_of",
     "job_processor",
     "seeded_tool_call_ids",
     "stored",

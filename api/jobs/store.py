@@ -34,6 +34,17 @@ from api.jobs.records import JobOutcome, JobRecord, JobStatus, StoredChunk
 DEFAULT_RETENTION_S = 86_400.0
 SWEEP_INTERVAL_S = 60.0
 READ_RECHECK_S = 5.0
+READ_BATCH = 256  # chunks a read hands over between two passes of the event loop
+
+
+def check_read_start(after: int) -> None:
+    """A read starts after a chunk that can exist: 0 (the beginning) or later.
+
+    The routes bound their cursors (``api.cursors``); this keeps a store from
+    ever walking back from the end.
+    """
+    if after < 0:
+        raise ValueError(f"a read starts after chunk 0 or later, not {after}")
 
 
 class JobEnded(Exception):
@@ -195,6 +206,7 @@ class MemoryJobStore:
         return len(entry.chunks) if entry is not None else 0
 
     async def read(self, job_id: str, after: int) -> AsyncIterator[tuple[int, StoredChunk]]:
+        check_read_start(after)
         while (entry := self._live(job_id)) is not None:
             async with entry.changed:
                 with contextlib.suppress(TimeoutError):  # look again: the job may have expired
@@ -202,11 +214,13 @@ class MemoryJobStore:
                         await entry.changed.wait_for(
                             lambda e=entry, n=after: len(e.chunks) > n or e.record.status.terminal
                         )
-            fresh = entry.chunks[after:]
-            for index, chunk in enumerate(fresh, after + 1):
-                yield index, chunk
-            after += len(fresh)
-            if entry.record.status.terminal and after >= len(entry.chunks):
+            while after < len(entry.chunks):
+                fresh = entry.chunks[after : after + READ_BATCH]
+                for index, chunk in enumerate(fresh, after + 1):
+                    yield index, chunk
+                after += len(fresh)
+                await asyncio.sleep(0)  # a long stored stream lets other requests run between
+            if entry.record.status.terminal:
                 return
 
     async def claim(self, job_id: str, holder: str) -> bool:
@@ -247,4 +261,10 @@ def _copy(record: JobRecord) -> JobRecord:
     return JobRecord.from_dict(record.to_dict())
 
 
-__all__ = ["DEFAULT_RETENTION_S", "JobEnded", "JobStore", "MemoryJobStore"]
+__all__ = [
+    "DEFAULT_RETENTION_S",
+    "JobEnded",
+    "JobStore",
+    "MemoryJobStore",
+    "check_read_start",
+]

@@ -5,8 +5,9 @@
 -- rate_acquire(requests bucket, tokens bucket, running counter, requests per minute, tokens
 -- per minute, at once, tokens, period, running TTL): checks all three limits and, only when
 -- every one allows, takes one request, the tokens and (under an "at once" limit) a place.
--- A limit of -1 is none. Returns {allowed, requests left, tokens left, retry after (s),
--- reason}, levels as strings (-1: no such limit).
+-- A limit of -1 is none. Returns {allowed, requests left, tokens left, retry after (s; -1:
+-- no wait helps, the request is larger than a minute's tokens), reason}, levels as strings
+-- (-1: no such limit).
 local function rate_acquire(requests_key, tokens_key, running_key, rpm, tpm, most, tokens,
                             period, ttl)
   local time = redis.call('TIME')
@@ -25,7 +26,7 @@ local function rate_acquire(requests_key, tokens_key, running_key, rpm, tpm, mos
   local function show(value) return value and tostring(value) or '-1' end
 
   if tpm >= 0 and tokens > tpm then
-    return {0, show(requests), show(token_level), tostring(period),
+    return {0, show(requests), show(token_level), '-1',
             'this request needs ' .. tokens .. ' tokens (prompt and max_tokens), more than the key\'s '
             .. tpm .. ' tokens per minute; lower max_tokens'}
   end

@@ -96,9 +96,40 @@ async def test_two_replicas_share_one_limit_exactly():
 
 
 @pytest.mark.anyio
-async def test_a_request_bigger_than_the_token_limit_is_refused_for_good():
-    verdict = await MemoryRateLimiter().acquire(_key(), KeyLimits(tokens_per_minute=100), 150)
-    assert not verdict.allowed and "lower max_tokens" in verdict.reason
+@pytest.mark.parametrize("shared", [False, True])
+async def test_a_request_bigger_than_the_token_limit_is_refused_for_good(shared: bool):
+    """No wait lets it in, so its refusal says when to retry nowhere: a batch fails the line
+    instead of waiting for a bucket that can never hold it."""
+    redis = Redis.from_url(REDIS_URL)
+    try:
+        limiter = RedisRateLimiter(redis) if shared else MemoryRateLimiter()
+        limits = KeyLimits(tokens_per_minute=100)
+        verdict = await limiter.acquire(_key(), limits, 150)
+        assert not verdict.allowed and "lower max_tokens" in verdict.reason
+        assert verdict.retry_after_s is None
+        assert not {"retry-after", "retry-after-ms"} & verdict.headers(anthropic=False).keys()
+    finally:
+        await redis.aclose()
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("shared", [False, True])
+async def test_a_share_given_back_whole_returns_its_request_too(shared: bool):
+    """A refused batch of jobs spends none of its key's requests or tokens."""
+    redis = Redis.from_url(REDIS_URL)
+    try:
+        limiter = RedisRateLimiter(redis) if shared else MemoryRateLimiter()
+        key, limits = _key(), KeyLimits(requests_per_minute=2, tokens_per_minute=100)
+        for _ in range(2):
+            assert (await limiter.acquire(key, limits, 50)).allowed
+        refused = await limiter.acquire(key, limits, 50)
+        assert not refused.allowed and refused.retry_after_s > 0  # a wait does help here
+        await limiter.release(key, limits, 50, unused_requests=1)  # one never ran
+        again = await limiter.acquire(key, limits, 50)
+        assert again.allowed
+        assert again.remaining_requests == pytest.approx(0, abs=0.1)
+    finally:
+        await redis.aclose()
 
 
 def test_the_headers_of_each_family():

@@ -8,6 +8,7 @@ comparable with the same request made directly.
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import time
@@ -15,11 +16,12 @@ from collections.abc import Iterator
 from typing import Any
 
 import anthropic
+import httpx
 import openai
 import pytest
 from openai import OpenAI
 
-from tests.servers import running_server
+from tests.servers import cpu_seconds, running_server, server_pid
 
 pytestmark = pytest.mark.slow
 
@@ -30,16 +32,38 @@ WINDOW_S = 20  # a batch's completion window: what has not ended by then expires
 TOPICS = ["sea", "moon", "sun", "rain", "snow", "wind", "sand", "stars", "trees", "rivers", "hills"]
 
 
+# Keys with limits, each used by one test: a minute's tokens, a minute's requests.
+LIMITED = {
+    "sk-carol-batches": "tokens_per_minute = 400",
+    "sk-dave-batches": "requests_per_minute = 2",
+    "sk-erin-batches": "requests_per_minute = 3",
+    "sk-frank-batches": "",
+}
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    directory = tmp_path_factory.mktemp("batches")
+    keys = directory / "keys.toml"
+    keys.write_text(
+        "".join(
+            f'[keys.{key.split("-")[1]}]\nsha256 = "{hashlib.sha256(key.encode()).hexdigest()}"'
+            f"\n{limits}\n\n"
+            for key, limits in LIMITED.items()
+        )
+    )
     args = [
         "--max-model-len", "1024", "--max-num-seqs", "4", "--batch-concurrency", "4",
-        "--api-key", ALICE, "--api-key", BOB,
+        "--api-key", ALICE, "--api-key", BOB, "--api-keys", str(keys),
         "--max-file-bytes", str(MAX_FILE_BYTES), "--max-file-bytes-per-key", str(MAX_PER_KEY),
         "--batch-completion-window", str(WINDOW_S),
     ]  # fmt: skip
-    with running_server(args, tmp_path_factory.mktemp("batches")) as base_url:
+    with running_server(args, directory) as base_url:
         yield base_url
+
+
+def client_of(server: str, key: str) -> OpenAI:
+    return OpenAI(base_url=f"{server}/v1", api_key=key, max_retries=0, timeout=120)
 
 
 @pytest.fixture(scope="module")
@@ -243,6 +267,116 @@ def test_a_batch_belongs_to_the_key_that_created_it(alice: OpenAI, bob: OpenAI):
     settled(alice, batch.id)
 
 
+def test_a_line_larger_than_the_key_s_tokens_per_minute_fails_at_once(server: str):
+    """No wait lets it in: its line errs with the 429, the rest of the batch runs."""
+    carol = client_of(server, "sk-carol-batches")
+    lines = [
+        line("huge", "/v1/chat/completions", chat_body("sea", 600)),
+        line("small", "/v1/chat/completions", chat_body("moon", 4)),
+    ]
+    batch = carol.batches.create(
+        input_file_id=upload(carol, lines), endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    done = settled(carol, batch.id, timeout=60)
+    assert done.status == "completed"
+    assert (done.request_counts.completed, done.request_counts.failed) == (1, 1)
+    (error,) = jsonl(carol, done.error_file_id)
+    assert error["custom_id"] == "huge" and error["response"]["status_code"] == 429
+    assert "lower max_tokens" in json.dumps(error["response"]["body"])
+
+
+def test_a_line_waiting_for_its_key_s_requests_costs_the_server_nothing(server: str):
+    """A line the key's minute of requests holds back waits for the bucket, not in a loop."""
+    dave = client_of(server, "sk-dave-batches")
+    lines = [line(f"d{n}", "/v1/chat/completions", chat_body(TOPICS[n], 2)) for n in range(3)]
+    batch = dave.batches.create(
+        input_file_id=upload(dave, lines), endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    deadline = time.monotonic() + 60
+    while dave.batches.retrieve(batch.id).request_counts.completed < 2:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    pid = server_pid(server)
+    assert pid is not None
+    before, started = cpu_seconds(pid), time.monotonic()
+    time.sleep(3)  # the third line waits about 30 s for the bucket
+    busy = (cpu_seconds(pid) - before) / (time.monotonic() - started)
+    assert busy < 0.15, f"the server used {busy:.0%} of a core while the line waited"
+    assert dave.batches.retrieve(batch.id).request_counts.completed == 2
+    dave.batches.cancel(batch.id)
+    done = settled(dave, batch.id, timeout=30)
+    assert done.status == "cancelled" and len(jsonl(dave, done.output_file_id)) == 2
+
+
+def test_a_refused_batch_of_jobs_spends_none_of_the_key_s_requests(server: str):
+    job = {"endpoint": "/v1/chat/completions", "body": chat_body("sea", 2)}
+    headers = {"Authorization": "Bearer sk-erin-batches"}
+    with httpx.Client(base_url=server, headers=headers, timeout=60) as erin:
+        refused = erin.post("/v1/jobs/batch", json=[job] * 4)  # one past three a minute
+        assert refused.status_code == 429, refused.text
+        assert erin.get("/v1/jobs").json()["data"] == []  # nothing queued
+        accepted = erin.post("/v1/jobs/batch", json=[job] * 3)  # and nothing spent
+        assert accepted.status_code == 202, accepted.text
+
+
+def test_responses_lines_continue_the_responses_they_name(alice: OpenAI, bob: OpenAI):
+    first = alice.responses.create(**responses_body("sea"))
+    others = bob.responses.create(**responses_body("moon"))
+    follow_up = {**responses_body("sun"), "previous_response_id": first.id}
+    lines = [
+        line("continued", "/v1/responses", follow_up),
+        line("unknown", "/v1/responses", {**follow_up, "previous_response_id": "resp_" + "0" * 24}),
+        line("not-mine", "/v1/responses", {**follow_up, "previous_response_id": others.id}),
+    ]
+    batch = alice.batches.create(
+        input_file_id=upload(alice, lines), endpoint="/v1/responses", completion_window="24h"
+    )
+    done = settled(alice, batch.id)
+    (output,) = jsonl(alice, done.output_file_id)
+    direct = alice.responses.create(**follow_up)
+    assert output["custom_id"] == "continued"
+    body = output["response"]["body"]
+    assert answer(body) == answer(direct.model_dump())
+    assert body["usage"]["input_tokens"] == direct.usage.input_tokens  # the history is in it
+    errors = {e["custom_id"]: e["response"] for e in jsonl(alice, done.error_file_id)}
+    assert {name: e["status_code"] for name, e in errors.items()} == {
+        "unknown": 404,
+        "not-mine": 404,
+    }
+
+
+def test_a_batch_file_of_json_lines_with_raw_line_separators_in_strings_is_read(alice: OpenAI):
+    """JSON strings may hold U+2028, U+2029 and U+0085 raw: they do not end a line."""
+    topics = ["sea\u2028moon", "sun\u2029rain", "snow\u0085wind"]
+    lines = [line(f"s{n}", "/v1/chat/completions", chat_body(t, 2)) for n, t in enumerate(topics)]
+    content = "\ufeff" + "\r\n".join(json.dumps(x, ensure_ascii=False) for x in lines) + "\r\n"
+    batch = alice.batches.create(
+        input_file_id=upload(alice, content.encode()),
+        endpoint="/v1/chat/completions",
+        completion_window="24h",
+    )
+    assert batch.status == "in_progress", batch.errors
+    done = settled(alice, batch.id)
+    assert sorted(x["custom_id"] for x in jsonl(alice, done.output_file_id)) == ["s0", "s1", "s2"]
+
+
+def test_batch_outputs_are_not_charged_to_the_key_s_quota(server: str):
+    frank = client_of(server, "sk-frank-batches")
+    lines = [line(f"o{n}", "/v1/chat/completions", chat_body(TOPICS[n], 24)) for n in range(4)]
+    input_file = upload(frank, lines)
+    batch = frank.batches.create(
+        input_file_id=input_file, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    done = settled(frank, batch.id)
+    assert frank.files.retrieve(done.output_file_id).bytes > 1000
+    room = MAX_PER_KEY - frank.files.retrieve(input_file).bytes
+    for size in [MAX_FILE_BYTES] * (room // MAX_FILE_BYTES) + [room % MAX_FILE_BYTES]:
+        upload(frank, b"f" * size)  # up to the quota exactly, the output beside it
+    with pytest.raises(openai.APIStatusError) as caught:
+        upload(frank, b"f")
+    assert caught.value.status_code == 413
+
+
 # --- Anthropic's Message Batches -------------------------------------------------------------
 
 
@@ -261,7 +395,9 @@ def ended(client: anthropic.Anthropic, batch_id: str, timeout: float = 300):
     pytest.fail(f"message batch {batch_id} never ended")
 
 
-def test_message_batch_results_are_the_direct_answers(claude: anthropic.Anthropic):
+def test_message_batch_results_are_the_direct_answers(
+    claude: anthropic.Anthropic, alice: OpenAI
+):
     topics = TOPICS[:10]
     requests = [{"custom_id": f"m-{t}", "params": messages_params(t)} for t in topics]
     batch = claude.messages.batches.create(requests=requests)
@@ -279,9 +415,12 @@ def test_message_batch_results_are_the_direct_answers(claude: anthropic.Anthropi
         assert result.message.content[0].text == direct.content[0].text
         assert result.message.stop_reason == direct.stop_reason
     assert batch.id in [b.id for b in claude.messages.batches.list()]
+    results_file = f"{batch.id}_results.jsonl"
+    assert results_file in [f.filename for f in alice.files.list(purpose="batch_output")]
     claude.messages.batches.delete(batch.id)
     with pytest.raises(anthropic.NotFoundError):
         claude.messages.batches.retrieve(batch.id)
+    assert results_file not in [f.filename for f in alice.files.list(purpose="batch_output")]
 
 
 def test_a_cancelled_message_batch_ends_with_its_requests_canceled(claude: anthropic.Anthropic):

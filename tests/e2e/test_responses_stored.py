@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 
+import httpx
 import openai
 import pytest
 from openai import OpenAI
@@ -125,6 +126,43 @@ def test_cancelling_a_background_response_stops_its_generation(openai_client: Op
     events = list(openai_client.responses.retrieve(running.id, stream=True))
     deltas = [event for event in events if event.type == "response.output_text.delta"]
     assert len(deltas) < LONG // 2  # it stopped, far short of its budget
+
+
+def test_a_responses_job_with_store_false_is_not_a_stored_response(
+    openai_client: OpenAI, http: httpx.Client
+):
+    body = {"model": MODEL, "input": SEA, "max_output_tokens": 4, "store": False}
+    job = http.post("/v1/jobs", json={"endpoint": "/v1/responses", "body": body}).json()
+    deadline = time.monotonic() + 60
+    while (job := http.get(f"/v1/jobs/{job['id']}").json())["status"] in ("queued", "running"):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert job["status"] == "completed"  # the job itself keeps its result
+    response_id = job["result"]["id"]
+    with pytest.raises(openai.NotFoundError):
+        openai_client.responses.retrieve(response_id)
+    with pytest.raises(openai.NotFoundError):
+        _create(openai_client, previous_response_id=response_id)
+
+
+@pytest.mark.parametrize("cursor", ["-2", "-1", "x", "1e3", "1.5", str(2**64)])
+def test_a_stream_cursor_outside_the_stream_is_refused_and_the_server_keeps_answering(
+    openai_client: OpenAI, http: httpx.Client, cursor: str
+):
+    """A cursor before the first event once froze the server (a read loop that never suspended)."""
+    count = "Count to 1000."
+    queued = _create(openai_client, background=True, max_output_tokens=LONG, input=count)
+    openai_client.responses.cancel(queued.id)  # cancelled while queued or just started
+    answer = http.get(
+        f"/v1/responses/{queued.id}",
+        params={"stream": "true", "starting_after": cursor},
+        timeout=10,
+    )
+    assert answer.status_code == 400
+    assert answer.json()["error"]["param"] == "starting_after"
+    assert http.get("/health", timeout=2).status_code == 200
+    replay = http.get(f"/v1/responses/{queued.id}", params={"stream": "true"}, timeout=10)
+    assert replay.status_code == 200  # the whole (short) stream, then its end
 
 
 @pytest.mark.parametrize(

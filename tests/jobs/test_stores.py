@@ -86,6 +86,47 @@ async def test_a_chunk_is_written_once_and_nothing_after_the_end(store: JobStore
     assert (await store.get(record.id)).status is JobStatus.CANCELLED
 
 
+async def test_a_read_starts_at_a_chunk_that_can_exist(store: JobStore) -> None:
+    """A negative start would walk back from the end: refused before anything is read."""
+    record = make_record()
+    await store.create(record, "holder")
+    await store.append(record.id, 1, [chunk(1), chunk(2)])
+    await store.finish(record.id, JobOutcome(JobStatus.COMPLETED))
+    with pytest.raises(ValueError, match="chunk 0 or later"):
+        await read_all(store, record.id, after=-2)
+    assert await read_all(store, record.id, after=5) == []  # past the end: nothing, at once
+
+
+async def test_a_job_that_ended_with_no_chunk_reads_as_empty_at_once(store: JobStore) -> None:
+    record = make_record()
+    await store.create(record, "holder")
+    await store.finish(record.id, JobOutcome(JobStatus.CANCELLED))
+    assert await read_all(store, record.id) == []
+    assert await read_all(store, record.id, after=3) == []
+
+
+async def test_a_long_stored_stream_lets_the_event_loop_run_while_it_is_read(
+    store: JobStore,
+) -> None:
+    record = make_record()
+    await store.create(record, "holder")
+    await store.append(record.id, 1, [chunk(n) for n in range(1, 2001)])
+    await store.finish(record.id, JobOutcome(JobStatus.COMPLETED))
+    ticks = 0
+
+    async def ticker() -> None:
+        nonlocal ticks
+        while True:
+            ticks += 1
+            await anyio.sleep(0)
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(ticker)
+        assert len(await read_all(store, record.id)) == 2000
+        group.cancel_scope.cancel()
+    assert ticks >= 2000 // 256  # at least once per batch of chunks
+
+
 async def test_status_moves_forward_only(store: JobStore) -> None:
     record = make_record()
     await store.create(record, "holder")
