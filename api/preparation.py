@@ -1,10 +1,16 @@
 """From a request body to a ``PreparedRequest``: the CPU work before generation.
 
 ``prepare`` reads in the order the work happens: parse, resolve the model,
-render, encode, resolve max_tokens, build sampling and parsing options. Each
-step raises an ``ApiError`` whose status says whose fault it is: 400/404 for
-what the client sent, 500 for a model we configured badly. It is plain
-blocking code; the route runs it in a bounded threadpool.
+render, encode, resolve images, resolve max_tokens, build sampling and
+parsing options. Each step raises an ``ApiError`` whose status says whose
+fault it is: 400/404 for what the client sent, 500 for a model we configured
+badly, 503 for a server too busy right now. It is plain blocking code; the
+route runs it in a bounded threadpool.
+
+Images are paid for before they cost anything: their headers give their
+sizes, the sizes give their tokens, and the tokens are reserved from the
+server's image budget before a pixel is decoded. The reservation stays with
+the prepared request until it ends, and is given back if preparation fails.
 """
 
 from __future__ import annotations
@@ -14,7 +20,7 @@ import hashlib
 import re
 import secrets
 import time
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,7 +28,14 @@ from tokenizers import Tokenizer
 
 from api.backends.base import ServedModel
 from api.errors import ApiError, bad_request
-from api.images.resolution import ImageOptions, check_image_count, resolve_images
+from api.images.budget import ImageTokenBudget, ImageTokens, released_on_error
+from api.images.resolution import (
+    ImageOptions,
+    OpenedImage,
+    check_image_count,
+    decode_images,
+    open_images,
+)
 from api.output_parser import HERMES_TOOL_CALL, THINK, Delimiters, ParserConfig
 from api.protocols.base import GenerationRequest, Protocol, RawPrompt, ResponseContext
 from shared.constraints import (
@@ -44,7 +57,8 @@ from shared.conversation import (
     has_images,
     images_as_text,
 )
-from shared.images.layout import expand_images
+from shared.events import InferenceEvent
+from shared.images.layout import expand_images, image_tokens_at_most
 from shared.prompting import PromptFormatError, RenderedPrompt, render
 from shared.registry import UNSUPPORTED_IMAGE, ModelRegistry, ModelSpec
 from shared.sampling import SamplingParams, StructuredOutputs
@@ -65,11 +79,13 @@ _FIELD = re.compile(r"([A-Za-z_][\w.\[\]]*) ")
 
 @dataclass(slots=True)
 class PreparationContext:
-    """What preparation looks up: accepted names, the loaded models, how images resolve."""
+    """What preparation looks up: accepted names, the loaded models, how images resolve, and
+    the image tokens a generation reserves (None: none are reserved)."""
 
     registry: ModelRegistry
     models: Mapping[str, ServedModel]  # by registry name (``spec.name``)
     images: ImageOptions = field(default_factory=ImageOptions)
+    image_tokens: ImageTokenBudget | None = None
 
 
 @dataclass(slots=True)
@@ -81,6 +97,7 @@ class Encoded:
     rendered: RenderedPrompt
     token_ids: list[int]
     images: list[WireImage] = field(default_factory=list)
+    image_tokens: ImageTokens | None = None  # the images' reserved tokens, if reserved
 
 
 @dataclass(slots=True)
@@ -92,10 +109,23 @@ class Prepared:
     context: ResponseContext
     wire: PreparedRequest
     model: ServedModel
+    image_tokens: ImageTokens | None = None  # held until the request ends
 
     @property
     def parser_config(self) -> ParserConfig:
         return parser_config(self.wire.parsing)
+
+    def release(self) -> None:
+        """Give back what preparation reserved, for a request that will not run.
+
+        One dropped unreleased gives it back when it is collected.
+        """
+        if self.image_tokens is not None:
+            self.image_tokens.release()
+
+    def holding(self, events: AsyncIterator[InferenceEvent]) -> AsyncIterator[InferenceEvent]:
+        """``events``, with what preparation reserved held until they end."""
+        return events if self.image_tokens is None else self.image_tokens.held_during(events)
 
 
 def new_request_id(protocol: Protocol) -> str:
@@ -111,10 +141,21 @@ def prepare(
 ) -> Prepared:
     """Parse, render, encode and resolve one request; raises ``ApiError``.
 
-    ``request_id`` is the id the route already chose (its job's id, say), if any.
+    ``request_id`` is the id the route already chose (its job's id, say), if any. The
+    images' tokens are reserved from ``ctx.image_tokens`` before they are decoded, and the
+    reservation travels in the result (``Prepared.image_tokens``) or is given back.
     """
     request = protocol.parse(body)  # 400 naming the field
-    encoded = encode_request(request, ctx)  # 404 unknown model, 400 bad conversation
+    # 404 unknown model, 400 bad conversation, 503 while the image token budget is in use
+    encoded = encode_request(request, ctx, reserve_from=ctx.image_tokens)
+    with released_on_error(encoded.image_tokens):
+        return _prepared(protocol, request, encoded, request_id)
+
+
+def _prepared(
+    protocol: Protocol, request: GenerationRequest, encoded: Encoded, request_id: str | None
+) -> Prepared:
+    """The rest, once the request is encoded: max_tokens, sampling, constraint, the wire."""
     model, prompt_ids = encoded.model, encoded.token_ids
     _require_reasoning_support(request, model.spec)
     thinking = thinking_mode(request.conversation, model.spec)
@@ -146,7 +187,7 @@ def prepare(
         priority=request.priority or 0,
         created=time.time(),
     )
-    return Prepared(protocol, request, context, wire, model)
+    return Prepared(protocol, request, context, wire, model, encoded.image_tokens)
 
 
 def check_request_limits(conversation: Conversation, images: ImageOptions) -> None:
@@ -175,8 +216,16 @@ def check_request_limits(conversation: Conversation, images: ImageOptions) -> No
             )
 
 
-def encode_request(request: GenerationRequest, ctx: PreparationContext) -> Encoded:
-    """Resolve the model, render the conversation in its format and encode it safely."""
+def encode_request(
+    request: GenerationRequest,
+    ctx: PreparationContext,
+    reserve_from: ImageTokenBudget | None = None,
+) -> Encoded:
+    """Resolve the model, render the conversation in its format and encode it safely.
+
+    A generation reserves its images' tokens from ``reserve_from`` before they
+    are decoded (``Encoded.image_tokens``); counting tokens reserves none.
+    """
     check_request_limits(request.conversation, ctx.images)  # 400 naming the limit
     model = resolve_model(request.model, ctx)
     if request.prompt is not None:
@@ -185,15 +234,48 @@ def encode_request(request: GenerationRequest, ctx: PreparationContext) -> Encod
     rendered = render_conversation(conversation, model)
     _refuse_if_surely_too_long(rendered, model)
     ids = _encode(rendered, model)
-    if not rendered.image_sources:
-        return Encoded(request, model, rendered, ids)
-    resolved = resolve_images(rendered.image_sources, ctx.images)  # 400 the image, 5xx fetching
-    assert model.image_processing is not None  # _seen_images kept them: a vision model
-    try:
-        expanded, images = expand_images(ids, resolved, model.image_processing, model.tokenizer)
-    except ValueError as exc:  # the model's template or tokenizer, not the client
-        raise ApiError(500, f"model {model.spec.name!r}: {exc}", "api_error") from None
-    return Encoded(request, model, rendered, expanded, images)
+    encoded = Encoded(request, model, rendered, ids)
+    return _with_images(encoded, ctx, reserve_from) if rendered.image_sources else encoded
+
+
+def _with_images(
+    encoded: Encoded, ctx: PreparationContext, reserve_from: ImageTokenBudget | None
+) -> Encoded:
+    """``encoded`` with its images resolved and each image token expanded into its layout.
+
+    The tokens the images take are counted from their headers and reserved
+    before any is decoded.
+    """
+    model, processing = encoded.model, encoded.model.image_processing
+    assert processing is not None  # _seen_images kept them: a vision model
+    opened = open_images(encoded.rendered.image_sources, ctx.images)  # 400 the image, 5xx fetch
+    reserved = _reserve(opened, model, reserve_from)  # 400 never fits, 503 in use
+    with released_on_error(reserved):
+        resolved = decode_images(opened, ctx.images)  # 400 undecodable, 503 decoding is full
+        try:
+            encoded.token_ids, encoded.images = expand_images(
+                encoded.token_ids, resolved, processing, model.tokenizer
+            )
+        except ValueError as exc:  # the model's template or tokenizer, not the client
+            raise ApiError(500, f"model {model.spec.name!r}: {exc}", "api_error") from None
+        if reserved is not None:  # decoded: each image's orientation, so its span, is known
+            reserved.shrink_to(sum(image.end - image.start for image in encoded.images))
+    encoded.image_tokens = reserved
+    return encoded
+
+
+def _reserve(
+    opened: list[OpenedImage], model: ServedModel, budget: ImageTokenBudget | None
+) -> ImageTokens | None:
+    """The most tokens the images may take in the prompt, as their headers say, reserved
+    from ``budget``; None without a budget."""
+    if budget is None:
+        return None
+    processing, tokenizer = model.image_processing, model.tokenizer
+    assert processing is not None
+    return budget.reserve(
+        sum(image_tokens_at_most(image.size, processing, tokenizer) for image in opened)
+    )
 
 
 def encode_raw(request: GenerationRequest, prompt: RawPrompt, model: ServedModel) -> Encoded:

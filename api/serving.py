@@ -12,7 +12,7 @@ from fastapi import FastAPI, Request
 from api.auth import ApiKey
 from api.backends.base import Backend, Place, ServedModel
 from api.errors import ApiError
-from api.images.budget import ImageTokenBudget
+from api.images.budget import DecodingBudget, ImageTokenBudget
 from api.metrics import ServingMetrics
 from api.output_parser import OutputParser
 from api.preparation import PreparationContext, Prepared, prepare
@@ -50,8 +50,11 @@ class Serving:
         collector = backend.metrics_collector()
         if collector is not None:
             self.metrics.registry.register(collector)
-        self.images = settings.images
+        # The process's image budgets: tokens of the requests running, bytes being decoded
+        # (waited for no longer than a preparation may take).
         self.image_tokens = ImageTokenBudget(settings.image_token_budget)
+        decoding = DecodingBudget(settings.images.decoding.limit, settings.prepare_timeout_s)
+        self.images = replace(settings.images, decoding=decoding)
         self._context: PreparationContext | None = None
         self._served: list[ServedModel] = []
 
@@ -78,7 +81,7 @@ class Serving:
         if self._context is None or served != self._served:  # a queue's context length can move
             models = {model.spec.name: model for model in served}
             self._context, self._served = (
-                PreparationContext(self.registry, models, self.images),
+                PreparationContext(self.registry, models, self.images, self.image_tokens),
                 served,
             )
         return self._context
@@ -109,11 +112,14 @@ class Serving:
         """The prepared request, under ``key``'s models and priority when there is one.
 
         A key's priority is its requests' default and the most urgent (lowest) they may ask for.
+        The request holds its images' tokens until ``run``'s events end; a caller that does
+        not run it gives them back with ``Prepared.release``.
         """
         prepared = await self.off_loop(prepare, protocol, body, self.context(), request_id)
         if key is not None:
             model = prepared.model.spec.name
             if not key.allows(model):
+                prepared.release()
                 raise ApiError(
                     404,
                     f"The model '{prepared.request.model}' does not exist or you do not have "
@@ -153,7 +159,11 @@ class Serving:
             self.rate_limiter, share, prepared.protocol.anthropic_rate_limit_headers
         )
         if not (holds_place and self.backend.takes_shares):
-            ticket.take(await self.rate_limiter.acquire(share.key, share.limits, share.tokens))
+            try:
+                ticket.take(await self.rate_limiter.acquire(share.key, share.limits, share.tokens))
+            except ApiError:  # refused: the request will not run, nor hold its images' tokens
+                prepared.release()
+                raise
         return ticket
 
     def run(
@@ -176,7 +186,6 @@ class Serving:
         backend = self.backend
         # Only a backend that takes shares sees the ticket; for others it is taken already.
         generation = backend.infer(wire, ticket) if backend.takes_shares else backend.infer(wire)
-        if wire.images:
-            generation = self.image_tokens.hold(wire, generation)
+        generation = prepared.holding(generation)  # images' tokens, held to the end
         events = self.metrics.track(prepared.protocol.name, generation, arrived)
         return processor, events

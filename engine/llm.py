@@ -17,7 +17,7 @@ from PIL import Image
 from engine.config import EngineArgs
 from engine.llm_engine import LLMEngine
 from shared.events import Finish, FinishReason, Ready, Text, TokenLogprob
-from shared.images.decoding import MAX_DECODED_PIXELS, DecodedImage, decode_image
+from shared.images.decoding import MAX_DECODED_PIXELS, DecodedImage, open_image
 from shared.images.layout import expand_images
 from shared.sampling import SamplingParams
 from shared.tokenization import encode_text
@@ -108,13 +108,14 @@ class LLM:
 
 
 def _decoded(picture: Picture) -> DecodedImage:
-    """A picture as the server would have it: encoded bytes, upright RGB pixels, digest."""
+    """A picture as the server would have it: encoded bytes, upright size, pixel digest."""
     if isinstance(picture, bytes):
-        return DecodedImage.of(decode_image(picture, MAX_DECODED_PIXELS), picture)
-    buffer = io.BytesIO()
-    picture.save(buffer, "PNG")
-    data = buffer.getvalue()
-    return DecodedImage.of(decode_image(data, MAX_DECODED_PIXELS), data)
+        data = picture
+    else:
+        buffer = io.BytesIO()
+        picture.save(buffer, "PNG")
+        data = buffer.getvalue()
+    return DecodedImage.of(open_image(data, MAX_DECODED_PIXELS), data)
 
 
 def _apply(output: RequestOutput, event: object) -> None:

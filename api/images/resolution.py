@@ -1,9 +1,13 @@
 """The resolution stage: a rendered prompt's image sources to decoded pictures, under a quota.
 
 It runs only for a prompt that has image sources, in the preparation pool,
-after rendering: base64 and data URLs are decoded, http(s) URLs fetched
-through the destination policy, and every picture decoded and counted
-against the request's quota (images, bytes, pixels).
+after rendering, in two steps. ``open_images``: base64 and data URLs are
+decoded, http(s) URLs fetched through the destination policy, and every
+image's header read and counted against the request's quota (images, bytes,
+pixels); no pixel is decoded yet, so preparation can reserve what the images
+will cost from their sizes alone. ``decode_images``: each image decoded in
+turn, within the process's decoding budget, to its upright size and pixel
+digest; its pixels are not kept.
 
 Whose fault a failure is decides its status, as in the reference servers: an
 image that is itself unusable (not decodable, not an image, too large, too
@@ -21,10 +25,19 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from PIL import Image
+
 from api.errors import ApiError, bad_request
+from api.images.budget import DecodingBudget
 from api.images.destinations import DestinationPolicy
 from shared.conversation import ImageSource
-from shared.images.decoding import DecodedImage, InvalidImage, TooManyPixels, decode_image
+from shared.images.decoding import (
+    DecodedImage,
+    InvalidImage,
+    TooManyPixels,
+    decoding_bytes,
+    open_image,
+)
 
 if TYPE_CHECKING:
     from api.images.fetching import ImageFetchError
@@ -51,31 +64,78 @@ class ImageOptions:
     policy: DestinationPolicy = field(default_factory=DestinationPolicy)
     quota: ImageQuota = field(default_factory=ImageQuota)
     fetch_timeout_s: float = DEFAULT_FETCH_TIMEOUT_S  # --image-fetch-timeout: all fetches
+    # The process's decoded bytes in flight, shared by every request these options resolve.
+    decoding: DecodingBudget = field(default_factory=DecodingBudget, compare=False)
+
+
+@dataclass(frozen=True, slots=True)
+class OpenedImage:
+    """One of a request's images: its bytes, and its header read; no pixel decoded yet."""
+
+    index: int  # its position in the prompt, which every error names
+    data: bytes
+    image: Image.Image  # opened, not loaded
+
+    @property
+    def size(self) -> tuple[int, int]:
+        """(width, height) as stored: upright, or turned by the EXIF orientation decoding reads."""
+        return self.image.size
 
 
 def resolve_images(sources: list[ImageSource], options: ImageOptions) -> list[DecodedImage]:
     """Every source decoded, in prompt order; an ``ApiError`` naming the first that fails."""
+    return decode_images(open_images(sources, options), options)
+
+
+def open_images(sources: list[ImageSource], options: ImageOptions) -> list[OpenedImage]:
+    """Every source's bytes, in prompt order, opened and counted against the quota from their
+    headers; an ``ApiError`` naming the first that fails."""
     quota = options.quota
     check_image_count(len(sources), quota)
     deadline = time.monotonic() + options.fetch_timeout_s
-    resolved: list[DecodedImage] = []
+    opened: list[OpenedImage] = []
     used_bytes = used_pixels = 0
     for index, source in enumerate(sources):
         data = _bytes_of(index, source, options, quota.bytes - used_bytes, deadline)
         used_bytes += len(data)
         if used_bytes > quota.bytes:
             raise _over_bytes(index, quota)
-        try:
-            image = decode_image(data, quota.pixels - used_pixels)
-        except TooManyPixels as exc:
-            raise bad_request(
-                f"image {index} {exc} (--max-image-pixels)", "messages", "limit_exceeded"
-            ) from None
-        except InvalidImage as exc:
-            raise _invalid(index, str(exc)) from None
+        image = _open(index, data, quota.pixels - used_pixels)
         used_pixels += image.width * image.height
-        resolved.append(DecodedImage.of(image, data))
-    return resolved
+        opened.append(OpenedImage(index, data, image))
+    return opened
+
+
+def decode_images(opened: list[OpenedImage], options: ImageOptions) -> list[DecodedImage]:
+    """Each image decoded in turn to its upright size and pixel digest, its pixels freed after.
+
+    An image waits for room in the decoding budget, up to the budget's wait
+    for the whole request; then it is a 503.
+    """
+    budget = options.decoding
+    deadline = time.monotonic() + budget.wait_s
+    return [_decode(image, budget, deadline) for image in opened]
+
+
+def _open(index: int, data: bytes, max_pixels: int) -> Image.Image:
+    try:
+        return open_image(data, max_pixels)
+    except TooManyPixels as exc:
+        raise bad_request(
+            f"image {index} {exc} (--max-image-pixels)", "messages", "limit_exceeded"
+        ) from None
+    except InvalidImage as exc:
+        raise _invalid(index, str(exc)) from None
+
+
+def _decode(opened: OpenedImage, budget: DecodingBudget, deadline: float) -> DecodedImage:
+    try:
+        with budget.holding(decoding_bytes(opened.image), deadline):
+            return DecodedImage.of(opened.image, opened.data)
+    except InvalidImage as exc:
+        raise _invalid(opened.index, str(exc)) from None
+    finally:
+        opened.image.close()  # the decoded pixels are freed now, not when the request ends
 
 
 def check_image_count(count: int, quota: ImageQuota) -> None:

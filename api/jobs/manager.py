@@ -136,17 +136,22 @@ class JobManager:
         queues nothing), then start them all. The jobs belong to ``key`` (else ``owner``).
         """
         owner = key.name if key is not None else owner
-        prepared = []
+        prepared: list[tuple[str, Prepared]] = []
         for index, job in enumerate(jobs):
             job_hex = job.job_hex or new_job_hex()
             try:
                 job.body = await self._resolve(job, owner)
                 ready = await self._prepare(job.protocol, job.body, job_hex, key=key)
             except ApiError as exc:
+                _release_prepared(prepared)
                 raise SubmitError(job.protocol, exc, index) from exc
             ready.wire.priority = max(ready.wire.priority, job.priority)
             prepared.append((job_hex, ready))
-        tickets = await self._limit(jobs, [ready for _, ready in prepared], key)
+        try:
+            tickets = await self._limit(jobs, [ready for _, ready in prepared], key)
+        except SubmitError:
+            _release_prepared(prepared)
+            raise
         records = []
         for index, (job, (job_hex, ready)) in enumerate(zip(jobs, prepared, strict=True)):
             record = self._new_record(job, job_hex, ready, owner)
@@ -154,6 +159,7 @@ class JobManager:
                 events = await self._generate(record, ready)
             except ApiError as exc:  # the queue refused it: nothing runs, nothing is kept
                 await _release_unused(tickets[index:])
+                _release_prepared(prepared[index:])
                 raise SubmitError(job.protocol, exc, index) from exc
             await self.store.create(record, self.holder)
             self._launch(self._runner(record, ready, events), tickets[index])
@@ -270,14 +276,14 @@ class JobManager:
         """Start the generation: on the workers (a 503 if it cannot be queued), or here."""
         arrived, name = time.monotonic(), prepared.protocol.name
         if self._channel is None:
-            return self.serving.metrics.track(
-                name, self.serving.backend.infer(prepared.wire), arrived
-            )
+            events = prepared.holding(self.serving.backend.infer(prepared.wire))
+            return self.serving.metrics.track(name, events, arrived)
         job = QueuedRequest(prepared.wire, self._channel.limits.job_deadlines(record.created_at))
         job, queued = await self._channel.submit(job)
         if isinstance(queued, Error):
             raise error_for(queued)
-        return self.serving.metrics.track(name, self._channel.follow(job, queued), arrived)
+        events = prepared.holding(self._channel.follow(job, queued))
+        return self.serving.metrics.track(name, events, arrived)
 
     def _new_record(
         self, job: JobRequest, job_hex: str, prepared: Prepared, owner: str | None
@@ -371,7 +377,7 @@ class JobManager:
             return
         kept = await self._stored_chunks(record.id)
         deadlines = self._channel.limits.adoption_deadlines(record.created_at)
-        events = self._channel.follow(QueuedRequest(prepared.wire, deadlines))
+        events = prepared.holding(self._channel.follow(QueuedRequest(prepared.wire, deadlines)))
         log.info("adopting job %s (%d chunks already stored)", record.id, len(kept))
         self._launch(self._runner(record, prepared, events, kept))
 
@@ -426,6 +432,12 @@ async def _release_unused(tickets: list[RateLimitTicket | None]) -> None:
     for ticket in tickets:
         if ticket is not None:
             await ticket.give_back()
+
+
+def _release_prepared(prepared: list[tuple[str, Prepared]]) -> None:
+    """Give back what the preparation of jobs that will not run reserved (images' tokens)."""
+    for _, ready in prepared:
+        ready.release()
 
 
 def _duration(seconds: float) -> str:

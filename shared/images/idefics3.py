@@ -71,6 +71,21 @@ class Idefics3Processing:
             return 0, 0
         return self._split(*self._tiled_size(*self._resized_size(height, width)))
 
+    def shrink(self, image: Image.Image) -> Image.Image:
+        """The smallest picture whose tiles are ``image``'s: ``image`` resized as ``preprocess``
+        resizes it first, when that makes it smaller and ``preprocess`` would resize the result
+        no further; else ``image`` itself.
+
+        A picture waiting for the encoder is kept so: whatever a photo's size,
+        its tiles are cut from it resized to ``longest_edge``.
+        """
+        height, width = self._resized_size(image.height, image.width)
+        if width * height >= image.width * image.height:
+            return image
+        if self._resized_size(height, width) != (height, width):  # resizing twice would differ
+            return image
+        return self._resize(image, height, width)
+
     def preprocess(self, image: Image.Image) -> ProcessedImage:
         """An RGB picture's tiles, as the encoder reads them."""
         height, width = self._resized_size(image.height, image.width)

@@ -4,7 +4,9 @@ The chat template (or an offline prompt) writes one image token per image, a
 control token no user text can produce. Each becomes the model's layout for
 that image (Idefics3: a row of tiles after another, then the whole picture,
 each a run of image tokens between markers), so the prompt's length counts
-what the model reads, and each image travels with the span it fills.
+what the model reads, and each image travels with the span it fills. The
+layout follows from the picture's size alone, so its length is known from the
+image's header, before a pixel is decoded.
 """
 
 from __future__ import annotations
@@ -38,10 +40,28 @@ def expand_images(
     for position, image in zip(at, images, strict=True):
         expanded += ids[previous:position]
         start = len(expanded)
-        text = prompt_string(*processing.grid(*image.image.size), processing.image_seq_len)
-        expanded += tokenizer.tokenizer.encode(text, add_special_tokens=False).ids
+        expanded += image_ids(image.size, processing, tokenizer)
         data = base64.b64encode(image.data).decode("ascii")
         wire.append(WireImage(data, image.digest.hex(), start, len(expanded)))
         previous = position + 1
     expanded += ids[previous:]
     return expanded, wire
+
+
+def image_ids(
+    size: tuple[int, int], processing: Idefics3Processing, tokenizer: LoadedTokenizer
+) -> list[int]:
+    """The ids a picture of ``size`` (width, height) becomes in the prompt: its layout's markup."""
+    text = prompt_string(*processing.grid(*size), processing.image_seq_len)
+    return tokenizer.tokenizer.encode(text, add_special_tokens=False).ids
+
+
+def image_tokens_at_most(
+    size: tuple[int, int], processing: Idefics3Processing, tokenizer: LoadedTokenizer
+) -> int:
+    """The most tokens a picture stored at ``size`` takes in the prompt, whichever way up its
+    EXIF orientation turns out to be: a count from the header alone, before decoding reads
+    the orientation (a PNG may carry it after its pixels)."""
+    width, height = size
+    turned = {(width, height), (height, width)}
+    return max(len(image_ids(each, processing, tokenizer)) for each in turned)

@@ -27,8 +27,9 @@ from bench.vision_model import make_idefics3
 from engine import LLM
 from engine.config import EngineArgs
 from engine.llm_engine import LLMEngine
+from engine.vision import sequence_vision
 from shared.events import Ready, Text
-from shared.images.idefics3 import prompt_string
+from shared.images.idefics3 import Idefics3Processing, prompt_string
 from shared.images.loading import load_image_processing
 from shared.sampling import SamplingParams
 from shared.wire import WireImage
@@ -229,3 +230,47 @@ def test_the_offline_llm_takes_pictures_for_its_image_tokens(vlm: Path) -> None:
     assert by_picture.cached_tokens == 0 and by_bytes.cached_tokens > 0  # the same pixels
     with pytest.raises(ValueError, match="1 <image> tokens for 2 images"):
         llm.generate([prompt], GREEDY, images=[[pictured, pictured]])
+
+
+SMOLVLM = Idefics3Processing.from_hf(  # SmolVLM-256M's: 512-pixel tiles, 2048 before tiling
+    {"max_image_size": {"longest_edge": 512}, "size": {"longest_edge": 2048}}, 64
+)
+
+
+@pytest.mark.parametrize(
+    "size", [(3000, 2100), (2100, 3000), (4000, 100), (2049, 2048), (2100, 1), (900, 600)]
+)
+def test_a_kept_picture_gives_the_tiles_of_the_whole_one(size: tuple[int, int]) -> None:
+    """A picture waits for the encoder as preprocessing first resizes it: the same tiles."""
+    whole = picture(*size, seed=8)
+    kept = SMOLVLM.shrink(whole)
+    assert kept.width * kept.height <= whole.width * whole.height
+    if max(size) > SMOLVLM.longest_edge and min(size) > 1:
+        assert max(kept.size) == SMOLVLM.longest_edge  # resized once, as preprocessing would
+    expected, got = SMOLVLM.preprocess(whole), SMOLVLM.preprocess(kept)
+    assert (got.rows, got.cols) == (expected.rows, expected.cols)
+    assert np.array_equal(got.pixel_values, expected.pixel_values)
+
+
+def test_a_picture_smaller_than_its_first_resize_is_kept_as_it_is() -> None:
+    small = picture(300, 200, seed=9)
+    assert SMOLVLM.shrink(small) is small  # upscaled only when its tiles are cut
+    thin = picture(2100, 1, seed=9)  # resized, it would be resized again: kept whole
+    assert SMOLVLM.shrink(thin) is thin
+
+
+def test_the_engine_keeps_each_picture_shrunk_and_encodes_the_same_tiles(vlm: Path) -> None:
+    engine = make_engine(vlm)
+    processing = engine.image_processing
+    assert processing is not None
+    whole = picture(1000, 600, seed=10)
+    prompt = build_prompt(engine, ["See", whole])
+    image_id = engine.model_config.image_token_id
+    assert image_id is not None
+    vision = sequence_vision(
+        prompt.images, prompt.ids, processing, image_id, processing.image_seq_len
+    )
+    (kept,) = vision.pictures
+    assert max(kept.size) == processing.longest_edge < max(whole.size)
+    expected = processing.preprocess(whole).pixel_values
+    assert np.array_equal(vision.tiles().numpy(), expected)
