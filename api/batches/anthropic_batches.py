@@ -178,8 +178,7 @@ def results_finalizer(files: Files):  # noqa: ANN201
     """Writes a finished batch's results as a file; returns its id for the record."""
 
     async def finalize(record: dict[str, Any], outcomes: list[Outcome]) -> dict[str, Any]:
-        lines = [{"custom_id": o.custom_id, "result": _result(o)} for o in outcomes]
-        content = await asyncio.to_thread(jsonl, lines)
+        content = await asyncio.to_thread(_results, outcomes)
         saved = await files.create(
             content, f"{record['id']}_results.jsonl", "batch_output", record.get("owner"),
             charged=False,
@@ -187,6 +186,11 @@ def results_finalizer(files: Files):  # noqa: ANN201
         return {"results_file_id": saved["id"]}
 
     return finalize
+
+
+def _results(outcomes: list[Outcome]) -> bytes:
+    """The results file: one line per request, in order."""
+    return jsonl([{"custom_id": o.custom_id, "result": _result(o)} for o in outcomes])
 
 
 def _result(outcome: Outcome) -> dict[str, Any]:

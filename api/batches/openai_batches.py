@@ -46,6 +46,7 @@ CREATE_FIELDS = (
     "output_expires_after",
 )
 MAX_LINE_ERRORS = 20
+_FAILED = ("errored", "expired")  # the outcomes the error file holds
 _TIMES = (
     "in_progress_at",
     "finalizing_at",
@@ -215,12 +216,11 @@ def output_finalizer(files: Files):  # noqa: ANN201
     """Writes a finished batch's output and error files; returns their ids for its record."""
 
     async def finalize(record: dict[str, Any], outcomes: list[Outcome]) -> dict[str, Any]:
-        output = [_output_line(o) for o in outcomes if o.kind == "succeeded"]
-        errors = [_output_line(o) for o in outcomes if o.kind in ("errored", "expired")]
         ids: dict[str, Any] = {}
-        for name, lines in (("output_file_id", output), ("error_file_id", errors)):
-            if lines:
-                content = await asyncio.to_thread(jsonl, lines)
+        for name, kinds in (("output_file_id", ("succeeded",)), ("error_file_id", _FAILED)):
+            chosen = [outcome for outcome in outcomes if outcome.kind in kinds]
+            if chosen:
+                content = await asyncio.to_thread(_output, chosen)
                 filename = f"{record['id']}_{name.removesuffix('_file_id')}.jsonl"
                 saved = await files.create(
                     content,
@@ -239,6 +239,11 @@ def output_finalizer(files: Files):  # noqa: ANN201
 def jsonl(items: list[dict[str, Any]]) -> bytes:
     """JSON lines, one dump each (a thread writing many lets the event loop run between)."""
     return "".join(json.dumps(item) + "\n" for item in items).encode()
+
+
+def _output(outcomes: list[Outcome]) -> bytes:
+    """An output or error file: one line per request, in order."""
+    return jsonl([_output_line(outcome) for outcome in outcomes])
 
 
 def _output_line(outcome: Outcome) -> dict[str, Any]:

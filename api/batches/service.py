@@ -30,8 +30,9 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from fastapi import FastAPI
 
@@ -45,11 +46,14 @@ if TYPE_CHECKING:
     from api.auth import KeyRing
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 KIND = "batch"
 CANCEL_KIND = "batch_cancel"
 BATCH_PRIORITY = 6  # kombu's third priority step: interactive requests (0) go first
 POLL_S = 0.25
+LINES_PER_PASS = 256  # outcomes gathered between two passes of the event loop
+STORE_RETRY_S = 1.0  # the pause before a step the store failed is tried again
 LEASE_TTL_S = 10.0
 ENDED = ("completed", "cancelled", "failed", "expired")
 
@@ -202,41 +206,50 @@ class Batches:
         task.add_done_callback(forget)
 
     async def _run(self, batch_id: str) -> None:
+        """Run the batch to its end; a store failure on the way is waited out, not fatal."""
+        run = await self._load(batch_id)
+        if run is None:
+            return
+        try:
+            while (step := await _outlasting_the_store(self._advance, run)) is _Step.GO_ON:
+                pass
+        finally:
+            for watcher in run.watchers.values():
+                watcher.cancel()
+        if step is _Step.FINALIZE:
+            await _outlasting_the_store(self._finalize, run.record, run.lines)
+
+    async def _load(self, batch_id: str) -> _Run | None:
         record = await self.objects.get(KIND, batch_id)
         blob = await self.objects.blob(KIND, batch_id)
         if record is None or blob is None:
-            return
-        lines = await asyncio.to_thread(decode_lines, blob)
+            return None
         record.setdefault("requeued", [])
         waiting = set(record["refused"]) | {str(index) for index in record["requeued"]}
         outstanding = {index for index in range(record["submitted"]) if str(index) not in waiting}
-        watchers: dict[int, asyncio.Task[None]] = {}
-        retry_at = 0.0  # time.monotonic() before which a refused submission is not tried again
-        try:
-            while True:
-                if not await self._still_kept(record, blob):  # deleted: nothing more to do
-                    return
-                if await self.objects.get(CANCEL_KIND, batch_id) is not None:
-                    record["cancelling_at"] = int(time.time())
-                    await self._cancel_lines(record, outstanding)
-                    break
-                if time.time() >= record["expires_at"]:  # its window closed: the rest expires
-                    record["expired_at"] = int(time.time())
-                    await self._cancel_lines(record, outstanding)
-                    break
-                if time.monotonic() >= retry_at:
-                    retry_at = time.monotonic() + await self._submit_lines(
-                        record, lines, outstanding
-                    )
-                if not outstanding and not _unsubmitted(record, lines):
-                    break
-                await self._wait_for_an_end(record, outstanding, watchers)
-                record["counts"]["processing"] = len(outstanding) + _unsubmitted(record, lines)
-                await self.objects.update(KIND, batch_id, record)
-        finally:
-            for watcher in watchers.values():
-                watcher.cancel()
-        await self._finalize(record, lines)
+        return _Run(record, blob, await asyncio.to_thread(decode_lines, blob), outstanding)
+
+    async def _advance(self, run: _Run) -> _Step:
+        """One round: look for a cancel or the window's end, submit, wait for a line to end."""
+        record, lines, outstanding = run.record, run.lines, run.outstanding
+        if not await self._still_kept(record, run.blob):  # deleted: nothing more to do
+            return _Step.STOP
+        if await self.objects.get(CANCEL_KIND, record["id"]) is not None:
+            record["cancelling_at"] = int(time.time())
+            await self._cancel_lines(record, outstanding)
+            return _Step.FINALIZE
+        if time.time() >= record["expires_at"]:  # its window closed: the rest expires
+            record["expired_at"] = int(time.time())
+            await self._cancel_lines(record, outstanding)
+            return _Step.FINALIZE
+        if time.monotonic() >= run.retry_at:
+            run.retry_at = time.monotonic() + await self._submit_lines(record, lines, outstanding)
+        if not outstanding and not _unsubmitted(record, lines):
+            return _Step.GO_ON if await self._requeue_lost(record) else _Step.FINALIZE
+        await self._wait_for_an_end(record, outstanding, run.watchers)
+        record["counts"]["processing"] = len(outstanding) + _unsubmitted(record, lines)
+        await self.objects.update(KIND, record["id"], record)
+        return _Step.GO_ON
 
     async def _still_kept(self, record: dict[str, Any], blob: bytes) -> bool:
         """Whether the batch is still there to run; one whose record was lost (a Redis
@@ -262,24 +275,48 @@ class Batches:
         again rather than counted.
         """
         for index in outstanding - watchers.keys():
-            job_id = _job_id(record["id"], index)
+            job_id = _job_id(record, index)
             watchers[index] = asyncio.create_task(self._ended(job_id), name=f"sluice-{job_id}")
         if not watchers:
             await asyncio.sleep(POLL_S)
             return
         await asyncio.wait(watchers.values(), timeout=POLL_S, return_when="FIRST_COMPLETED")
         for index in [index for index, watcher in watchers.items() if watcher.done()]:
-            del watchers[index]
-            job_id = _job_id(record["id"], index)
+            watcher = watchers.pop(index)
+            if not watcher.cancelled():
+                watcher.exception()  # a read the store cut short: the record read next decides
+            job_id = _job_id(record, index)
             job = await self.manager.store.get(job_id)
             if job is not None and not job.status.terminal:
                 continue  # its stream was cut (an adopting replica re-reads it): watch again
             outstanding.discard(index)
             if job is None or _retry_after(job) is not None:
-                await self.manager.store.delete(job_id)
-                record["requeued"].append(index)
+                _requeue(record, index)
                 continue
             record["counts"][_job_outcome(Line("", "", {}), job).kind] += 1
+
+    async def _requeue_lost(self, record: dict[str, Any]) -> bool:
+        """Queue again the ended lines whose jobs are gone (a Redis restart took them and
+        their results), counting the lines anew; whether there were any. Run before
+        finalizing, so that the outputs hold every line."""
+        counts = _counts(0)
+        counts["errored"] = len(record["refused"])
+        waiting = set(record["requeued"])
+        for index in range(record["submitted"]):
+            if str(index) in record["refused"] or index in waiting:
+                continue
+            job = await self.manager.store.get(_job_id(record, index))
+            if job is None:
+                _requeue(record, index)
+            else:
+                counts[_job_outcome(Line("", "", {}), job).kind] += 1
+            if index % LINES_PER_PASS == LINES_PER_PASS - 1:
+                await asyncio.sleep(0)
+        lost = len(record["requeued"]) - len(waiting)
+        if lost:
+            log.warning("batch %s: %d lines lost their jobs; they run again", record["id"], lost)
+            record["counts"] = {**counts, "processing": len(record["requeued"])}
+        return lost > 0
 
     async def _ended(self, job_id: str) -> None:
         """Returns when the job's stream ends: the job reached a terminal status."""
@@ -306,7 +343,7 @@ class Batches:
                 protocols[line.endpoint],
                 line.body,
                 {"batch": record["id"], "custom_id": line.custom_id[:512]},
-                job_hex=_line_hex(record["id"], index),
+                job_hex=_line_hex(record, index),
                 priority=BATCH_PRIORITY,
                 events=False,
             )
@@ -329,12 +366,16 @@ class Batches:
     async def _cancel_lines(self, record: dict[str, Any], outstanding: set[int]) -> None:
         for index in outstanding:
             with contextlib.suppress(ApiError):
-                await self.manager.cancel(_job_id(record["id"], index), record.get("owner"))
+                await self.manager.cancel(_job_id(record, index), record.get("owner"))
 
     async def _finalize(self, record: dict[str, Any], lines: list[Line]) -> None:
         record.update(status="finalizing", finalizing_at=int(time.time()))
         await self.objects.update(KIND, record["id"], record)
-        outcomes = [await self._outcome(record, index, line) for index, line in enumerate(lines)]
+        outcomes = []
+        for index, line in enumerate(lines):
+            outcomes.append(await self._outcome(record, index, line))
+            if index % LINES_PER_PASS == LINES_PER_PASS - 1:
+                await asyncio.sleep(0)  # a large batch lets other requests run as it is read
         counts = _counts(0)
         for outcome in outcomes:
             counts[outcome.kind] += 1
@@ -356,7 +397,7 @@ class Batches:
         unfinished = "expired" if record.get("expired_at") is not None else "canceled"
         if index >= record["submitted"] or index in record["requeued"]:
             return Outcome(line.custom_id, unfinished)
-        outcome = _job_outcome(line, await self.manager.store.get(_job_id(record["id"], index)))
+        outcome = _job_outcome(line, await self.manager.store.get(_job_id(record, index)))
         if outcome.kind == "canceled":  # cut short by the batch's cancel or by its expiry
             outcome.kind = unfinished
         return outcome
@@ -379,6 +420,34 @@ class Batches:
                         self._running[batch_id].cancel()
             except store_errors() as exc:
                 log.warning("batch maintenance failed: %s", exc)
+
+
+class _Step(Enum):
+    GO_ON = "go on"
+    FINALIZE = "finalize"  # every line ended, or the batch was cancelled or expired
+    STOP = "stop"  # the batch is gone
+
+
+@dataclass(slots=True)
+class _Run:
+    """One batch's run in this process: its record, its lines, and what is in flight."""
+
+    record: dict[str, Any]
+    blob: bytes
+    lines: list[Line]
+    outstanding: set[int]  # lines whose jobs are submitted and not yet counted
+    watchers: dict[int, asyncio.Task[None]] = field(default_factory=dict)
+    retry_at: float = 0.0  # time.monotonic() before which a refused submission is not retried
+
+
+async def _outlasting_the_store(step: Callable[..., Awaitable[T]], *args: Any) -> T:
+    """``step(*args)``, again after a pause each time the store fails (Redis restarting)."""
+    while True:
+        try:
+            return await step(*args)
+        except store_errors() as exc:
+            log.warning("a batch step failed on the store (%s); trying again", exc)
+            await asyncio.sleep(STORE_RETRY_S)
 
 
 def encode_lines(lines: list[Line]) -> bytes:
@@ -445,12 +514,22 @@ def _counts(processing: int) -> dict[str, int]:
     return {"processing": processing, "succeeded": 0, "errored": 0, "canceled": 0, "expired": 0}
 
 
-def _line_hex(batch_id: str, index: int) -> str:
-    return batch_id.split("_", 1)[1] + f"{index:08x}"
+def _line_hex(record: dict[str, Any], index: int) -> str:
+    """The random part of line ``index``'s job id: the batch's, the line's number and, once the
+    line is queued again, its attempt, so that a new run never meets an old one's events."""
+    attempt = record.get("attempts", {}).get(str(index), 0)
+    return record["id"].split("_", 1)[1] + f"{index:08x}" + (f"{attempt:02x}" if attempt else "")
 
 
-def _job_id(batch_id: str, index: int) -> str:
-    return "job_" + _line_hex(batch_id, index)
+def _job_id(record: dict[str, Any], index: int) -> str:
+    return "job_" + _line_hex(record, index)
+
+
+def _requeue(record: dict[str, Any], index: int) -> None:
+    """Line ``index`` is to be submitted again, as its next attempt."""
+    attempts = record.setdefault("attempts", {})
+    attempts[str(index)] = attempts.get(str(index), 0) + 1
+    record["requeued"].append(index)
 
 
 __all__ = [

@@ -13,8 +13,10 @@ import threading
 import time
 from collections.abc import Callable
 
+import anthropic
 import openai
 import pytest
+from anthropic import Anthropic
 from openai import OpenAI
 
 from tests.distributed.conftest import (
@@ -80,3 +82,36 @@ def idle_fleet(fleet: Fleet) -> Callable[[], bool]:
         return bool(beats) and all(beat["running"] + beat["waiting"] == 0 for beat in beats)
 
     return idle
+
+
+def test_a_batch_running_through_a_redis_restart_still_answers_every_line(
+    api: str, fleet: Fleet, redis_server: RedisServer, anthropic_client: Anthropic
+):
+    """Redis forgets the batch, its lines' jobs and their leases: the replica running it
+    writes the batch back and runs the lines it lost again, so every line succeeds."""
+    params = {"model": "default", "max_tokens": 64, "temperature": 0, "messages": SHORT}
+    requests = [{"custom_id": f"r{n}", "params": params} for n in range(6)]
+    batch = anthropic_client.messages.batches.create(requests=requests)
+    wait_until(
+        lambda: anthropic_client.messages.batches.retrieve(batch.id).request_counts.succeeded,
+        120,
+        "a first line to succeed",
+        interval=0.2,
+    )
+    redis_server.restart()
+    fleet.wait_live(timeout=30)
+
+    def ended() -> bool:
+        try:
+            return anthropic_client.messages.batches.retrieve(batch.id).processing_status == "ended"
+        except anthropic.APIStatusError:  # the record is written back within a poll
+            return False
+
+    wait_until(ended, 180, "the batch to end", interval=0.5)
+    done = anthropic_client.messages.batches.retrieve(batch.id)
+    assert done.request_counts.succeeded == len(requests), done.request_counts
+    results = list(anthropic_client.messages.batches.results(batch.id))
+    assert sorted(result.custom_id for result in results) == [f"r{n}" for n in range(6)]
+    assert {result.result.type for result in results} == {"succeeded"}
+    texts = {result.result.message.content[0].text for result in results}
+    assert len(texts) == 1  # greedy: every line the same answer, however often it ran
