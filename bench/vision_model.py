@@ -110,6 +110,15 @@ def make_idefics3(path: Path, shape: str = "tiny", seed: int = 0, weights: bool 
     return path
 
 
+def vision_model_options(directory: Path, name: str = "seer") -> list[str]:
+    """``sluice serve``'s options for a random-weight Idefics3 named ``name``: the checkpoint
+    made under ``directory``, and a registry entry that declares its images."""
+    weights = make_idefics3(directory / "weights")
+    config = directory / "models.toml"
+    config.write_text(f'[models.{name}]\nweights = "{weights}"\ncapabilities = ["images"]\n')
+    return ["--config", str(config), "--model", name]
+
+
 def _save_weights(config: Any, path: Path, seed: int) -> None:
     import torch
     import transformers

@@ -17,7 +17,7 @@ import httpx
 import openai
 import pytest
 
-from bench.vision_model import make_idefics3
+from bench.vision_model import vision_model_options
 from tests.image_server import ImageServer, image_server, png_bytes
 from tests.servers import running_server
 
@@ -40,10 +40,7 @@ def forbidden() -> Iterator[ImageServer]:
 @pytest.fixture(scope="module")
 def seer(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     directory = tmp_path_factory.mktemp("seer")
-    weights = make_idefics3(directory / "weights")
-    config = directory / "models.toml"
-    config.write_text(f'[models.seer]\nweights = "{weights}"\ncapabilities = ["images"]\n')
-    args = ["--config", str(config), "--model", "seer", "--max-model-len", "1024"]
+    args = [*vision_model_options(directory), "--max-model-len", "1024"]
     args += ["--max-num-seqs", "4", "--image-allow", "127.0.0.2"]
     args += ["--max-images", str(MAX_IMAGES), "--image-fetch-timeout", "1"]
     args += ["--image-token-budget", str(IMAGE_TOKEN_BUDGET)]
