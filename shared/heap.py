@@ -1,5 +1,6 @@
-"""A serving process's startup memory: its heap kept off the garbage collector, its free memory
-and the library code only its start ran handed back.
+"""A serving process's memory: its startup heap kept off the garbage collector, the collector
+paused while a large request's objects are built, its free memory and the library code only its
+start ran handed back.
 
 What a server builds before its first request (torch, the model, the
 tokenizer, Celery or FastAPI and everything they import) lives until the
@@ -19,6 +20,9 @@ import gc
 import logging
 import re
 import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -36,6 +40,38 @@ def freeze_startup_heap() -> int:
     frozen = gc.get_freeze_count()
     log.info("froze the startup heap: %d objects the collector no longer scans", frozen)
     return frozen
+
+
+_pauses = 0
+_pauses_lock = threading.Lock()
+_was_enabled = True
+
+
+@contextmanager
+def paused_collection() -> Iterator[None]:
+    """The cyclic collector paused while the block runs (in any thread; pauses nest and overlap).
+
+    For work that builds many objects it keeps until it ends: parsing a
+    16 MiB batch of 100,000 requests makes about 2 million. A full collection
+    then runs each time their number grows by a quarter, walks them all and
+    frees none, holding the interpreter (so the event loop) for 50-250 ms a
+    time, a dozen times. Paused, the collector waits for the work, which frees
+    what it built by reference counting when it ends; the collector resumes
+    when the last overlapping pause ends, as it was before the first.
+    """
+    global _pauses, _was_enabled
+    with _pauses_lock:
+        if _pauses == 0:
+            _was_enabled = gc.isenabled()
+            gc.disable()
+        _pauses += 1
+    try:
+        yield
+    finally:
+        with _pauses_lock:
+            _pauses -= 1
+            if _pauses == 0 and _was_enabled:
+                gc.enable()
 
 
 def return_free_memory() -> None:

@@ -18,6 +18,7 @@ import asyncio
 import re
 import secrets
 import time
+from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 from typing import Any
 
@@ -32,6 +33,7 @@ from api.batches.service import Batches, Line, Outcome, refuse_unknown
 from api.cursors import id_cursor
 from api.errors import bad_request
 from api.protocols import messages
+from shared.heap import paused_collection
 
 API = "anthropic"
 MAX_REQUESTS = 100_000
@@ -43,7 +45,6 @@ def anthropic_batches_router(batches: Batches, files: Files, window_s: float) ->
 
     @router.post("")
     async def create(request: Request) -> Response:
-        body = await batches.manager.serving.read_json(request)
         now = int(time.time())
         record = {
             "id": "msgbatch_" + secrets.token_hex(12),
@@ -52,8 +53,14 @@ def anthropic_batches_router(batches: Batches, files: Files, window_s: float) ->
             "expires_at": now + int(window_s),
             "owner": caller_name(request),
         }
-        lines = await batches.manager.serving.off_loop(read_requests, body)
-        return JSONResponse(view(await batches.create(record, lines), request))
+        # Up to 100,000 requests' objects, alive until the batch is saved and freed before the
+        # collector resumes (it would walk every one of them once more).
+        with paused_collection():
+            body = await batches.manager.serving.read_json(request)
+            lines = await batches.manager.serving.off_loop(read_requests, body)
+            created = await batches.create(record, lines)
+            del body, lines
+        return JSONResponse(view(created, request))
 
     @router.get("")
     async def list_batches(
@@ -177,11 +184,13 @@ _PROCESSING = {"in_progress": "in_progress", "cancelling": "canceling", "finaliz
 def results_finalizer(files: Files):  # noqa: ANN201
     """Writes a finished batch's results as a file; returns its id for the record."""
 
-    async def finalize(record: dict[str, Any], outcomes: list[Outcome]) -> dict[str, Any]:
-        content = await asyncio.to_thread(_results, outcomes)
+    async def finalize(
+        record: dict[str, Any], outcomes: AsyncIterator[list[Outcome]]
+    ) -> dict[str, Any]:
+        pieces = [await asyncio.to_thread(_results, part) async for part in outcomes]
         saved = await files.create(
-            content, f"{record['id']}_results.jsonl", "batch_output", record.get("owner"),
-            charged=False,
+            b"".join(pieces), f"{record['id']}_results.jsonl", "batch_output",
+            record.get("owner"), charged=False,
         )  # fmt: skip
         return {"results_file_id": saved["id"]}
 

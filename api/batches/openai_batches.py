@@ -23,6 +23,7 @@ import asyncio
 import json
 import secrets
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
@@ -34,6 +35,7 @@ from api.batches.service import Batches, Line, Outcome, refuse_unknown
 from api.cursors import id_cursor
 from api.errors import bad_request
 from api.jobs.records import read_metadata
+from shared.heap import paused_collection
 
 API = "openai"
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
@@ -100,13 +102,18 @@ def openai_batches_router(batches: Batches, files: Files, window_s: float) -> AP
                 body.get("output_expires_after"), "output_expires_after"
             ),
         }
-        lines, errors = await batches.manager.serving.off_loop(read_lines, content, endpoint)
-        if errors:
-            record.update(status="failed", failed_at=now, total=0, counts={}, errors=errors)
-            record["kept_until"] = record["expires_at"] + batches.retention_s
-            await batches.objects.put("batch", record["id"], record)
-            return JSONResponse(view(record))
-        return JSONResponse(view(await batches.create(record, lines)))
+        # Up to 50,000 requests' objects, alive until the batch is saved and freed before the
+        # collector resumes (it would walk every one of them once more).
+        with paused_collection():
+            lines, errors = await batches.manager.serving.off_loop(read_lines, content, endpoint)
+            created = None if errors else await batches.create(record, lines)
+            del lines
+        if created is not None:
+            return JSONResponse(view(created))
+        record.update(status="failed", failed_at=now, total=0, counts={}, errors=errors)
+        record["kept_until"] = record["expires_at"] + batches.retention_s
+        await batches.objects.put("batch", record["id"], record)
+        return JSONResponse(view(record))
 
     @router.get("")
     async def list_batches(request: Request, limit: int = 20, after: str | None = None) -> Response:
@@ -215,15 +222,21 @@ def view(record: dict[str, Any]) -> dict[str, Any]:
 def output_finalizer(files: Files):  # noqa: ANN201
     """Writes a finished batch's output and error files; returns their ids for its record."""
 
-    async def finalize(record: dict[str, Any], outcomes: list[Outcome]) -> dict[str, Any]:
+    async def finalize(
+        record: dict[str, Any], outcomes: AsyncIterator[list[Outcome]]
+    ) -> dict[str, Any]:
+        parts: dict[str, list[bytes]] = {"output_file_id": [], "error_file_id": []}
+        async for part in outcomes:
+            for name, kinds in (("output_file_id", ("succeeded",)), ("error_file_id", _FAILED)):
+                chosen = [outcome for outcome in part if outcome.kind in kinds]
+                if chosen:
+                    parts[name].append(await asyncio.to_thread(_output, chosen))
         ids: dict[str, Any] = {}
-        for name, kinds in (("output_file_id", ("succeeded",)), ("error_file_id", _FAILED)):
-            chosen = [outcome for outcome in outcomes if outcome.kind in kinds]
-            if chosen:
-                content = await asyncio.to_thread(_output, chosen)
+        for name, pieces in parts.items():
+            if pieces:
                 filename = f"{record['id']}_{name.removesuffix('_file_id')}.jsonl"
                 saved = await files.create(
-                    content,
+                    b"".join(pieces),
                     filename,
                     "batch_output",
                     record.get("owner"),

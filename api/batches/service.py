@@ -76,8 +76,9 @@ class Outcome:
     body: dict[str, Any] | None = None
 
 
-# Writes a batch's outputs from its outcomes; returns the fields to add to its record.
-Finalizer = Callable[[dict[str, Any], list[Outcome]], Awaitable[dict[str, Any]]]
+# Writes a batch's outputs from its outcomes, given in order a part at a time; returns the
+# fields to add to its record.
+Finalizer = Callable[[dict[str, Any], AsyncIterator[list[Outcome]]], Awaitable[dict[str, Any]]]
 
 
 class Batches:
@@ -227,7 +228,7 @@ class Batches:
         record.setdefault("requeued", [])
         waiting = set(record["refused"]) | {str(index) for index in record["requeued"]}
         outstanding = {index for index in range(record["submitted"]) if str(index) not in waiting}
-        return _Run(record, blob, await asyncio.to_thread(decode_lines, blob), outstanding)
+        return _Run(record, blob, await asyncio.to_thread(Lines, blob), outstanding)
 
     async def _advance(self, run: _Run) -> _Step:
         """One round: look for a cancel or the window's end, submit, wait for a line to end."""
@@ -325,7 +326,7 @@ class Batches:
             pass
 
     async def _submit_lines(
-        self, record: dict[str, Any], lines: list[Line], outstanding: set[int]
+        self, record: dict[str, Any], lines: Lines, outstanding: set[int]
     ) -> float:
         """Submit lines in order while the window has room; the seconds to wait before
         submitting again when a refusal says when to retry (0 when none did).
@@ -368,19 +369,13 @@ class Batches:
             with contextlib.suppress(ApiError):
                 await self.manager.cancel(_job_id(record, index), record.get("owner"))
 
-    async def _finalize(self, record: dict[str, Any], lines: list[Line]) -> None:
+    async def _finalize(self, record: dict[str, Any], lines: Lines) -> None:
         record.update(status="finalizing", finalizing_at=int(time.time()))
         await self.objects.update(KIND, record["id"], record)
-        outcomes = []
-        for index, line in enumerate(lines):
-            outcomes.append(await self._outcome(record, index, line))
-            if index % LINES_PER_PASS == LINES_PER_PASS - 1:
-                await asyncio.sleep(0)  # a large batch lets other requests run as it is read
         counts = _counts(0)
-        for outcome in outcomes:
-            counts[outcome.kind] += 1
-        record["counts"] = counts
+        outcomes = self._outcomes(record, lines, counts)
         record.update(await self.finalizers[record["api"]](record, outcomes))
+        record["counts"] = counts
         if record.get("expired_at") is not None:
             record["status"] = "expired"
         else:
@@ -389,6 +384,19 @@ class Batches:
         await self.objects.update(KIND, record["id"], record)
         await self.objects.set_active(KIND, record["id"], False)
         await self.objects.delete(CANCEL_KIND, record["id"])
+
+    async def _outcomes(
+        self, record: dict[str, Any], lines: Lines, counts: dict[str, int]
+    ) -> AsyncIterator[list[Outcome]]:
+        """Every line's outcome, in order, ``LINES_PER_PASS`` at a time, each counted into
+        ``counts``: a large batch's outputs are written a part at a time, never held whole."""
+        for start in range(0, len(lines), LINES_PER_PASS):
+            part = []
+            for index in range(start, min(start + LINES_PER_PASS, len(lines))):
+                outcome = await self._outcome(record, index, lines[index])
+                counts[outcome.kind] += 1
+                part.append(outcome)
+            yield part
 
     async def _outcome(self, record: dict[str, Any], index: int, line: Line) -> Outcome:
         refused = record["refused"].get(str(index))
@@ -434,7 +442,7 @@ class _Run:
 
     record: dict[str, Any]
     blob: bytes
-    lines: list[Line]
+    lines: Lines
     outstanding: set[int]  # lines whose jobs are submitted and not yet counted
     watchers: dict[int, asyncio.Task[None]] = field(default_factory=dict)
     retry_at: float = 0.0  # time.monotonic() before which a refused submission is not retried
@@ -459,11 +467,24 @@ def encode_lines(lines: list[Line]) -> bytes:
     ).encode()
 
 
-def decode_lines(blob: bytes) -> list[Line]:
-    """The lines of ``encode_lines``' blob (or of a blob written as one JSON array)."""
-    if blob.startswith(b"["):
-        return [Line(**line) for line in json.loads(blob)]
-    return [Line(**json.loads(text)) for text in blob.split(b"\n")]
+class Lines:
+    """A batch's lines as ``encode_lines``' blob holds them (or a blob written as one JSON
+    array), each decoded when it is read: 100,000 lines kept decoded would be millions of
+    objects for the collector to walk for as long as the batch runs."""
+
+    __slots__ = ("_raw",)
+
+    def __init__(self, blob: bytes) -> None:
+        if blob.startswith(b"["):
+            self._raw = [json.dumps(line).encode() for line in json.loads(blob)]
+        else:
+            self._raw = blob.split(b"\n")
+
+    def __len__(self) -> int:
+        return len(self._raw)
+
+    def __getitem__(self, index: int) -> Line:
+        return Line(**json.loads(self._raw[index]))
 
 
 def refuse_unknown(body: dict[str, Any], known: tuple[str, ...]) -> None:
@@ -490,7 +511,7 @@ def _job_outcome(line: Line, job: JobRecord | None) -> Outcome:
     return Outcome(line.custom_id, "canceled", job.response_id)
 
 
-def _unsubmitted(record: dict[str, Any], lines: list[Line]) -> int:
+def _unsubmitted(record: dict[str, Any], lines: Lines) -> int:
     """Lines not submitted yet: those never taken, and those queued again."""
     return len(lines) - record["submitted"] + len(record["requeued"])
 
@@ -537,7 +558,7 @@ __all__ = [
     "Batches",
     "Line",
     "Outcome",
-    "decode_lines",
+    "Lines",
     "encode_lines",
     "refuse_unknown",
 ]

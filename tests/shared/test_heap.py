@@ -1,4 +1,5 @@
 """``freeze_startup_heap``: startup garbage is freed, the rest is out of the collector's view.
+``paused_collection``: pauses nest across threads and restore the collector as they found it.
 ``drop_code_pages``: clean library code leaves the resident set and faults back when run."""
 
 from __future__ import annotations
@@ -6,13 +7,14 @@ from __future__ import annotations
 import gc
 import subprocess
 import sys
+import threading
 import weakref
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from shared.heap import _clean_code_mappings, freeze_startup_heap
+from shared.heap import _clean_code_mappings, freeze_startup_heap, paused_collection
 
 
 class Node:
@@ -123,3 +125,30 @@ def test_dropped_code_pages_fault_back_when_run() -> None:
     assert int(dropped) >= int(before) > 1024
     assert int(after) < int(before) / 4
     assert float(total) == 1134  # the squared length of the rows' sum, (12, 15, 18, 21)
+
+
+def test_the_collector_resumes_when_the_last_overlapping_pause_ends() -> None:
+    assert gc.isenabled()
+    entered, release = threading.Event(), threading.Event()
+
+    def pause_elsewhere() -> None:
+        with paused_collection():
+            entered.set()
+            release.wait(10)
+
+    other = threading.Thread(target=pause_elsewhere)
+    with paused_collection():
+        other.start()
+        entered.wait(10)
+        assert not gc.isenabled()
+    assert not gc.isenabled()  # the other thread's pause still holds
+    release.set()
+    other.join()
+    assert gc.isenabled()
+    gc.disable()
+    try:  # a collector disabled before the first pause stays disabled after the last
+        with paused_collection():
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
