@@ -84,10 +84,13 @@ with httpx.Client(base_url=sys.argv[1], timeout=10) as client:
     print("ready", flush=True)
     while not stop.is_set():
         started = time.perf_counter()
-        assert client.get("/health").status_code == 200
-        latencies.append(time.perf_counter() - started)
+        try:
+            ok = client.get("/health").status_code == 200
+        except httpx.HTTPError:  # no answer within the client's 10 s
+            ok = False
+        latencies.append(time.perf_counter() - started if ok else float("inf"))
         time.sleep(0.01)
-print(json.dumps(latencies), flush=True)
+print(json.dumps([min(x, 1e9) for x in latencies]), flush=True)
 """
 
 
