@@ -129,17 +129,25 @@ def visible(record: dict[str, Any], owner: str | None) -> bool:
     return record.get("owner") is None or record.get("owner") == owner
 
 
-def _live(record: dict[str, Any]) -> bool:
-    kept_until = record.get("kept_until")
-    return kept_until is None or time.time() < kept_until
-
-
 @dataclass(slots=True)
 class _Kept:
-    record: dict[str, Any]
+    """One object: its record as JSON, a snapshot no caller's later change reaches (as in
+    Redis), with the fields the store itself reads."""
+
+    text: str
+    owner: str | None
+    kept_until: float | None
     blob: bytes | None = None
     holder: tuple[str, float] | None = None  # (holder, lease deadline)
     charge: int | None = None  # the bytes charged to its owner, when it is charged
+
+    @classmethod
+    def of(cls, record: dict[str, Any], blob: bytes | None) -> _Kept:
+        return cls(json.dumps(record), record.get("owner"), record.get("kept_until"), blob)
+
+    @property
+    def live(self) -> bool:
+        return self.kept_until is None or time.time() < self.kept_until
 
 
 @dataclass(slots=True)
@@ -171,7 +179,7 @@ class MemoryObjects:
     ) -> None:
         self._forget_lapsed(kind)
         owner = record.get("owner")
-        kept = _Kept(dict(record), blob)
+        kept = _Kept.of(record, blob)
         if quota is not None:
             held = self._held.setdefault((kind, owner), _Held())
             size = len(blob or b"")
@@ -187,25 +195,24 @@ class MemoryObjects:
     async def update(self, kind: str, object_id: str, record: dict[str, Any]) -> None:
         kept = self._objects.get(kind, {}).get(object_id)
         if kept is not None:
-            kept.record = dict(record)
+            kept.text = json.dumps(record)
 
     async def get(self, kind: str, object_id: str) -> dict[str, Any] | None:
         kept = self._objects.get(kind, {}).get(object_id)
-        return dict(kept.record) if kept is not None and _live(kept.record) else None
+        return json.loads(kept.text) if kept is not None and kept.live else None
 
     async def blob(self, kind: str, object_id: str) -> bytes | None:
         kept = self._objects.get(kind, {}).get(object_id)
-        return kept.blob if kept is not None and _live(kept.record) else None
+        return kept.blob if kept is not None and kept.live else None
 
     async def delete(self, kind: str, object_id: str) -> bool:
         self._active.get(kind, set()).discard(object_id)
         kept = self._objects.get(kind, {}).pop(object_id, None)
         if kept is None:
             return False
-        owner = kept.record.get("owner")
-        self._owned.get((kind, owner), {}).pop(object_id, None)
+        self._owned.get((kind, kept.owner), {}).pop(object_id, None)
         if kept.charge is not None:
-            held = self._held[(kind, owner)]
+            held = self._held[(kind, kept.owner)]
             held.bytes, held.count = held.bytes - kept.charge, held.count - 1
         return True
 
@@ -268,12 +275,11 @@ class MemoryObjects:
         while lapses and lapses[0][0] <= now:
             _, object_id = heapq.heappop(lapses)
             kept = objects.get(object_id)
-            if kept is not None and not _live(kept.record):
+            if kept is not None and not kept.live:
                 objects.pop(object_id)
-                owner = kept.record.get("owner")
-                self._owned.get((kind, owner), {}).pop(object_id, None)
+                self._owned.get((kind, kept.owner), {}).pop(object_id, None)
                 if kept.charge is not None:
-                    held = self._held[(kind, owner)]
+                    held = self._held[(kind, kept.owner)]
                     held.bytes, held.count = held.bytes - kept.charge, held.count - 1
 
 

@@ -206,6 +206,12 @@ class JobManager:
     async def list(
         self, owner: str | None, status: JobStatus | None, limit: int, after: str | None
     ) -> tuple[list[JobRecord], bool]:
+        """The owner's jobs, newest first, after the job ``after``: a cursor that is not one of
+        the owner's jobs lists nothing, as an unknown one does (it tells nothing of others')."""
+        if after is not None:
+            cursor = await self.store.get(after)
+            if cursor is None or not cursor.visible_to(owner):
+                return [], False
         return await self.store.list(owner=owner, status=status, limit=limit, after=after)
 
     async def cancel(self, job_id: str, owner: str | None) -> JobRecord:

@@ -7,9 +7,9 @@ Keys (all under ``sluice:job``), each expiring with the job's retention:
   ``usage``, ``result``, ``error``).
 - ``sluice:job:<id>:events`` — stream of protocol chunks. Chunk ``n`` has the
   explicit entry id ``n-0`` (its SSE id is ``n``), so Redis itself refuses a
-  second write of the same chunk. ``finish`` appends an ``end`` entry with an
-  automatic id (the current time in ms, far above any chunk number): after
-  it no chunk can be appended, and readers stop there.
+  second write of the same chunk. ``finish`` appends an ``end`` entry whose id,
+  ``END_ID``, is above every event cursor (``api.cursors.MAX_EVENT``): after
+  it no chunk can be appended, and a reader from any cursor stops there.
 - ``sluice:job:<id>:runner`` — the runner lease: the holder's id, with a short
   TTL its runner keeps renewing. A lapsed lease on an unfinished job means
   its runner is gone, and any replica may adopt the job.
@@ -28,23 +28,25 @@ from typing import Any
 
 from redis.asyncio import Redis
 
+from api.cursors import MAX_EVENT
 from api.jobs.records import JobOutcome, JobRecord, JobStatus, StoredChunk
 from api.jobs.store import DEFAULT_RETENTION_S, JobEnded, check_read_start
 from shared import keys
 
 LEASE_TTL_S = 10.0  # a runner renews its lease every LEASE_TTL_S / 3
+END_ID = f"{MAX_EVENT + 1}-0"  # the end entry's: after any chunk and any cursor
 READ_BLOCK_MS = 5000
 LIST_BATCH = 100
 INDEX = keys.JOB_INDEX
 ACTIVE = keys.JOB_ACTIVE
 _MUTABLE = ("started_at", "finished_at", "usage", "result", "error")
 
-# KEYS: record, events, active. ARGV: job id, status, field/value pairs.
+# KEYS: record, events, active. ARGV: job id, status, the end entry's id, field/value pairs.
 _FINISH = """
 local status = redis.call('HGET', KEYS[1], 'status')
 if status ~= 'queued' and status ~= 'running' then return 0 end
-redis.call('HSET', KEYS[1], 'status', ARGV[2], unpack(ARGV, 3))
-redis.call('XADD', KEYS[2], '*', 'end', ARGV[2])
+redis.call('HSET', KEYS[1], 'status', ARGV[2], unpack(ARGV, 4))
+redis.call('XADD', KEYS[2], ARGV[3], 'end', ARGV[2])
 redis.call('PEXPIREAT', KEYS[2], redis.call('HGET', KEYS[1], 'expires_ms'))
 redis.call('SREM', KEYS[3], ARGV[1])
 return 1
@@ -196,7 +198,7 @@ class RedisJobStore:
             "result": outcome.result,
             "error": outcome.error,
         }
-        args: list[Any] = [job_id, outcome.status.value]
+        args: list[Any] = [job_id, outcome.status.value, END_ID]
         for name, value in fields.items():
             args += [name, json.dumps(value)]
         done = await self._finish(
@@ -227,6 +229,12 @@ class RedisJobStore:
         key, last = keys.job_events(job_id), f"{after}-0"
         while await self._redis.exists(keys.job_record(job_id)):  # until it expires, at the latest
             reply = await self._blocking.xread({key: last}, count=256, block=READ_BLOCK_MS)
+            if not reply and await self._ended(job_id):
+                # An end this read cannot see (an older stream's, before the cursor): what was
+                # written after the cursor before it, then stop.
+                reply = await self._redis.xread({key: last}, count=256)
+                if not reply:
+                    return
             if not reply:
                 continue
             for entry_id, fields in reply[0][1]:
@@ -234,6 +242,10 @@ class RedisJobStore:
                     return
                 last = entry_id
                 yield int(entry_id.split("-")[0]), StoredChunk(fields["d"], fields.get("e"))
+
+    async def _ended(self, job_id: str) -> bool:
+        status = await self._redis.hget(keys.job_record(job_id), "status")
+        return status is not None and JobStatus(status).terminal
 
     async def claim(self, job_id: str, holder: str) -> bool:
         return bool(

@@ -86,7 +86,8 @@ class StoredResponses:
         return {**body, "input": history + _items(body.get("input"))}
 
     async def submit_background(self, body: dict[str, Any], key: ApiKey | None) -> Response:
-        """Queue the response as a job; 200 with the response ``queued``."""
+        """Queue the response as a job; 200 with the response ``queued``, or with ``stream``
+        its events from the first, as a later retrieve with ``stream`` gives them."""
         try:
             (record,) = await self.manager.submit([JobRequest(responses.PROTOCOL, body, {})], key)
         except SubmitError as exc:
@@ -94,6 +95,9 @@ class StoredResponses:
             return JSONResponse(
                 responses.PROTOCOL.error_body(error), error.status, headers=error.headers
             )
+        if body.get("stream") is True:
+            owner = key.name if key is not None else None
+            return SSEResponse(await self.events(record.response_id, owner, None), sep="\n")
         return JSONResponse(self.view(record))
 
     async def keep(
@@ -142,7 +146,7 @@ class StoredResponses:
     ) -> AsyncIterator[ServerSentEvent]:
         """The background response's events after sequence number ``starting_after``."""
         record = await self._background(response_id, owner, "streamed again", "stream")
-        after = 0 if starting_after is None else event_cursor(starting_after, "starting_after") + 1
+        after = event_cursor(starting_after, "starting_after") + 1 if starting_after else 0
         chunks = await self.manager.events(record.id, owner, after)
 
         async def sse() -> AsyncIterator[ServerSentEvent]:

@@ -377,6 +377,20 @@ def test_batch_outputs_are_not_charged_to_the_key_s_quota(server: str):
     assert caught.value.status_code == 413
 
 
+def test_a_job_list_cursor_of_another_key_lists_nothing(server: str):
+    """An id of another key's job is no cursor: the answer says nothing of that job."""
+    job = {"endpoint": "/v1/chat/completions", "body": chat_body("sea", 1)}
+    ids = {}
+    for key in (ALICE, BOB):
+        headers = {"Authorization": f"Bearer {key}"}
+        ids[key] = httpx.post(f"{server}/v1/jobs", json=job, headers=headers).json()["id"]
+    alice = {"Authorization": f"Bearer {ALICE}"}
+    own = httpx.get(f"{server}/v1/jobs", params={"limit": 100}, headers=alice).json()["data"]
+    assert ids[ALICE] in [item["id"] for item in own] and ids[BOB] not in str(own)
+    page = httpx.get(f"{server}/v1/jobs", params={"after": ids[BOB]}, headers=alice).json()
+    assert (page["data"], page["has_more"]) == ([], False)
+
+
 # --- Anthropic's Message Batches -------------------------------------------------------------
 
 

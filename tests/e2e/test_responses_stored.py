@@ -112,6 +112,24 @@ def test_a_background_response_replays_its_stream_after_a_sequence_number(openai
     assert settled.output_text == foreground.output_text and settled.background is True
 
 
+def test_an_empty_cursor_replays_from_the_first_event(openai_client: OpenAI, http: httpx.Client):
+    queued = _create(openai_client, background=True)
+    _settled(openai_client, queued.id)
+    params = {"stream": "true", "starting_after": ""}
+    replay = http.get(f"/v1/responses/{queued.id}", params=params, timeout=30)
+    first = next(line for line in replay.text.splitlines() if line.startswith("id:"))
+    assert first == "id: 0"
+
+
+def test_a_background_response_asked_to_stream_streams_its_events(openai_client: OpenAI):
+    foreground = _create(openai_client, store=False)
+    events = list(_create(openai_client, background=True, stream=True))
+    assert [event.sequence_number for event in events] == list(range(len(events)))
+    assert events[0].type == "response.created" and events[0].response.background is True
+    assert events[-1].response.output_text == foreground.output_text
+    assert openai_client.responses.retrieve(events[-1].response.id).status == "incomplete"
+
+
 def test_cancelling_a_background_response_stops_its_generation(openai_client: OpenAI):
     count = "Count to 1000."
     running = _create(openai_client, background=True, max_output_tokens=LONG, input=count)

@@ -124,6 +124,20 @@ async def test_the_files_api_counts_bytes_and_files_per_key(objects: ObjectStore
     assert await objects.held(KIND, "alice") == (100, 2)
 
 
+async def test_a_record_read_or_written_is_a_snapshot(objects: ObjectStore):
+    """A runner changing its copy in place changes nothing a reader sees until it writes."""
+    saved = {**record("a", "alice"), "counts": {"errored": 0}}
+    await objects.put(KIND, "a", saved)
+    saved["counts"]["errored"] += 1
+    read = await objects.get(KIND, "a")
+    assert read is not None and read["counts"] == {"errored": 0}
+    read["counts"]["errored"] = 9
+    assert (await objects.get(KIND, "a"))["counts"] == {"errored": 0}
+    await objects.update(KIND, "a", saved)
+    saved["counts"]["errored"] += 1
+    assert (await objects.get(KIND, "a"))["counts"] == {"errored": 1}
+
+
 async def test_listing_pages_by_cursor_in_either_order_with_a_filter(objects: ObjectStore):
     for n in range(7):
         await objects.put(KIND, f"f{n}", {**record(f"f{n}", "alice", at=1.0 + n), "n": n})

@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 import anyio
 import pytest
 
+from api.cursors import MAX_EVENT
 from api.jobs.records import JobOutcome, JobStatus, StoredChunk
 from api.jobs.redis_store import RedisJobStore
 from api.jobs.store import JobEnded, JobStore, MemoryJobStore
@@ -95,6 +96,7 @@ async def test_a_read_starts_at_a_chunk_that_can_exist(store: JobStore) -> None:
     with pytest.raises(ValueError, match="chunk 0 or later"):
         await read_all(store, record.id, after=-2)
     assert await read_all(store, record.id, after=5) == []  # past the end: nothing, at once
+    assert await read_all(store, record.id, after=MAX_EVENT) == []  # past any end entry too
 
 
 async def test_a_job_that_ended_with_no_chunk_reads_as_empty_at_once(store: JobStore) -> None:
