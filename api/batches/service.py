@@ -9,8 +9,9 @@ only; a refusal that says when to retry (``Retry-After``: the key's rate limits,
 a full server) is retried then, and a line whose job was lost or failed in a way
 that says to retry later is queued again.
 
-Line ``i``'s job id is the batch's random part followed by ``i``, so the
-lines' jobs can be found again: when the replica running a batch stops, its
+Line ``i``'s job id is the batch's random part followed by ``i`` (and, for a
+line queued again, its attempt, kept in the record), so the lines' jobs can be
+found again: when the replica running a batch stops, its
 lease lapses and another replica (its periodic scan) takes the batch over,
 skips the lines whose jobs exist (the job machinery adopts those) and goes
 on. Outcomes are read from the jobs' records once every line has ended, in
