@@ -29,6 +29,7 @@ ALICE, BOB = "sk-alice-batches", "sk-bob-batches"
 MAX_FILE_BYTES = 16_384
 MAX_PER_KEY = 65_536
 WINDOW_S = 20  # a batch's completion window: what has not ended by then expires
+CHAT = "/v1/chat/completions"
 TOPICS = ["sea", "moon", "sun", "rain", "snow", "wind", "sand", "stars", "trees", "rivers", "hills"]
 
 
@@ -111,6 +112,21 @@ def settled(client: OpenAI, batch_id: str, timeout: float = 300):
     pytest.fail(f"batch {batch_id} never ended")
 
 
+def create_batch(client: OpenAI, lines: list[dict[str, Any]] | bytes, url: str = CHAT, **options):
+    """A batch of ``lines`` uploaded as its input file, for ``url``."""
+    return client.batches.create(
+        input_file_id=upload(client, lines), endpoint=url, completion_window="24h", **options
+    )
+
+
+def wait_completed(client: OpenAI, batch_id: str, count: int, timeout: float = 120) -> None:
+    """Until ``count`` of the batch's requests have completed."""
+    deadline = time.monotonic() + timeout
+    while client.batches.retrieve(batch_id).request_counts.completed < count:
+        assert time.monotonic() < deadline, f"batch {batch_id}: {count} never completed"
+        time.sleep(0.1)
+
+
 def jsonl(client: OpenAI, file_id: str | None) -> list[dict[str, Any]]:
     if file_id is None:
         return []
@@ -164,13 +180,8 @@ def test_every_line_is_answered_once_as_the_direct_request_is(
 def test_cancelling_mid_way_leaves_a_cancelled_batch_with_true_counts(alice: OpenAI):
     topics = [f"{topic} number {n}" for n in range(3) for topic in TOPICS[:8]]
     lines = [line(f"c{i}", "/v1/chat/completions", chat_body(t, 24)) for i, t in enumerate(topics)]
-    batch = alice.batches.create(
-        input_file_id=upload(alice, lines), endpoint="/v1/chat/completions", completion_window="24h"
-    )
-    deadline = time.monotonic() + 120
-    while alice.batches.retrieve(batch.id).request_counts.completed < 2:
-        assert time.monotonic() < deadline
-        time.sleep(0.1)
+    batch = create_batch(alice, lines)
+    wait_completed(alice, batch.id, 2, timeout=120)
     assert alice.batches.cancel(batch.id).status == "cancelling"
     done = settled(alice, batch.id)
     assert done.status == "cancelled" and done.cancelled_at is not None
@@ -257,9 +268,7 @@ def test_files_are_listed_read_deleted_and_bounded(alice: OpenAI, bob: OpenAI):
 
 def test_a_batch_belongs_to_the_key_that_created_it(alice: OpenAI, bob: OpenAI):
     lines = [line("only", "/v1/chat/completions", chat_body("sea", 2))]
-    batch = alice.batches.create(
-        input_file_id=upload(alice, lines), endpoint="/v1/chat/completions", completion_window="24h"
-    )
+    batch = create_batch(alice, lines)
     with pytest.raises(openai.NotFoundError):
         bob.batches.retrieve(batch.id)
     assert batch.id not in [b.id for b in bob.batches.list().data]
@@ -274,9 +283,7 @@ def test_a_line_larger_than_the_key_s_tokens_per_minute_fails_at_once(server: st
         line("huge", "/v1/chat/completions", chat_body("sea", 600)),
         line("small", "/v1/chat/completions", chat_body("moon", 4)),
     ]
-    batch = carol.batches.create(
-        input_file_id=upload(carol, lines), endpoint="/v1/chat/completions", completion_window="24h"
-    )
+    batch = create_batch(carol, lines)
     done = settled(carol, batch.id, timeout=60)
     assert done.status == "completed"
     assert (done.request_counts.completed, done.request_counts.failed) == (1, 1)
@@ -289,13 +296,8 @@ def test_a_line_waiting_for_its_key_s_requests_costs_the_server_nothing(server: 
     """A line the key's minute of requests holds back waits for the bucket, not in a loop."""
     dave = client_of(server, "sk-dave-batches")
     lines = [line(f"d{n}", "/v1/chat/completions", chat_body(TOPICS[n], 2)) for n in range(3)]
-    batch = dave.batches.create(
-        input_file_id=upload(dave, lines), endpoint="/v1/chat/completions", completion_window="24h"
-    )
-    deadline = time.monotonic() + 60
-    while dave.batches.retrieve(batch.id).request_counts.completed < 2:
-        assert time.monotonic() < deadline
-        time.sleep(0.1)
+    batch = create_batch(dave, lines)
+    wait_completed(dave, batch.id, 2, timeout=60)
     pid = server_pid(server)
     assert pid is not None
     before, started = cpu_seconds(pid), time.monotonic()
@@ -328,10 +330,7 @@ def test_responses_lines_continue_the_responses_they_name(alice: OpenAI, bob: Op
         line("unknown", "/v1/responses", {**follow_up, "previous_response_id": "resp_" + "0" * 24}),
         line("not-mine", "/v1/responses", {**follow_up, "previous_response_id": others.id}),
     ]
-    batch = alice.batches.create(
-        input_file_id=upload(alice, lines), endpoint="/v1/responses", completion_window="24h"
-    )
-    done = settled(alice, batch.id)
+    done = settled(alice, create_batch(alice, lines, "/v1/responses").id)
     (output,) = jsonl(alice, done.output_file_id)
     direct = alice.responses.create(**follow_up)
     assert output["custom_id"] == "continued"
@@ -350,11 +349,7 @@ def test_a_batch_file_of_json_lines_with_raw_line_separators_in_strings_is_read(
     topics = ["sea\u2028moon", "sun\u2029rain", "snow\u0085wind"]
     lines = [line(f"s{n}", "/v1/chat/completions", chat_body(t, 2)) for n, t in enumerate(topics)]
     content = "\ufeff" + "\r\n".join(json.dumps(x, ensure_ascii=False) for x in lines) + "\r\n"
-    batch = alice.batches.create(
-        input_file_id=upload(alice, content.encode()),
-        endpoint="/v1/chat/completions",
-        completion_window="24h",
-    )
+    batch = create_batch(alice, content.encode())
     assert batch.status == "in_progress", batch.errors
     done = settled(alice, batch.id)
     assert sorted(x["custom_id"] for x in jsonl(alice, done.output_file_id)) == ["s0", "s1", "s2"]
