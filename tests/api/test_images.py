@@ -196,6 +196,25 @@ def test_only_http_and_https_are_fetched(url: str):
 # --- malformed hosts -----------------------------------------------------------
 
 
+def _fetch_failure(url: str, addresses: list[str]) -> tuple[ImageFetchError, list[str]]:
+    """What fetching ``url`` raises, when every name resolves to ``addresses``; and the
+    names that were resolved."""
+    resolved: list[str] = []
+
+    def resolver(name: str, port: int) -> list[str]:
+        resolved.append(name)
+        return addresses
+
+    with pytest.raises(ImageFetchError) as caught:
+        fetch_image(
+            url,
+            DestinationPolicy(resolver=resolver),
+            max_bytes=2**20,
+            deadline=time.monotonic() + 5,
+        )
+    return caught.value, resolved
+
+
 @pytest.mark.parametrize(
     "host",
     [
@@ -216,21 +235,9 @@ def test_only_http_and_https_are_fetched(url: str):
     ],
 )
 def test_a_malformed_host_is_the_clients_fault_and_is_not_resolved(host: str):
-    resolved: list[str] = []
-
-    def resolver(name: str, port: int) -> list[str]:
-        resolved.append(name)
-        return ["127.0.0.1"]
-
-    with pytest.raises(ImageFetchError) as caught:
-        fetch_image(
-            f"http://{host}:8399/a",
-            DestinationPolicy(resolver=resolver),
-            max_bytes=2**20,
-            deadline=time.monotonic() + 5,
-        )
-    assert caught.value.client_fault and not caught.value.timed_out
-    assert "not a valid name or address" in str(caught.value), str(caught.value)
+    failure, resolved = _fetch_failure(f"http://{host}:8399/a", ["127.0.0.1"])
+    assert failure.client_fault and not failure.timed_out
+    assert "not a valid name or address" in str(failure), str(failure)
     assert resolved == []
 
 
@@ -251,14 +258,8 @@ def test_a_redirect_to_a_malformed_host_is_a_400(served: ImageServer, host: str)
 
 @pytest.mark.parametrize("port", ["0", "65536", "99999"])
 def test_a_port_out_of_range_is_the_clients_fault(port: str):
-    with pytest.raises(ImageFetchError) as caught:
-        fetch_image(
-            f"http://images.example.com:{port}/a",
-            DestinationPolicy(resolver=lambda host, _: ["93.184.216.34"]),
-            max_bytes=2**20,
-            deadline=time.monotonic() + 5,
-        )
-    assert caught.value.client_fault and f"port {port}" in str(caught.value)
+    failure, _ = _fetch_failure(f"http://images.example.com:{port}/a", ["93.184.216.34"])
+    assert failure.client_fault and f"port {port}" in str(failure)
 
 
 @pytest.mark.parametrize(
@@ -266,20 +267,8 @@ def test_a_port_out_of_range_is_the_clients_fault(port: str):
     ["bücher.example", "xn--bcher-kva.example", "images.xn--bcher-kva.example", "a_b.example"],
 )
 def test_a_well_formed_name_is_resolved_in_its_ascii_form(host: str):
-    resolved: list[str] = []
-
-    def resolver(name: str, port: int) -> list[str]:
-        resolved.append(name)
-        return ["127.0.0.1"]
-
-    with pytest.raises(ImageFetchError) as caught:
-        fetch_image(
-            f"http://{host}/a",
-            DestinationPolicy(resolver=resolver),
-            max_bytes=2**20,
-            deadline=time.monotonic() + 5,
-        )
-    assert caught.value.client_fault and "loopback" in str(caught.value)
+    failure, resolved = _fetch_failure(f"http://{host}/a", ["127.0.0.1"])
+    assert failure.client_fault and "loopback" in str(failure)
     assert resolved == [host.replace("bücher", "xn--bcher-kva")]
 
 
