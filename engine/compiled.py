@@ -8,17 +8,17 @@ matmuls (norms, rotary, residuals, SiLU, casts) fused into a few loops, and
 it releases the GIL while it runs. What each graph computes is in
 ``engine.decode_compiler``.
 
-Three graphs serve every decode batch: one for a single sequence, one for
-``2..MANY_ROWS - 1`` sequences and one for ``MANY_ROWS..MAX_ROWS``; each takes
-any context and any KV cache size. Prefill chunks and larger batches run
-eagerly. Inductor autotunes the matmuls of the single-sequence and many-rows
-graphs between ATen's kernels and its own C++ templates. With AMX its
-low-bit templates run 32 rows 3-7x faster than ATen's int4 and int8 kernels;
-a whole step on them costs the same as on ATen's at 4 rows, 25% more at 2
-and a third less at 5-7 (the default model: 11.6 against 9.2 ms at 2 rows,
-13.0 against 19.3 ms at 5). Hence the many-rows graph, compiled at
-``MANY_ROWS_HINT`` rows. The graph for a few rows is not autotuned, since
-inductor keys its autotuning by the symbolic shape, not the batch it measured.
+Two graphs serve every decode batch: one for a single sequence and one for
+``2..MAX_ROWS`` sequences; each takes any context and any KV cache size. Prefill
+chunks and larger batches run eagerly. A graph computes each row as an eager
+step does, bit for bit: the matmuls, norms, SiLU and attention are the
+engine's own kernels, which both call, and inductor keeps every bfloat16
+rounding an eager op makes (``emulate_precision_casts``) where it would
+otherwise carry float32 through a fused loop. So a token decoded through a
+graph has the logits it has when a prefill or an eager step computes it, which
+the engine's batch invariance (``engine.precision``) rests on. Inductor does
+not autotune its matmuls for the same reason: a template of its own would
+round differently from the kernel an eager step runs.
 
 Compiling runs in a child process (``engine.decode_compiler``), once per
 model, machine and PyTorch version. What it makes is kept under
@@ -26,13 +26,13 @@ model, machine and PyTorch version. What it makes is kept under
 code depends on (the weights, this code, the CPU, the thread count, whether
 the engine's own kernels run): for each graph a shared library, loaded in
 place by PyTorch's C++ runner, the constants compiling made, and where the
-graph calls those kernels (``engine.model.vnni_gemm``,
+graph calls those kernels (``engine.model.vnni_gemm``, ``engine.model.rowwise``,
 ``engine.attention.paged_decode``) the description of those calls that the
 runner reads from beside the library. So this process never imports dynamo or
 inductor, keeps nothing compiling leaves behind, and a later start loads the
 graphs in about a second. Loading hands each graph the model's own tensors; only the
-constants compiling made (the templates' repacked weights, about 105 MiB for
-the default model) are read from the cache, and graphs share identical ones.
+constants compiling made (a dense layer's repacked weights, say) are read from
+the cache, and graphs share identical ones.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ from torch import nn
 from engine import CACHE_DIR
 from engine.attention import BatchLayout, KVCache, paged_decode
 from engine.attention.torch_backend import padded_tables
-from engine.model import vnni_gemm
+from engine.model import rowwise, vnni_gemm
 from shared.heap import return_free_memory
 
 log = logging.getLogger(__name__)
@@ -66,14 +66,8 @@ log = logging.getLogger(__name__)
 MAX_ROWS = 64
 """The largest decode batch a graph takes; beyond it a step is GEMM-bound."""
 
-MANY_ROWS = 4
-"""Decode batches from this size run in the many-rows graph."""
-
-MANY_ROWS_HINT = 32
-"""The batch the many-rows graph is compiled and autotuned with."""
-
-FEW_ROWS_EXAMPLE = 3
-"""The batch the few-rows graph is exported with."""
+MANY_ROWS_EXAMPLE = 3
+"""The batch the many-rows graph is exported with."""
 
 MIN_BLOCKS = 2
 """Block tables are padded to at least this width, so that export never specializes it."""
@@ -95,12 +89,11 @@ _SOURCES = (
 
 
 class Graph(NamedTuple):
-    """A decode graph: the rows it is exported with, the rows it takes, whether it is autotuned."""
+    """A decode graph: the rows it is exported with, and the rows it takes."""
 
     rows: int
     least: int
     most: int
-    autotuned: bool
 
 
 def context(
@@ -130,12 +123,9 @@ class CompiledDecode:
         self.kv_cache = kv_cache
         self.max_rows = min(MAX_ROWS, max_num_seqs)
         self.steps = 0  # decode steps it ran, warm-up included
-        self.graphs = {"one": Graph(1, 1, 1, autotuned=True)}
+        self.graphs = {"one": Graph(1, 1, 1)}
         if self.max_rows >= 2:
-            self.graphs["few"] = Graph(FEW_ROWS_EXAMPLE, 2, MANY_ROWS - 1, autotuned=False)
-        if self.max_rows >= MANY_ROWS:
-            hint = min(MANY_ROWS_HINT, self.max_rows)
-            self.graphs["many"] = Graph(hint, MANY_ROWS, MAX_ROWS, autotuned=True)
+            self.graphs["many"] = Graph(min(MANY_ROWS_EXAMPLE, self.max_rows), 2, MAX_ROWS)
         # the runner for each batch size, index = rows (0 has none); filled by warm_up
         self._by_rows: list[torch._C._aoti.AOTIModelContainerRunnerCpu | None] = []
 
@@ -249,6 +239,7 @@ class CompiledDecode:
             torch.cpu._is_avx512_bf16_supported(),
             vnni_gemm.available(),
             paged_decode.available(),
+            rowwise.available(),
             torch.get_num_threads(),
             self.kv_cache.block_size,
             self.kv_cache.k.dtype,

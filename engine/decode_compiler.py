@@ -15,9 +15,9 @@ to its own new key and value; ``engine.attention.paged_decode``'s kernel where
 it runs), then the head. It returns every row's float32 logits and every
 layer's new keys and values; the caller writes those into the cache, so the
 graph mutates nothing. The weights are frozen into the graph, and inductor
-autotunes its matmuls between ATen's kernels and its own C++ templates where
-the spec asks. Only the constants compiling made (the templates' repacked
-weights) are kept; the model's own tensors are handed to the graph when it is
+rounds to bfloat16 wherever an eager step does (``emulate_precision_casts``), so
+that a row's logits are the bits an eager step gives it. Only the constants
+compiling made are kept; the model's own tensors are handed to the graph when it is
 loaded, so they are held once.
 """
 
@@ -48,8 +48,9 @@ MAX_BLOCKS = 1 << 20
 WEIGHTS_CONFIG = "data/aotinductor/model/weights_config.json"
 """Where a package lists its constants: name → [file under data/weights, shape, stride, ...]."""
 
-_AUTOTUNED = {"max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
 _PACKAGE = {
+    "emulate_precision_casts": True,
+    "cpp.weight_prepack": False,  # a dense layer runs ATen's GEMM, as an eager step does
     "freezing": True,
     "aot_inductor.package_constants_in_so": False,
     "aot_inductor.package_constants_on_disk_format": "pickle_weights",
@@ -148,9 +149,8 @@ def compile_graph(step: DecodeStep, graph: Graph, kv_dtype: torch.dtype, out: Pa
         program = torch.export.export(
             step, (ids, ids.clone(), tables, mask, cache.k, cache.v), dynamic_shapes=dynamic
         )
-    options = _PACKAGE | (_AUTOTUNED if graph.autotuned else {})
     torch._inductor.aoti_compile_and_package(
-        program, package_path=str(out), inductor_configs=options
+        program, package_path=str(out), inductor_configs=_PACKAGE
     )
 
 

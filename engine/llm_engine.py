@@ -75,7 +75,8 @@ class LLMEngine:
             f"max_model_len {self.max_model_len}, "
             f"{loaded.num_blocks} KV blocks of {args.block_size} "
             f"in {str(loaded.precision.kv_dtype).removeprefix('torch.')}, "
-            f"decode steps {'compiled' if compiled else 'eager'}"
+            f"decode steps {'compiled' if compiled else 'eager'}, "
+            f"{'batch-invariant' if loaded.precision.batch_invariant else 'not batch-invariant'}"
         )
         log.info("engine ready: %s", self.description)
 

@@ -1,8 +1,16 @@
 """Which dtype the engine computes in and which width its weights keep.
 
 ``dtype="auto"`` picks bfloat16 where the hardware computes it natively
-(CUDA; CPUs with AVX512-BF16 or AMX) and float32 elsewhere, because bfloat16
-emulated on an older CPU is slower than float32. ``quantization="auto"`` keeps
+(CUDA; CPUs with AVX512-BF16 or AMX, where the engine's own kernels run) and
+float32 elsewhere, because bfloat16 emulated on an older CPU is slower than
+float32, and because on a CPU the default is batch-invariant: a request's
+tokens do not depend on what else the engine is running. On a CPU that
+guarantee rests on the engine's kernels (``own_kernels``): int8 activations
+with integer accumulation for the low-bit layers (``engine.model.vnni_gemm``),
+one attention kernel for every query row (``engine.attention.paged_decode``),
+and norms and SiLU of its own (``engine.model.rowwise``), called alike by eager
+steps and by the compiled decode graphs. Where they do not run, bfloat16's
+rounding would follow the batch, so ``auto`` computes in float32. ``quantization="auto"`` keeps
 a checkpoint's block-quantized weights quantized on a CPU unless float32 was
 asked for by name: a 4-bit GGUF tensor stays 4-bit (``Int4Linear``), an 8-bit
 one 8-bit (``Int8Linear``), and float tensors stay dense. The low-bit kernels
@@ -16,11 +24,13 @@ parity tests pin it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
+from engine.attention import paged_decode
+from engine.model import rowwise, vnni_gemm
 from engine.model.quantized import KERNEL_DTYPE, check_quantization
 from shared.cpu import cpu_flags
 
@@ -39,6 +49,7 @@ class Precision:
     dtype: torch.dtype
     quantization: str  # "none", "int8", "int4", or "stored": each layer at its checkpoint's width
     reason: str  # why, for the engine's start line
+    batch_invariant: bool = False  # a row's logits are the same bits whatever shares its step
 
     @property
     def kv_dtype(self) -> torch.dtype:
@@ -53,9 +64,22 @@ def native_bf16_flag(cpuinfo: Path = Path("/proc/cpuinfo")) -> str | None:
 
 
 def resolve_precision(
-    dtype: str, quantization: str, device: torch.device, bf16_flag: str | None = None
+    dtype: str,
+    quantization: str,
+    device: torch.device,
+    bf16_flag: str | None = None,
+    own_kernels: bool = True,
 ) -> Precision:
-    """Check the pair before anything loads; ``bf16_flag`` is the CPU's, as ``native_bf16_flag``."""
+    """Check the pair before anything loads; ``bf16_flag`` is the CPU's, as ``native_bf16_flag``,
+    and ``own_kernels`` whether the engine's kernels run on it (``own_kernels_run``)."""
+    precision = _resolve(dtype, quantization, device, bf16_flag, own_kernels)
+    invariant = device.type == "cpu" and own_kernels and precision.dtype == torch.bfloat16
+    return replace(precision, batch_invariant=invariant)
+
+
+def _resolve(
+    dtype: str, quantization: str, device: torch.device, bf16_flag: str | None, own_kernels: bool
+) -> Precision:
     if quantization not in ("auto", "none"):
         check_quantization(quantization)
         if device.type != "cpu":
@@ -64,22 +88,27 @@ def resolve_precision(
             raise ValueError(
                 f"quantization {quantization!r} computes in bfloat16 or float32, not {dtype}"
             )
-        chosen = _dtype_for(dtype, device, bf16_flag)
+        chosen = _dtype_for(dtype, device, bf16_flag, own_kernels)
         return Precision(
             chosen.dtype, quantization, f"quantization {quantization}; {chosen.reason}"
         )
-    chosen = _dtype_for(dtype, device, bf16_flag)
+    chosen = _dtype_for(dtype, device, bf16_flag, own_kernels)
     if quantization == "none" or device.type != "cpu" or dtype == "float32":
         return chosen
     return Precision(chosen.dtype, "stored", f"{chosen.reason}; quantized weights kept quantized")
 
 
-def _dtype_for(dtype: str, device: torch.device, bf16_flag: str | None) -> Precision:
+def _dtype_for(
+    dtype: str, device: torch.device, bf16_flag: str | None, own_kernels: bool
+) -> Precision:
     if dtype == "auto":
         if device.type == "cuda":
             return Precision(torch.bfloat16, "none", "dtype auto: bfloat16 on CUDA")
         if bf16_flag is None:
             return Precision(torch.float32, "none", "dtype auto: float32, no native bfloat16 here")
+        if not own_kernels:
+            reason = "dtype auto: float32, the engine's batch-invariant kernels do not run here"
+            return Precision(torch.float32, "none", reason)
         return Precision(torch.bfloat16, "none", f"dtype auto: bfloat16, the CPU has {bf16_flag}")
     if dtype in DTYPES:
         return Precision(DTYPES[dtype], "none", f"dtype {dtype}")
@@ -88,8 +117,15 @@ def _dtype_for(dtype: str, device: torch.device, bf16_flag: str | None) -> Preci
 
 def precision_for(dtype: str, quantization: str, device: torch.device) -> Precision:
     """``resolve_precision`` for this machine's CPU."""
-    flag = native_bf16_flag() if device.type == "cpu" else None
-    return resolve_precision(dtype, quantization, device, flag)
+    cpu = device.type == "cpu"
+    flag = native_bf16_flag() if cpu else None
+    return resolve_precision(dtype, quantization, device, flag, cpu and own_kernels_run())
+
+
+def own_kernels_run() -> bool:
+    """Whether the kernels a batch-invariant CPU engine computes with run here (built on the
+    first call)."""
+    return vnni_gemm.available() and paged_decode.available() and rowwise.available()
 
 
 def stored_methods(layer_bits: dict[str, list[float | None]]) -> dict[str, str]:

@@ -9,12 +9,12 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 
-from engine.attention import AttentionBackend, KVCache, make_backend
+from engine.attention import AttentionBackend, KVCache, make_backend, paged_decode
 from engine.config import DEFAULT_KV_CACHE_BYTES, KV_TOKENS_PER_SEQUENCE, EngineArgs, ModelConfig
 from engine.gpu_memory import activation_peak, check_utilization, kv_cache_bytes
 from engine.loader import Checkpoint, load_checkpoint
@@ -86,6 +86,9 @@ def _load(args: EngineArgs) -> LoadedModel:
     dtype = precision.dtype
     checkpoint = load_checkpoint(Path(spec.weights), dtype)
     cfg = ModelConfig.from_hf(checkpoint.config)
+    heads = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+    if precision.batch_invariant and not paged_decode.serves_heads(*heads):
+        precision = replace(precision, batch_invariant=False)  # its prefill attends by SDPA
     max_model_len = _max_model_len(args, cfg, spec.context_length)
     architecture = LlamaForCausalLM if cfg.vision is None else Idefics3ForConditionalGeneration
     with torch.device(device):

@@ -9,13 +9,12 @@ import pytest
 # As the engine sets it (engine/__init__.py), before anything here imports torch.
 os.environ.setdefault("GOMP_SPINCOUNT", "10000")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# Engines, servers and workers the suite starts compute in float32 unless a test
-# asks otherwise: float32 matches transformers token for token and its outputs do
-# not depend on the batch a request shares. The tests of the default precision
-# (bfloat16 with quantized weights, on CPUs that compute bfloat16 natively) ask.
-os.environ["SLUICE_DTYPE"] = "float32"
-# ...and step eagerly: compiling the decode graph costs a minute or two of C++ per
-# model and precision. tests/engine/test_compiled.py compiles on purpose.
+# Engines, servers and workers the suite starts compute in the default precision,
+# as users run them (bfloat16 with the GGUF's low-bit weights where the CPU has the
+# instructions), and step eagerly unless a test is about serving: compiling the
+# decode graphs costs a minute of C++ per model and batch limit, and every process
+# of the run shares the one cache of what was compiled (engine.CACHE_DIR). The
+# tests that compare with transformers ask for float32, where it is the reference.
 os.environ["SLUICE_ENFORCE_EAGER"] = "1"
 
 # Property tests draw the same examples on every run in CI, so a red build is reproducible.

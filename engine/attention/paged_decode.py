@@ -46,17 +46,18 @@ def serves(q: torch.Tensor, cache: torch.Tensor) -> bool:
     """Whether the kernel attends queries like ``q`` ``[rows, heads, dim]`` over ``cache``
     ``[..., kv_heads, dim]``."""
     heads, dim = q.shape[1:]
-    kv_heads = cache.shape[-2]
     return (
         q.device.type == "cpu"
         and q.dtype in DTYPES
         and cache.dtype in DTYPES
-        and dim % 16 == 0
-        and dim <= MAX_HEAD_DIM
-        and heads % kv_heads == 0
-        and heads // kv_heads <= MAX_GROUP
-        and available()
+        and serves_heads(heads, cache.shape[-2], dim)
     )
+
+
+def serves_heads(heads: int, kv_heads: int, dim: int) -> bool:
+    """Whether the kernel runs here for a model of these attention heads."""
+    fits = dim % 16 == 0 and dim <= MAX_HEAD_DIM and heads % kv_heads == 0
+    return fits and heads // kv_heads <= MAX_GROUP and available()
 
 
 def attend(

@@ -1,18 +1,21 @@
 """Paged attention in plain PyTorch: works on CPU and CUDA.
 
-Decodes are batched, with block tables built once in ``plan`` and reused by
-every layer: ``paged_decode``'s kernel reads each sequence's context where the
-cache holds it, or, where the kernel does not run, the context is gathered into
-a padded ``[batch, context, kv_heads, dim]`` tensor, whole blocks at a time. Prefill
-chunks attend one sequence at a time; a chunk with no cached prefix attends
-to its own keys without touching the cache. Where the kernel runs, a small
-chunk (``SMALL_CHUNK_READS``) joins the decodes instead: each of its tokens is
-one more decode row, whose context is its sequence's slots up to its own,
-which the cache holds by then. A burst of short new messages on a cached
-system prompt then attends in one call per layer, not one per chunk. The cache
-may store a narrower dtype than the model computes in (bfloat16 under a
-float32 model with low-bit layers); keys and values are cast on the way in and
-out, and attention computes in the queries' dtype.
+Where ``paged_decode``'s kernel runs (a CPU with AVX-512), every query row of a
+step attends through it: a decode's token, and each token of a prefill chunk,
+whose context is its sequence's slots up to its own, which the cache holds by
+then. One kernel with one order of reduction for every row makes a token's
+attention the same bits whether it is decoded, prefilled in a chunk of any
+length, recomputed after a resume or continued from a cached prefix, and it
+reads each sequence's context where the cache holds it. The block tables and
+masks are built once in ``plan`` and reused by every layer.
+
+Elsewhere decodes attend over their context gathered into a padded
+``[batch, context, kv_heads, dim]`` tensor, whole blocks at a time, and prefill
+chunks attend one sequence at a time with ``scaled_dot_product_attention``; a
+chunk with no cached prefix attends to its own keys without touching the cache.
+The cache may store a narrower dtype than the model computes in (bfloat16 under
+a float32 model with low-bit layers); keys and values are cast on the way in
+and out, and attention computes in the queries' dtype.
 """
 
 from __future__ import annotations
@@ -24,11 +27,6 @@ import torch.nn.functional as F
 
 from engine.attention import paged_decode
 from engine.attention.base import AttentionBackend, BatchLayout, KVCache
-
-SMALL_CHUNK_READS = 2048
-"""The most (new tokens x context tokens) of a prefill chunk that joins the decodes' kernel
-call: each of its tokens reads its whole context there, where attending the chunk alone
-costs about 0.1 ms a layer whatever its size."""
 
 
 @dataclass(slots=True)
@@ -43,7 +41,7 @@ class _Prefill:
 @dataclass(slots=True)
 class _Plan:
     slot_mapping: torch.Tensor
-    decode_rows: int  # the decodes, then the tokens of the small chunks that joined them
+    decode_rows: int  # the decodes, then, where the kernel runs, every prefill token
     decode_gather: torch.Tensor | None  # [decode_rows, max_blocks] block tables, zero-padded
     decode_mask: torch.Tensor | None  # [decode_rows, 1, 1, max_context], additive
     prefills: list[_Prefill]  # the chunks that attend alone
@@ -79,21 +77,17 @@ class TorchBackend(AttentionBackend):
         self._plan = _Plan(layout.slot_mapping, len(lengths), gather, mask, prefills)
 
     def _decode_rows(self, layout: BatchLayout) -> tuple[list[list[int]], list[int], int]:
-        """The block table and context length of each decode row, and how many prefill
-        chunks joined the decodes: the leading small ones, where the kernel runs."""
+        """The block table and context length of each row the kernel attends, and how many
+        prefill chunks are among them: where the kernel runs, all of them."""
         decodes = layout.num_decodes
         tables, lengths = layout.block_tables[:decodes], layout.context_lens[:decodes]
         if not (paged_decode.available() and layout.slot_mapping.device.type == "cpu"):
             return tables, lengths, 0
-        joined = 0
         for i in range(decodes, len(layout.query_lens)):
             query, context = layout.query_lens[i], layout.context_lens[i]
-            if query * context > SMALL_CHUNK_READS:
-                break
             tables += [layout.block_tables[i]] * query
             lengths += range(context - query + 1, context + 1)  # each token sees itself
-            joined += 1
-        return tables, lengths, joined
+        return tables, lengths, len(layout.query_lens) - decodes
 
     def forward(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
@@ -162,9 +156,12 @@ def padded_tables(
     ``[seqs, blocks]`` (at least ``min_blocks``), and the additive mask
     ``[seqs, blocks * block_size]`` that hides the slots past each length."""
     width = max(min_blocks, -(-max(lengths) // block_size))
-    tables = torch.tensor(
-        [t[:width] + [0] * (width - len(t[:width])) for t in block_tables], dtype=torch.long
-    )
+    distinct = {id(table): table[:width] for table in block_tables}  # a chunk's rows share one
+    rows = [table + [0] * (width - len(table)) for table in distinct.values()]
+    tables = torch.tensor(rows, dtype=torch.long)
+    if len(distinct) < len(block_tables):
+        row_of = {key: row for row, key in enumerate(distinct)}
+        tables = tables[torch.tensor([row_of[id(table)] for table in block_tables])]
     past = torch.arange(width * block_size).unsqueeze(0) >= torch.tensor(lengths).unsqueeze(1)
     return tables, torch.zeros(past.shape).masked_fill_(past, float("-inf"))
 

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.config import RopeScaling
+from engine.model import rowwise
 
 GEMM_ROW_STEP = 256
 """Above this many rows, half-precision CPU GEMMs run on a multiple of it; see ``gemm_rows``."""
@@ -37,12 +38,15 @@ def gemm_rows(rows: int) -> int:
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear`` on ``x`` ``[rows, in]``, padded to ``gemm_rows`` where oneDNN runs it.
 
-    A graph being exported has symbolic rows: it computes unpadded.
+    A graph being exported has symbolic rows: it computes unpadded. In bfloat16 on a CPU the
+    product runs as ``rowwise``'s op, the same GEMM in eager steps and compiled graphs.
     """
     rows = x.shape[0]
     half = x.dtype in (torch.bfloat16, torch.float16)
     if half and x.device.type == "cpu" and isinstance(rows, int):
         x = F.pad(x, (0, 0, 0, gemm_rows(rows) - rows)) if gemm_rows(rows) > rows else x
+    if rowwise.serves(x) and weight.dtype == x.dtype:
+        return torch.ops.sluice.dense_linear(x, weight, bias)[:rows]
     return F.linear(x, weight, bias)[:rows]
 
 
@@ -65,7 +69,17 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if rowwise.serves(x) and self.weight.dtype == x.dtype:
+            return torch.ops.sluice.rms_norm(x, self.weight, self.eps)
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+
+
+def silu_mul(x: torch.Tensor) -> torch.Tensor:
+    """silu(gate) · up of ``x`` = [gate, up] along its last dimension."""
+    if rowwise.serves(x):
+        return torch.ops.sluice.silu_mul(x)
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 class RotaryEmbedding(nn.Module):

@@ -10,12 +10,11 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import AttentionBackend
 from engine.config import ModelConfig
-from engine.model.layers import Linear, RMSNorm, RotaryEmbedding, rotate
+from engine.model.layers import Linear, RMSNorm, RotaryEmbedding, rotate, silu_mul
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # cos and sin rows of this step's positions
 # Rows of this step's tokens, and the embeddings that replace theirs (an image's features).
@@ -56,13 +55,11 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.intermediate_size = cfg.intermediate_size
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):

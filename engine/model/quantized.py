@@ -20,15 +20,12 @@ dense GEMM in the model's dtype instead; decode batches stay on the low-bit
 kernel, because dequantizing every weight on every step costs more than it
 saves below that size.
 
-Where the CPU has AVX-512 VNNI but no AMX, the layers run ``vnni_gemm``'s kernels on the
-same weights instead: they multiply the weights with int8 activations, each
-unpacked weight vector serving several rows. ``int4_gemm`` beats PyTorch's
-int4 kernel at every size (1.6-2.8x at one row on the default model's larger
-projections, 1.2-1.9x at 32); ``int8_gemm`` its int8 kernel from
-``INT8_VNNI_FROM_ROWS`` (2.2-3x at 32 rows on the head). An int4 layer in
-bfloat16 dequantizes and runs the GEMM from ``VNNI_INT4_DENSE_FROM_ROWS``,
-where ``engine.model.dequantize``'s kernel serves; otherwise both kernels beat
-dequantize-then-GEMM up to ``VNNI_DENSE_FROM_ROWS``.
+Where the CPU has AVX-512 VNNI, the layers run ``vnni_gemm``'s kernels on the
+same weights instead, at every number of rows: they multiply the weights with
+int8 activations quantized per row and accumulate in int32, which is exact, so a
+row's output is the same bits whatever other rows share its step (a decode batch
+of any size, a prefill chunk of any length). ``int4_gemm`` beats PyTorch's int4
+kernel at every size; many rows share each weight vector it unpacks.
 
 A tied embedding reads its rows from the quantized head (``QuantizedEmbedding``)
 instead of keeping a dense copy of the largest matrix.
@@ -59,26 +56,9 @@ is faster and the crossover lies lower, at 64 rows or fewer.
 
 AMX_INT4_DENSE_FROM_ROWS = 32
 """``DENSE_FROM_ROWS`` of int4 layers where AMX runs the bfloat16 GEMM and the int4 pack is
-dequantized by ``engine.model.dequantize``'s kernel: a layer of the default model takes
-1.11 against 1.47 ms at 32 rows, 1.35 against 2.88 at 64, and 1.04 against 0.75 at 16.
-Compiled decode graphs keep the low-bit kernel at every batch they take."""
-
-VNNI_DENSE_FROM_ROWS = 384
-"""Input rows from which dequantizing in PyTorch's ops then the GEMM beats ``int4_gemm`` and
-``int8_gemm`` (bfloat16, AVX-512 with VNNI: 3.1 against 4.5 ms at 256 rows for the
-3072x576 int4 projection, 7.4 both ways at 512)."""
-
-VNNI_INT4_DENSE_FROM_ROWS = 64
-"""``VNNI_DENSE_FROM_ROWS`` of int4 layers in bfloat16 that ``engine.model.dequantize``'s
-kernel dequantizes. A whole prefill of the default model on AVX-512 with VNNI, dense against
-``int4_gemm``: 0.95-0.97x the time at 64 rows, 0.98-1.02x at 96, 0.77-0.79x at 128, 0.89-0.93x
-at 192, 0.66-0.75x at 256; 1.19-1.22x at 32 and 48 (``LLM.generate``, one new token)."""
-
-INT8_VNNI_FROM_ROWS = 4
-"""Input rows from which ``int8_gemm`` runs instead of PyTorch's int8 kernel (the default
-model's 49152x576 head: 1.7-2.7 against 2.2-2.6 ms at 4 rows over four runs, 8.2 against
-24.2 at 32, 1.1 against 1.1 at one); below, its transposing of the weights costs as much as
-the rows save. It is also where the compiled many-rows graph starts (``engine.compiled``)."""
+dequantized by ``engine.model.dequantize``'s kernel (CPUs with AMX whose VNNI kernels do not
+build): a layer of the default model takes 1.11 against 1.47 ms at 32 rows, 1.35 against
+2.88 at 64, and 1.04 against 0.75 at 16."""
 
 GROUP_SIZE = 32
 """Inputs sharing one int4 scale and minimum: GGUF's block size."""
@@ -113,10 +93,9 @@ class Int8Linear(nn.Module):
         self.register_buffer("bias", None if bias is None else bias.to(self.dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.shape[0]
-        if INT8_VNNI_FROM_ROWS <= rows < VNNI_DENSE_FROM_ROWS and self.vnni():
+        if self.vnni():
             y = torch.ops.sluice.int8_gemm(x.to(KERNEL_DTYPE), self.weight, self.scale)
-        elif rows < DENSE_FROM_ROWS:
+        elif x.shape[0] < DENSE_FROM_ROWS:
             y = torch.ops.aten._weight_int8pack_mm(x.to(KERNEL_DTYPE), self.weight, self.scale)
         else:
             return linear(x, self.dequantized(), self.bias)
@@ -215,25 +194,24 @@ class Int4Linear(nn.Module):
         return rows % _PACK_ROWS == 0 and columns % GROUP_SIZE == 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.compiler.is_exporting() or x.shape[0] < self.dense_from_rows():
-            y = self._low_bit(x.to(KERNEL_DTYPE)).to(self.dtype)
+        if self.vnni():
+            y = torch.ops.sluice.int4_gemm(x.to(KERNEL_DTYPE), self.weight, self.scales_and_zeros)
+        elif torch.compiler.is_exporting() or x.shape[0] < self.dense_from_rows():
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+                x.to(KERNEL_DTYPE), self.weight, GROUP_SIZE, self.scales_and_zeros
+            )
         else:
             y = linear(x, self.dequantized_transposed().T)
+        y = y.to(self.dtype)
         return y if self.bias is None else y + self.bias
-
-    def _low_bit(self, x: torch.Tensor) -> torch.Tensor:
-        if self.vnni():
-            return torch.ops.sluice.int4_gemm(x, self.weight, self.scales_and_zeros)
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(
-            x, self.weight, GROUP_SIZE, self.scales_and_zeros
-        )
 
     def vnni(self) -> bool:
         """Whether ``int4_gemm`` runs here on this layer's pack (AVX-512's, rows in order)."""
         return _int4_vnni(self.layout.block, self.layout.in_order)
 
     def dense_from_rows(self) -> int:
-        """Input rows from which this layer dequantizes and runs the dense GEMM."""
+        """Input rows from which this layer, off the VNNI kernel, dequantizes and runs the
+        dense GEMM."""
         return _int4_dense_from_rows(self.layout.block, self.layout.in_order, self.dtype)
 
     def dequantized_transposed(self) -> torch.Tensor:
@@ -272,13 +250,10 @@ def _int4_vnni(block: int, in_order: bool) -> bool:
 
 @cache
 def _int4_dense_from_rows(block: int, in_order: bool, dtype: torch.dtype) -> int:
-    vnni = _int4_vnni(block, in_order)
-    if dtype == torch.bfloat16 and dequantize.serves(block, in_order, dtype):
-        if vnni:
-            return VNNI_INT4_DENSE_FROM_ROWS
-        if torch.cpu._is_amx_tile_supported():
-            return AMX_INT4_DENSE_FROM_ROWS
-    return VNNI_DENSE_FROM_ROWS if vnni else DENSE_FROM_ROWS
+    amx = torch.cpu._is_amx_tile_supported()
+    if amx and dtype == torch.bfloat16 and dequantize.serves(block, in_order, dtype):
+        return AMX_INT4_DENSE_FROM_ROWS
+    return DENSE_FROM_ROWS
 
 
 QuantizedLinear = Int8Linear | Int4Linear

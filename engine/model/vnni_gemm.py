@@ -5,10 +5,9 @@ The kernels (``vnni_gemm.cpp``) read PyTorch's AVX-512 int4 pack and its int8
 layout as they are, so a layer keeps one copy of its weights whichever kernel
 runs. They are compiled for this machine on first use (``engine.native``).
 Where the CPU lacks the instructions or the build fails, ``available()`` is
-false and the layers keep PyTorch's kernels. It is false with AMX too: there
-the compiled decode graphs autotune PyTorch's kernels against inductor's AMX
-templates, which run 32 rows of the 3072x576 int4 projection in 0.14-0.17 ms
-(``engine.compiled``), where ``int4_gemm`` takes about 0.4 ms on AVX-512.
+false and the layers keep PyTorch's kernels, whose arithmetic changes with the
+number of rows. CPUs with AMX run these kernels too: inductor's AMX templates
+run many rows faster, but a row's result would then depend on its batch.
 """
 
 from __future__ import annotations
@@ -30,8 +29,6 @@ CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx5
 @cache
 def available() -> bool:
     """Whether the kernels run here; builds and loads them on first call."""
-    if torch.cpu._is_amx_tile_supported():
-        return False
     if not native.runs(NAME, SOURCE, FLAGS, CPU_FLAGS, "PyTorch's kernels"):
         return False
     torch.library.register_fake("sluice::int4_gemm")(_int4_shape)

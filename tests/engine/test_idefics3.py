@@ -132,7 +132,14 @@ def reference_logprobs(
 
 def make_engine(vlm: Path, **args: object) -> LLMEngine:
     return LLMEngine(
-        EngineArgs(model=str(vlm), max_model_len=2048, num_kv_blocks=256, log_stats=False, **args)
+        EngineArgs(
+            model=str(vlm),
+            dtype="float32",
+            max_model_len=2048,
+            num_kv_blocks=256,
+            log_stats=False,
+            **args,
+        )
     )
 
 

@@ -146,7 +146,7 @@ PROMPTS = [
 
 @pytest.mark.slow
 def test_default_model_greedy_matches_transformers(transformers_default) -> None:
-    llm = LLM("default", max_num_seqs=8)
+    llm = LLM("default", dtype="float32", max_num_seqs=8)
     prompt_ids = [llm.tokenizer.tokenizer.encode(p).ids for p in PROMPTS]
     ours = llm.generate(prompt_ids, SamplingParams(max_tokens=64, min_tokens=64, temperature=0))
     reference = transformers_default

@@ -44,7 +44,6 @@ ROWS = [
     1,
     5,
     quantized.AMX_INT4_DENSE_FROM_ROWS,
-    quantized.VNNI_INT4_DENSE_FROM_ROWS,
     quantized.DENSE_FROM_ROWS,
     150,
     400,
@@ -176,21 +175,24 @@ def _ops_run(layer: Int4Linear, rows: int) -> set[str]:
 def test_int4_layers_dequantize_from_the_rows_this_cpu_measures(
     dtype: torch.dtype, kernel: str
 ) -> None:
-    """Below ``dense_from_rows()`` an int4 layer runs its low-bit kernel; from there it
-    dequantizes and runs the GEMM. With the dequantize kernel in bfloat16 the threshold is
-    what was measured for this CPU's low-bit kernel (VNNI or AMX)."""
+    """On the VNNI kernel an int4 layer runs it at every number of rows, so a row's output
+    does not depend on its batch. On PyTorch's kernel it runs below ``dense_from_rows()``
+    and from there dequantizes and runs the GEMM: with the dequantize kernel in bfloat16 on
+    AMX, from the rows measured there."""
     layer = quantized.quantize(_random_linear(192, 96, False, dtype), "int4")
+    if kernel == "vnni":
+        for rows in (1, 64, 400):
+            ran = _ops_run(layer, rows)
+            assert "sluice::int4_gemm" in ran and "aten::mm" not in ran
+        return
     amx = torch.cpu._is_amx_tile_supported()
     by_kernel = dequantize.available() and dtype == torch.bfloat16
-    expected = {
-        (True, True): quantized.VNNI_INT4_DENSE_FROM_ROWS,
-        (True, False): quantized.VNNI_DENSE_FROM_ROWS,
-        (False, True): quantized.AMX_INT4_DENSE_FROM_ROWS if amx else quantized.DENSE_FROM_ROWS,
-        (False, False): quantized.DENSE_FROM_ROWS,
-    }[layer.vnni(), by_kernel]
+    expected = (
+        quantized.AMX_INT4_DENSE_FROM_ROWS if amx and by_kernel else quantized.DENSE_FROM_ROWS
+    )
     assert layer.dense_from_rows() == expected
 
-    low_bit = "sluice::int4_gemm" if kernel == "vnni" else "aten::_weight_int4pack_mm_for_cpu"
+    low_bit = "aten::_weight_int4pack_mm_for_cpu"
     below, above = _ops_run(layer, expected - 1), _ops_run(layer, expected)
     assert low_bit in below and "aten::mm" not in below
     assert low_bit not in above and "aten::mm" in above
