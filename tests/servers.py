@@ -19,6 +19,11 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 STARTUP_TIMEOUT_S = 300
 
+COMPILED = {"SLUICE_ENFORCE_EAGER": "0"}
+"""The environment of a server whose tests are about serving: decode steps run through the
+compiled graphs, as users run them (the suite's other engines step eagerly). Servers of one
+``--max-model-len`` share the graphs the first of them compiled."""
+
 
 def free_port() -> int:
     with socket.socket() as sock:
@@ -27,16 +32,19 @@ def free_port() -> int:
 
 
 @contextmanager
-def running_server(args: list[str], log_dir: Path) -> Iterator[str]:
+def running_server(
+    args: list[str], log_dir: Path, env: dict[str, str] | None = None
+) -> Iterator[str]:
     """Start the server with ``args`` on a free port; yield its base URL once ``/ready``.
 
     One OpenMP thread and no tokenizer threads: the test process and the server
-    share two cores. The process is terminated (then killed) on exit.
+    share two cores; ``env`` adds to its environment. The process is terminated
+    (then killed) on exit.
     """
     port = free_port()
     log_path = log_dir / "server.log"
     command = [sys.executable, "-m", "api.server", "--port", str(port), *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
     with log_path.open("w") as log:
         process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=log)
     base_url = f"http://127.0.0.1:{port}"

@@ -33,14 +33,19 @@ from openai import OpenAI
 
 from shared import keys
 from shared.registry import DEFAULT_MODEL
-from tests.servers import free_port
+from tests.servers import COMPILED, free_port
 from workers.heartbeat import WorkerIdentity, leave
 
 ROOT = Path(__file__).resolve().parents[2]
 MAX_MODEL_LEN = 1024
 WORKER_SEQS = 4
 STARTUP_TIMEOUT_S = 180
-CHILD_ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+CHILD_ENV = {
+    **os.environ,
+    **COMPILED,  # workers decode as users run them
+    "OMP_NUM_THREADS": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
 Greedy = Callable[..., str]  # (prompt ids, max tokens, structured outputs=None) -> text
 T = TypeVar("T")
 API_OPTIONS = ("--queue-timeout", "60", "--first-token-timeout", "90", "--total-timeout", "120")

@@ -1,8 +1,8 @@
 """One real server for the whole end-to-end session.
 
 ``python -m api.server`` runs in a subprocess on a free port with the default
-model, exactly as ``sluice serve`` would; the fixture waits for ``/ready`` and
-kills the process at the end. A short context and few sequences keep the KV
+model and compiled decode steps, exactly as ``sluice serve`` would; the fixture
+waits for ``/ready`` and kills the process at the end. A short context and few sequences keep the KV
 cache (and the suite) small on a two-core machine.
 """
 
@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from tests.servers import running_server
+from tests.servers import COMPILED, running_server
 
 CONTEXT = 2048
 
@@ -22,7 +22,7 @@ CONTEXT = 2048
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """The base URL (``http://127.0.0.1:PORT``) of a ready server."""
     args = ["--max-model-len", str(CONTEXT), "--max-num-seqs", "4"]
-    with running_server(args, tmp_path_factory.mktemp("server")) as base_url:
+    with running_server(args, tmp_path_factory.mktemp("server"), COMPILED) as base_url:
         yield base_url
 
 

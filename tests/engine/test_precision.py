@@ -58,6 +58,30 @@ def test_precision_follows_the_hardware(dtype, quantization, device, flag, expec
 
 
 @pytest.mark.parametrize(
+    ("dtype", "quantization", "device", "own_kernels", "expected"),
+    [
+        ("auto", "auto", CPU, True, (torch.bfloat16, True)),
+        ("auto", "auto", CPU, False, (torch.float32, False)),  # bfloat16 would follow the batch
+        ("bfloat16", "auto", CPU, True, (torch.bfloat16, True)),
+        ("bfloat16", "auto", CPU, False, (torch.bfloat16, False)),  # asked for by name
+        ("float32", "auto", CPU, True, (torch.float32, False)),
+        ("auto", "auto", CUDA, False, (torch.bfloat16, False)),
+    ],
+)
+def test_the_default_is_batch_invariant_where_the_engines_kernels_run(
+    dtype: str,
+    quantization: str,
+    device: torch.device,
+    own_kernels: bool,
+    expected: tuple[torch.dtype, bool],
+) -> None:
+    precision = resolve_precision(dtype, quantization, device, "avx512_bf16", own_kernels)
+    assert (precision.dtype, precision.batch_invariant) == expected
+    if dtype == "auto" and device == CPU and not own_kernels:
+        assert "batch-invariant kernels do not run here" in precision.reason
+
+
+@pytest.mark.parametrize(
     ("dtype", "quantization", "flag", "kv_dtype"),
     [
         ("auto", "auto", None, torch.bfloat16),  # float32 with low-bit layers
