@@ -32,15 +32,17 @@ def test_compiled_decode_matches_eager(tmp_path: Path, dtype: str, quantization:
     eager = LLM(weights, enforce_eager=True, **options)
     assert "decode steps compiled" in compiled.engine.description
     graph = compiled.engine.runner.compiled
-    assert graph is not None  # warming up loaded the three graphs
+    assert graph is not None  # warming up loaded the two graphs
     warm_up_steps = graph.steps
-    assert warm_up_steps == 3  # the one-row, few-rows and many-rows graphs, once each
+    assert warm_up_steps == 2  # the one-row and many-rows graphs, once each
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=2)
-    tolerance = 1e-3 if dtype == "float32" else 0.1
-    for prompts in (PROMPTS[:1], PROMPTS, MANY):  # the one-row, few-rows and many-rows graphs
+    for prompts in (PROMPTS[:1], PROMPTS, MANY):  # one row, then 3 and 9 in the many-rows graph
         ours, theirs = compiled.generate(prompts, params), eager.generate(prompts, params)
         for a, b in zip(ours, theirs, strict=True):
-            assert_same_greedy_path(a.logprobs, b.logprobs, tolerance, ties=dtype != "float32")
+            if compiled.engine.precision.batch_invariant:  # the same bits, graph or not
+                assert a.logprobs == b.logprobs
+            else:
+                assert_same_greedy_path(a.logprobs, b.logprobs, 1e-3)
     assert graph.steps - warm_up_steps == 3 * 23  # every step after each batch's prefill
 
 
@@ -109,19 +111,10 @@ def compiling(caplog: pytest.LogCaptureFixture) -> int:
 
 
 def assert_same_greedy_path(
-    ours: list[TokenLogprob], theirs: list[TokenLogprob], tolerance: float, ties: bool
+    ours: list[TokenLogprob], theirs: list[TokenLogprob], tolerance: float
 ) -> None:
-    """The same tokens with logprobs within ``tolerance``, up to a near tie if ``ties``.
-
-    In bfloat16 the graph's kernels round differently from eager ones, so two
-    candidates within ``tolerance`` of each other may swap; past such a
-    swap, the two runs continue different texts.
-    """
-    assert len(ours) == len(theirs)
+    """The same tokens with logprobs within ``tolerance``: float32's GEMMs round by row count,
+    and a graph's differ from an eager step's."""
+    assert [x.token_id for x in ours] == [y.token_id for y in theirs]
     for x, y in zip(ours, theirs, strict=True):
-        if x.token_id != y.token_id:
-            alternatives = dict(y.top)
-            assert ties and x.token_id in alternatives, (x, y)
-            assert alternatives[x.token_id] == pytest.approx(y.logprob, abs=tolerance)
-            return
         assert x.logprob == pytest.approx(y.logprob, abs=tolerance)
