@@ -7,10 +7,11 @@ For each variant (engine flags, ``auto`` being the default configuration) it
 starts ``sluice serve`` on the default model, reads its resident memory once
 ready, streams one greedy Chat Completions request of ``--new-tokens`` tokens
 (three times; decode tok/s is the median, counted between the first and the
-last content chunk), then ``--streams`` concurrent ones (aggregate tok/s over
-the burst), and reads its resident memory after the burst and its peak
-(loading included) and, over the burst, the CPU seconds
-per streamed token of the engine's threads (the engine thread and the OpenMP
+last content chunk), one request of a new ``LONG_PROMPT_WORDS``-word prompt
+(about 2,000 tokens) for its time to first token (median of three), then
+``--streams`` concurrent ones (aggregate tok/s over the burst), and reads its
+resident memory after the burst and its peak (loading included) and, over the
+burst, the CPU seconds per streamed token of the engine's threads (the engine thread and the OpenMP
 workers it starts, named ``sluice-engine``) and of the rest of the server.
 With every server stopped, the baselines run on the same machine: llama.cpp
 (``llama-cpp-python``, when installed) on the same GGUF with the same prompt
@@ -23,7 +24,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
+import random
 import re
 import statistics
 import subprocess
@@ -47,6 +50,11 @@ VARIANTS = {  # name -> sluice serve flags
 }
 CONTEXT = 8192  # the default model's context length: both servers are sized for it
 SINGLE_STREAM_RUNS = 3
+LONG_PROMPT_WORDS = 1900
+"""Words of the long prompt; with the chat template, about 2,000 tokens of the default model."""
+WORDS = ["river", "stone", "light", "north", "quiet", "market", "window", "garden", "winter",
+         "paper", "voice", "letter", "orange", "bridge", "morning", "silver", "forest", "engine",
+         "table", "candle", "harbor", "valley", "thunder", "meadow"]  # fmt: skip
 
 
 @dataclass(slots=True)
@@ -56,6 +64,8 @@ class Served:
     peak_rss_mib: float  # the high-water mark, loading included
     single_tokens_per_s: float
     single_ttft_ms: float
+    long_prompt_tokens: int
+    long_ttft_ms: float  # the long prompt's time to first token
     concurrent_tokens_per_s: float
     api_cpu_ms_per_token: float  # outside the engine's threads
     engine_cpu_ms_per_token: float
@@ -79,6 +89,39 @@ def thread_cpu_seconds(pid: int) -> tuple[float, float]:
         else:
             rest += seconds
     return engine, rest
+
+
+def long_prompt_ttft(base_url: str) -> tuple[int, float]:
+    """The long prompt's token count and its median time to first token over three prompts,
+    each new (its first words differ), so no prefix of it is cached."""
+    import httpx
+
+    draw = random.Random(0)
+    times, tokens = [], 0
+    for run in range(SINGLE_STREAM_RUNS):
+        words = [f"{run}:"] + [draw.choice(WORDS) for _ in range(LONG_PROMPT_WORDS)]
+        body = {
+            "model": "default",
+            "messages": [{"role": "user", "content": " ".join(words)}],
+            "max_tokens": 1,
+            "temperature": 0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        started = time.perf_counter()
+        first = None
+        with httpx.stream("POST", f"{base_url}/v1/chat/completions", json=body, timeout=600) as r:
+            for line in r.iter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                chunk = json.loads(line.removeprefix("data: "))
+                choices = chunk.get("choices") or [{}]
+                if first is None and choices[0].get("delta", {}).get("content"):
+                    first = time.perf_counter() - started
+                if chunk.get("usage"):
+                    tokens = chunk["usage"]["prompt_tokens"]
+        times.append(first if first is not None else time.perf_counter() - started)
+    return tokens, statistics.median(times) * 1e3
 
 
 def rss_mib(pid: int, field: str = "VmRSS") -> float:
@@ -106,6 +149,7 @@ def serve(flags: list[str], args: argparse.Namespace, workdir: Path) -> Served:
             asyncio.run(run_streams(base_url, "default", 1, args.new_tokens, ignore_eos=True))[0]
             for _ in range(SINGLE_STREAM_RUNS)
         ]
+        long_prompt_tokens, long_ttft_ms = long_prompt_ttft(base_url)
         asyncio.run(run_streams(base_url, "default", args.streams, 8))  # warm-up at full batch
         before = thread_cpu_seconds(server.pid)
         started = time.perf_counter()
@@ -124,6 +168,8 @@ def serve(flags: list[str], args: argparse.Namespace, workdir: Path) -> Served:
             peak_rss_mib=rss_mib(server.pid, "VmHWM"),
             single_tokens_per_s=statistics.median((len(s.gaps_s)) / sum(s.gaps_s) for s in singles),
             single_ttft_ms=statistics.median(s.ttft_s for s in singles) * 1e3,
+            long_prompt_tokens=long_prompt_tokens,
+            long_ttft_ms=long_ttft_ms,
             concurrent_tokens_per_s=tokens / wall,
             api_cpu_ms_per_token=api_cpu / tokens * 1e3,
             engine_cpu_ms_per_token=engine_cpu / tokens * 1e3,
@@ -208,14 +254,17 @@ def main(argv: list[str] | None = None) -> int:
     if hf:
         print(f"transformers float32, static batch of {args.streams}: {hf:.1f} tok/s")
     print(f"{'variant':<10}{'1 stream tok/s':>15}{'÷ llama.cpp':>12}{'TTFT ms':>9}"
-          f"{f'{args.streams} streams tok/s':>18}{'÷ hf':>7}{'idle MiB':>10}{'served MiB':>12}"
+          f"{'long prompt TTFT ms':>21}{f'{args.streams} streams tok/s':>18}{'÷ hf':>7}"
+          f"{'idle MiB':>10}{'served MiB':>12}"
           f"{'÷ llama.cpp':>12}{'peak MiB':>10}"
           f"{'API CPU ms/tok':>16}{'engine CPU ms/tok':>19}")  # fmt: skip
     for name, s in served.items():
         single = _ratio(s.single_tokens_per_s, cpp and cpp[0])
         print(
             f"{name:<10}{s.single_tokens_per_s:>15.1f}{single:>12}"
-            f"{s.single_ttft_ms:>9.1f}{s.concurrent_tokens_per_s:>18.1f}"
+            f"{s.single_ttft_ms:>9.1f}"
+            f"{f'{s.long_ttft_ms:.0f} ({s.long_prompt_tokens} tok)':>21}"
+            f"{s.concurrent_tokens_per_s:>18.1f}"
             f"{_ratio(s.concurrent_tokens_per_s, hf):>7}{s.idle_rss_mib:>10.0f}"
             f"{s.served_rss_mib:>12.0f}{_ratio(s.served_rss_mib, cpp and cpp[2]):>12}"
             f"{s.peak_rss_mib:>10.0f}"
