@@ -37,7 +37,7 @@ from workers.publisher import EventPublisher
 from workers.runtime import WorkerRuntime, connect
 from workers.task import TaskContext, run_job
 
-LONG = SamplingParams(max_tokens=48, temperature=0.0)  # outlasts the grace by far
+LONG = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)  # outlasts the grace
 GRACE_S = 0.05
 
 
