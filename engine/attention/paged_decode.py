@@ -1,11 +1,13 @@
-"""``torch.ops.sluice.paged_decode``: decode attention read straight from the paged KV cache.
+"""``torch.ops.sluice.paged_decode``: attention read straight from the paged KV cache, for
+every query row on a CPU.
 
-Attention over a gathered copy of each sequence's blocks reads and writes
-every key and value three times or more, and at 32 sequences of about 150
-tokens that copying cost more than a third of the default model's decode step.
-The kernel (``paged_decode.cpp``) reads each key and value once, from its block,
-for all the query heads that share its KV head. It is compiled for this
-machine on first use (``engine.native``) and needs AVX-512; where the CPU
+A decode's token and each token of a prefill chunk are rows of one call, each
+attending to its context where the cache holds it; a row's output is the same
+bits whatever else the call holds, which the engine's batch invariance rests on
+(``engine.precision``). The kernel (``paged_decode.cpp``) reads each key and
+value once, from its block, for all the query heads that share its KV head, and
+the rows of one prompt share each key and value they load. It is compiled for
+this machine on first use (``engine.native``) and needs AVX-512; where the CPU
 lacks it or the build fails, ``available()`` is false and decodes attend over
 gathered blocks with ``scaled_dot_product_attention``.
 """

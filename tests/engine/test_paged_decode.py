@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.attention import BatchLayout, KVCache, paged_decode, torch_backend
+from engine.attention import BatchLayout, KVCache, paged_decode
 from engine.attention.torch_backend import (
     TorchBackend,
     attend_decode,
@@ -151,20 +151,20 @@ def test_it_serves_only_what_it_reads() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_small_prefill_chunks_attend_as_rows_of_the_decodes_call(
+def test_prefill_chunks_attend_as_rows_of_the_decodes_call(
     dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """In a mixed step, the tokens of small prefill chunks (a new message on a cached prefix,
-    a first short prompt) join the decodes' kernel call; every token gets what attending its
-    chunk alone with SDPA gives, from the kernel or, where it does not serve, from SDPA over
-    each row's gathered blocks. A large chunk still attends alone."""
+    """In a mixed step, the tokens of every prefill chunk (a new message on a cached prefix,
+    a first short prompt, a long chunk) join the decodes' kernel call, so each token attends
+    with one order of reduction whatever the step holds; every token gets what attending its
+    chunk alone with SDPA gives (where the kernel does not run, chunks attend alone)."""
     heads, kv_heads, dim = 9, 3, 64
     cache = KVCache.allocate(1, NUM_BLOCKS, BLOCK_SIZE, kv_heads, dim, dtype, torch.device("cpu"))
     generator = torch.Generator().manual_seed(7)
     cache.k.copy_(torch.randn(cache.k.shape, generator=generator))
     cache.v.copy_(torch.randn(cache.v.shape, generator=generator))
     # (new tokens, context): 2 decodes, a chunk on a cached prefix, a whole short prompt,
-    # and a chunk too large to join
+    # and a longer chunk
     steps = [(1, 20), (1, 35), (6, 40), (5, 5), (40, 90)]
     order = (torch.randperm(NUM_BLOCKS - 1, generator=generator) + 1).tolist()
     tables, slots = [], []
@@ -186,14 +186,123 @@ def test_small_prefill_chunks_attend_as_rows_of_the_decodes_call(
 
     backend = TorchBackend(cache)
     backend.plan(layout)
-    assert backend._plan.decode_rows == 2 + 6 + 5 and len(backend._plan.prefills) == 1
+    assert backend._plan.decode_rows == 2 + 6 + 5 + 40 and not backend._plan.prefills
     joined = backend.forward(0, q, k, v)
     with monkeypatch.context() as patched:  # the same rows where the kernel does not serve
         patched.setattr(paged_decode, "serves", lambda *_: False)
         gathered = backend.forward(0, q, k, v)
-    monkeypatch.setattr(torch_backend, "SMALL_CHUNK_READS", 0)  # every chunk alone
+    monkeypatch.setattr(paged_decode, "available", lambda: False)  # every chunk alone
     backend.plan(layout)
     assert backend._plan.decode_rows == 2 and len(backend._plan.prefills) == 3
     alone = backend.forward(0, q, k, v)
     for ours in (joined, gathered):
         torch.testing.assert_close(ours.float(), alone.float(), atol=_tolerance(dtype), rtol=0)
+
+
+def _mixed_step(
+    chunks: list[tuple[int, int]],
+    decodes: list[int],
+    heads: int,
+    kv_heads: int,
+    dim: int,
+    dtype: torch.dtype,
+    seed: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One call's rows as the engine lays a step: each prefill chunk (new tokens, cached
+    prefix) a run of rows of one sequence, row i seeing its prefix and the chunk up to and
+    including its own token (already in the cache), then one row per decode of another
+    sequence. The cache outside what some row sees holds NaN."""
+    generator = torch.Generator().manual_seed(seed)
+    lengths = [prefix + tokens for tokens, prefix in chunks] + decodes
+    blocks = sum(-(-length // BLOCK_SIZE) for length in lengths) + 1
+    shape = (blocks, BLOCK_SIZE, kv_heads, dim)
+    k_blocks = torch.full(shape, float("nan"), dtype=dtype)
+    v_blocks = torch.full(shape, float("nan"), dtype=dtype)
+    order = (torch.randperm(blocks - 1, generator=generator) + 1).tolist()
+    tables, counts = [], []
+    for length, rows in zip(lengths, [t for t, _ in chunks] + [1] * len(decodes), strict=False):
+        table = order[: -(-length // BLOCK_SIZE)]
+        order = order[len(table) :]
+        for pos in range(length):
+            at = (table[pos // BLOCK_SIZE], pos % BLOCK_SIZE)
+            k_blocks[at] = torch.randn(kv_heads, dim, generator=generator).to(dtype)
+            v_blocks[at] = torch.randn(kv_heads, dim, generator=generator).to(dtype)
+        tables += [table] * rows
+        counts += list(range(length - rows + 1, length + 1))
+    width = max(len(table) for table in tables)
+    tables = torch.tensor([table + [0] * (width - len(table)) for table in tables])
+    shown = torch.arange(width * BLOCK_SIZE)[None] < torch.tensor(counts)[:, None]
+    mask = torch.zeros(shown.shape).masked_fill_(~shown, float("-inf"))[:, None, None]
+    q = (torch.randn(len(counts), heads, dim, generator=generator) * 2).to(dtype)
+    return q, k_blocks, v_blocks, tables, mask
+
+
+def _with_own_token_as_new(
+    k_blocks: torch.Tensor, v_blocks: torch.Tensor, tables: torch.Tensor, mask: torch.Tensor
+) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """Each row's mask with its last shown slot hidden and the new column shown, and that
+    slot's key and value as the row's new_k and new_v."""
+    last = (mask[:, 0, 0] == 0).sum(dim=1) - 1
+    table = tables[torch.arange(len(last)), last // BLOCK_SIZE]
+    new_k = k_blocks[table, last % BLOCK_SIZE]
+    new_v = v_blocks[table, last % BLOCK_SIZE]
+    moved = torch.nn.functional.pad(mask, (0, 1), value=0.0)
+    moved[torch.arange(len(last)), 0, 0, last] = float("-inf")
+    return moved, (new_k, new_v)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "dim"), [(9, 3, 64), (4, 4, 32), (8, 1, 128), (6, 2, 80)]
+)
+@pytest.mark.parametrize(
+    "chunks",
+    [[(1, 0)], [(7, 0), (64, 37)], [(300, 0)], [(300, 21), (7, 100)]],
+    ids=["one", "small-and-cached", "300", "300-cached-and-small"],
+)
+def test_every_row_gets_the_bits_it_gets_alone(
+    dtype: torch.dtype,
+    heads: int,
+    kv_heads: int,
+    dim: int,
+    chunks: list[tuple[int, int]],
+) -> None:
+    """Batch invariance: rows of prefill chunks, mixed with decodes of other sequences, give
+    bit for bit what each row gives in a call of its own, and what it gives with its own
+    token passed as new_k / new_v rather than read from the cache."""
+    if len(chunks) > 1 and dim != 64:
+        chunks = chunks[:1]  # the other head shapes: one chunk keeps the test quick
+    q, k_blocks, v_blocks, tables, mask = _mixed_step(
+        chunks, [20, 150, 33], heads, kv_heads, dim, dtype, seed=len(chunks) + dim
+    )
+    got = paged_decode.attend(q, k_blocks, v_blocks, tables, mask)
+    moved, new = _with_own_token_as_new(k_blocks, v_blocks, tables, mask)
+    assert not got.isnan().any()
+    for row in range(len(q)):
+        alone = paged_decode.attend(
+            q[row : row + 1], k_blocks, v_blocks, tables[row : row + 1], mask[row : row + 1]
+        )
+        assert torch.equal(got[row : row + 1], alone), f"row {row}"
+    as_new = paged_decode.attend(q, k_blocks, v_blocks, tables, moved, new)
+    assert torch.equal(got, as_new)
+    expected = _reference(q, k_blocks.nan_to_num(), v_blocks.nan_to_num(), tables, mask)
+    torch.testing.assert_close(got.float(), expected, atol=_tolerance(dtype), rtol=0)
+
+
+def test_rows_of_a_run_keep_their_own_mask_values() -> None:
+    """Finite mask values other than 0 are added to each row's scores, and a row whose mask
+    hides a slot inside its prefix attends as a row of its own; both give the bits a call of
+    their own gives."""
+    q, k_blocks, v_blocks, tables, mask = _mixed_step([(40, 9)], [], 9, 3, 64, torch.float32, 5)
+    generator = torch.Generator().manual_seed(6)
+    shown = mask != float("-inf")
+    mask = torch.where(shown, torch.randn(mask.shape, generator=generator), mask)
+    mask[17, 0, 0, 3] = float("-inf")
+    got = paged_decode.attend(q, k_blocks, v_blocks, tables, mask)
+    for row in range(len(q)):
+        alone = paged_decode.attend(
+            q[row : row + 1], k_blocks, v_blocks, tables[row : row + 1], mask[row : row + 1]
+        )
+        assert torch.equal(got[row : row + 1], alone), f"row {row}"
+    expected = _reference(q, k_blocks.nan_to_num(), v_blocks.nan_to_num(), tables, mask)
+    torch.testing.assert_close(got, expected)
