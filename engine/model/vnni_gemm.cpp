@@ -28,12 +28,40 @@
 // 64 outputs per block as [K][32] bytes (the low nibble of byte j is output j, the high
 // nibble output j + 32); one vpermt2b gathers such a vector's bytes. int8 rows are
 // transposed 16 at a time, 64 inputs each.
+//
+// int4_gemm is batch invariant: y[m, n] has the same bits whatever the call's other rows
+// hold and however many there are, so a sequence's logits do not depend on what it was
+// scheduled with, and prefill and decode share the kernel at every row count. Its integer
+// sums are exact in any order; the float work per row, output and group is one fixed
+// sequence, in group order: acc = fma(float(Σ q·(256c + f)), s·(a / 256), acc), then
+// acc = fma(z - 8 s, Σ x, acc). Two paths compute it:
+//
+// - below kWideFrom rows, the few-rows tiles: kTile rows, 32 outputs, each weight vector
+//   unpacked from the pack (vpermt2b and nibble masks) for its tile, c and f met in separate
+//   vpdpbusd sums. Unpacking as it goes costs little where the rows are few, and nothing is
+//   written before the products start.
+// - from kWideFrom rows, the many-rows tiles. A task's 48 outputs are unpacked once into
+//   vpdpwssd's layout (two inputs' codes a lane as int16, s and z - 8 s as floats) and each
+//   row's 256 c + f stored as int16 pairs, so one vpdpwssd takes a pair of inputs for 16
+//   outputs: as many instructions as PyTorch's bfloat16 GEMM spends in vdpbf16ps, and the
+//   inner loop is nothing else. A tile of 4 rows by 48 outputs keeps its 12 integer sums and
+//   12 float accumulators in registers across all groups; it is written in asm because
+//   GCC 12 spills such accumulators or copies them between registers every step. Tasks are
+//   (48 outputs) x (32 rows), panel-major, so each thread unpacks a panel once and both
+//   threads share the work however few panels there are. The per-group epilogue (cvt, mul,
+//   two fma per 16 outputs) shares the FMA pipes with vpdpwssd, which puts the floor about
+//   3/16 above the bfloat16 GEMM. The activations are quantized 16 groups at a time, with
+//   each group's operations unchanged (the reductions pair lanes as _mm512_reduce_max_ps and
+//   _mm512_reduce_add_ps do). 256 c + f leaves int16 only for c = -128, which a non-finite
+//   group or one of subnormal inputs makes; such rows are recomputed on the few-rows path,
+//   as they are when alone.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <array>
 #include <cstdint>
 #include <cstring>
@@ -81,6 +109,66 @@ float quantize_group(const at::BFloat16* x, int8_t* codes, int8_t* fine, float* 
     fine += 16;
   }
   return amax / 127.f;
+}
+
+// _mm512_reduce_max_ps or _mm512_reduce_add_ps of each of v[0..15] (as `op` says), lane j
+// the reduction of v[j], each with the same operations in the same order: its upper 256
+// bits with its lower, then upper 128 with lower, then lane i with lane i + 2, then lane 0
+// with lane 1. The 16 reductions share each step's instructions.
+template <typename Op>
+__m512 reduce_sixteen(const __m512 v[16], Op op) {
+  __m512 halves[8], quarters[4], pairs[2];
+  for (int p = 0; p < 8; ++p)  // group 2p in 128-bit blocks 0-1, group 2p + 1 in 2-3
+    halves[p] = op(_mm512_shuffle_f32x4(v[2 * p], v[2 * p + 1], 0xEE),
+                   _mm512_shuffle_f32x4(v[2 * p], v[2 * p + 1], 0x44));
+  for (int q = 0; q < 4; ++q)  // group 4q + b in block b
+    quarters[q] = op(_mm512_shuffle_f32x4(halves[2 * q], halves[2 * q + 1], 0xDD),
+                     _mm512_shuffle_f32x4(halves[2 * q], halves[2 * q + 1], 0x88));
+  for (int r = 0; r < 2; ++r)  // block b: groups 8r + b, 8r + 4 + b, lanes i and i + 2
+    pairs[r] = op(_mm512_shuffle_ps(quarters[2 * r], quarters[2 * r + 1], 0x44),
+                  _mm512_shuffle_ps(quarters[2 * r], quarters[2 * r + 1], 0xEE));
+  // block b, lane l: group 4l + b
+  __m512 last = op(_mm512_shuffle_ps(pairs[0], pairs[1], 0x88),
+                   _mm512_shuffle_ps(pairs[0], pairs[1], 0xDD));
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  return _mm512_permutexvar_ps(order, last);
+}
+
+// quantize_group for 16 consecutive groups of x, for the many-rows tiles: their scales a and
+// exact sums, and 256 c + f of each input pair as two int16 in `pairs` (16 a group). Returns
+// a bit for each group with a code c = -128, which 256 c + f cannot hold in int16.
+uint32_t quantize_sixteen_groups(const at::BFloat16* x, float* scales, float* sums,
+                                 int32_t* pairs) {
+  __m512 largest[16], total[16];
+  for (int j = 0; j < 16; ++j) {
+    __m512 lo = load_bf16(x + kGroup * j), hi = load_bf16(x + kGroup * j + 16);
+    largest[j] = _mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi));
+    total[j] = _mm512_add_ps(lo, hi);
+  }
+  const __m512 amax = reduce_sixteen(largest, [](__m512 a, __m512 b) { return _mm512_max_ps(a, b); });
+  _mm512_storeu_ps(sums, reduce_sixteen(total, [](__m512 a, __m512 b) { return _mm512_add_ps(a, b); }));
+  const __mmask16 positive = _mm512_cmp_ps_mask(amax, _mm512_setzero_ps(), _CMP_GT_OQ);
+  alignas(64) float inverses[16];
+  _mm512_store_ps(inverses, _mm512_maskz_div_ps(positive, _mm512_set1_ps(127.f), amax));
+  _mm512_storeu_ps(scales, _mm512_div_ps(amax, _mm512_set1_ps(127.f)));
+  const __m512i lowest = _mm512_set1_epi32(-128), highest = _mm512_set1_epi32(127);
+  uint32_t unrepresented = 0;
+  for (int j = 0; j < 16; ++j) {
+    const __m512 inverse = _mm512_set1_ps(inverses[j]);
+    for (int h = 0; h < 2; ++h) {
+      // quantize_group's operations, its int8 saturation as a clamp in int32
+      __m512 scaled = _mm512_mul_ps(load_bf16(x + kGroup * j + 16 * h), inverse);
+      __m512 rounded = _mm512_roundscale_ps(scaled, _MM_FROUND_TO_NEAREST_INT);
+      __m512i remainder =
+          _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_sub_ps(scaled, rounded), _mm512_set1_ps(256.f)));
+      __m512i c = _mm512_min_epi32(_mm512_max_epi32(_mm512_cvtps_epi32(rounded), lowest), highest);
+      __m512i f = _mm512_min_epi32(_mm512_max_epi32(remainder, lowest), highest);
+      if (_mm512_cmpeq_epi32_mask(c, lowest)) unrepresented |= 1u << j;
+      __m256i wide = _mm512_cvtepi32_epi16(_mm512_add_epi32(_mm512_slli_epi32(c, 8), f));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(pairs + 16 * j + 8 * h), wide);
+    }
+  }
+  return unrepresented;
 }
 
 // The vpermt2b index that gathers rows 16h..16h+15 of a block, inputs k..k+3, from the
@@ -196,31 +284,289 @@ void over_tiles(int64_t M, const Tile& tile_of) {
   if (m0 < M) last_tile<Max - 1>(M - m0, m0, tile_of);
 }
 
-at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& pack, const at::Tensor& scales_and_zeros) {
-  TORCH_CHECK(scales_and_zeros.dim() == 3 && scales_and_zeros.size(2) == 2 &&
-                  scales_and_zeros.scalar_type() == at::kBFloat16,
-              "scales_and_zeros: [in / 32, out, 2] bfloat16");
-  const auto q = quantize_rows(x, false);
-  const int64_t M = x.size(0), K = x.size(1), N = scales_and_zeros.size(1);
-  TORCH_CHECK(N % kBlock == 0 && scales_and_zeros.size(0) == K / kGroup,
-              "int4: out must be a multiple of 64");
-  TORCH_CHECK(pack.scalar_type() == at::kByte && pack.numel() == N * K / 2, "pack: out * in / 2 bytes");
-  const auto packed = pack.contiguous();
-  const auto sz = scales_and_zeros.contiguous();
-  auto y = at::empty({M, N}, x.options().dtype(at::kFloat));
-  const auto* weights = packed.data_ptr<uint8_t>();
-  const auto* szp = reinterpret_cast<const uint32_t*>(sz.data_ptr<at::BFloat16>());
-  float* out = y.data_ptr<float>();
+// Outputs 16 n16 .. 16 (n16 + V) - 1 as the wide tiles take them: w[(k / 2) V + v] holds,
+// lane i, the codes of output 16 (n16 + v) + i for inputs k and k + 1 as two int16, and
+// so[(2 g) V + v], so[(2 g + 1) V + v] that vector's s and z - 8 s in group g.
+template <int V>
+void unpack_panel(const uint8_t* pack, const uint32_t* sz, int64_t K, int64_t N, int64_t n16,
+                  __m512i* w, __m512* so) {
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  const __m512i high_half = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int v = 0; v < V; ++v) {
+    const int64_t n = 16 * (n16 + v), block = n / kBlock, r = n % kBlock;
+    // Inputs k and k + 1 are 64 adjacent bytes; byte 4 i of the vector is input k's code of
+    // output n + i, byte 4 i + 2 input k + 1's, the odd bytes zeros.
+    alignas(64) std::array<uint8_t, 64> at;
+    for (int i = 0; i < 16; ++i) {
+      at[4 * i] = static_cast<uint8_t>(r % 32 + i);
+      at[4 * i + 2] = static_cast<uint8_t>(32 + r % 32 + i);
+      at[4 * i + 1] = at[4 * i + 3] = 0;
+    }
+    const __m512i index = _mm512_load_si512(at.data());
+    const int shift = r >= 32 ? 4 : 0;
+    const uint8_t* bytes = pack + block * K * 32;
+    for (int64_t k = 0; k < K; k += 2) {
+      __m512i two = _mm512_loadu_si512(bytes + k * 32);
+      __m512i codes = _mm512_and_si512(_mm512_srli_epi16(two, shift), nibble);
+      w[(k / 2) * V + v] = _mm512_maskz_permutexvar_epi8(0x5555555555555555ull, index, codes);
+    }
+    for (int64_t g = 0; g < K / kGroup; ++g) {
+      __m512i packed = _mm512_loadu_si512(sz + g * N + n);
+      __m512 scale = _mm512_castsi512_ps(_mm512_slli_epi32(packed, 16));
+      __m512 zero = _mm512_castsi512_ps(_mm512_and_si512(packed, high_half));
+      so[2 * g * V + v] = scale;
+      so[(2 * g + 1) * V + v] = _mm512_fnmadd_ps(_mm512_set1_ps(8.f), scale, zero);
+    }
+  }
+}
+
+// Register roles in wide_tile: zmm(3 t + v) the integer sums of row t, vector v; zmm(12 + 3 t
+// + v) its float accumulator; zmm24-26 the step's weight vectors, zmm27 the row's broadcast
+// input pair; zmm28-31 the epilogue's a, Σx, s·a and float(sums).
+#define SLUICE_IF(cond) ".if " cond "\n\t"
+#define SLUICE_ENDIF ".endif\n\t"
+
+// Row t of one input pair: its pair broadcast, times the V weight vectors.
+#define SLUICE_WIDE_ROW(t, d0, d1, d2, address)                                 \
+  SLUICE_IF("%c[rows] > " #t)                                                    \
+  "vpbroadcastd " address ", %%zmm27\n\t"                                        \
+  "vpdpwssd %%zmm24, %%zmm27, %%zmm" #d0 "\n\t"                                  \
+  SLUICE_IF("%c[vecs] > 1") "vpdpwssd %%zmm25, %%zmm27, %%zmm" #d1 "\n\t" SLUICE_ENDIF \
+  SLUICE_IF("%c[vecs] > 2") "vpdpwssd %%zmm26, %%zmm27, %%zmm" #d2 "\n\t" SLUICE_ENDIF \
+  SLUICE_ENDIF
+
+// One input pair for every row: x at byte `dx` past the rows' pointers, w at `dw` vectors.
+#define SLUICE_WIDE_STEP(dx, dw)                                                \
+  "vmovdqu64 64*" dw "(%[w]), %%zmm24\n\t"                                       \
+  SLUICE_IF("%c[vecs] > 1") "vmovdqu64 64*" dw "+64(%[w]), %%zmm25\n\t" SLUICE_ENDIF \
+  SLUICE_IF("%c[vecs] > 2") "vmovdqu64 64*" dw "+128(%[w]), %%zmm26\n\t" SLUICE_ENDIF \
+  SLUICE_WIDE_ROW(0, 0, 1, 2, dx "(%[x0])")                                      \
+  SLUICE_WIDE_ROW(1, 3, 4, 5, dx "(%[x0],%[stride],1)")                          \
+  SLUICE_WIDE_ROW(2, 6, 7, 8, dx "(%[x0],%[stride],2)")                          \
+  SLUICE_WIDE_ROW(3, 9, 10, 11, dx "(%[x1])")
+
+// Vector v of row t after a group: acc = fma(float(sum), s·a, acc); acc = fma(z - 8 s, Σx, acc).
+#define SLUICE_WIDE_EPILOGUE_VECTOR(v, dot, acc)                                \
+  SLUICE_IF("%c[vecs] > " #v)                                                    \
+  "vmulps " #v "*64(%[so]), %%zmm28, %%zmm30\n\t"                                \
+  "vcvtdq2ps %%zmm" #dot ", %%zmm31\n\t"                                         \
+  "vfmadd231ps %%zmm30, %%zmm31, %%zmm" #acc "\n\t"                              \
+  "vfmadd231ps %c[vecs]*64+" #v "*64(%[so]), %%zmm29, %%zmm" #acc "\n\t"        \
+  SLUICE_ENDIF
+
+#define SLUICE_WIDE_EPILOGUE_ROW(t, d0, d1, d2, a0, a1, a2)                     \
+  SLUICE_IF("%c[rows] > " #t)                                                    \
+  "vbroadcastss 4*" #t "(%[a]), %%zmm28\n\t"                                     \
+  "vbroadcastss 4*" #t "(%[sum]), %%zmm29\n\t"                                   \
+  SLUICE_WIDE_EPILOGUE_VECTOR(0, d0, a0)                                         \
+  SLUICE_WIDE_EPILOGUE_VECTOR(1, d1, a1)                                         \
+  SLUICE_WIDE_EPILOGUE_VECTOR(2, d2, a2)                                         \
+  SLUICE_ENDIF
+
+// The accumulator of row t, vector v to acc[t][v].
+#define SLUICE_WIDE_STORE(t, v, reg)                                            \
+  SLUICE_IF("%c[rows] > " #t " && %c[vecs] > " #v)                               \
+  "vmovups %%zmm" #reg ", 64*(" #t "*%c[vecs]+" #v ")(%[acc])\n\t"             \
+  SLUICE_ENDIF
+
+// T <= 4 rows times 16 V <= 48 outputs over all groups, every sum and accumulator held in
+// registers. x: the first row's input pairs (256 c + f of inputs k, k + 1 as two int16), a
+// row every `stride` bytes; a, sum: the rows' a / 256 and Σx of group 0, the next group
+// `group_stride` bytes on; w, so: unpack_panel's vectors; acc: [T][V][16] out.
+// Written in asm: GCC 12 keeps so many vpdpwssd accumulators in registers only by spilling
+// them or copying them between registers every step, which costs more than the products.
+template <int T, int V>
+void wide_tile(const int32_t* x, int64_t stride, const float* a, const float* sum,
+               int64_t group_stride, const __m512i* w, const __m512* so, int64_t groups,
+               float* acc) {
+  static_assert(T >= 1 && T <= 4 && V >= 1 && V <= 3);
+  uintptr_t x0 = reinterpret_cast<uintptr_t>(x), x1 = x0 + 3 * stride;  // x1 read if T = 4
+  int64_t steps = 0;
+  asm volatile(
+      ".irp r, 12,13,14,15,16,17,18,19,20,21,22,23\n\t"
+      "vpxord %%zmm\\r, %%zmm\\r, %%zmm\\r\n\t"
+      ".endr\n\t"
+      "2:\n\t"
+      ".irp r, 0,1,2,3,4,5,6,7,8,9,10,11\n\t"
+      "vpxord %%zmm\\r, %%zmm\\r, %%zmm\\r\n\t"
+      ".endr\n\t"
+      "mov $8, %[steps]\n\t"
+      "1:\n\t"
+      SLUICE_WIDE_STEP("0", "0")
+      SLUICE_WIDE_STEP("4", "%c[vecs]")
+      "add $8, %[x0]\n\t"
+      "add $8, %[x1]\n\t"
+      "add $128*%c[vecs], %[w]\n\t"
+      "dec %[steps]\n\t"
+      "jnz 1b\n\t"
+      SLUICE_WIDE_EPILOGUE_ROW(0, 0, 1, 2, 12, 13, 14)
+      SLUICE_WIDE_EPILOGUE_ROW(1, 3, 4, 5, 15, 16, 17)
+      SLUICE_WIDE_EPILOGUE_ROW(2, 6, 7, 8, 18, 19, 20)
+      SLUICE_WIDE_EPILOGUE_ROW(3, 9, 10, 11, 21, 22, 23)
+      "add %[group_stride], %[a]\n\t"
+      "add %[group_stride], %[sum]\n\t"
+      "add $128*%c[vecs], %[so]\n\t"
+      "dec %[groups]\n\t"
+      "jnz 2b\n\t"
+      SLUICE_WIDE_STORE(0, 0, 12) SLUICE_WIDE_STORE(0, 1, 13) SLUICE_WIDE_STORE(0, 2, 14)
+      SLUICE_WIDE_STORE(1, 0, 15) SLUICE_WIDE_STORE(1, 1, 16) SLUICE_WIDE_STORE(1, 2, 17)
+      SLUICE_WIDE_STORE(2, 0, 18) SLUICE_WIDE_STORE(2, 1, 19) SLUICE_WIDE_STORE(2, 2, 20)
+      SLUICE_WIDE_STORE(3, 0, 21) SLUICE_WIDE_STORE(3, 1, 22) SLUICE_WIDE_STORE(3, 2, 23)
+      : [x0] "+r"(x0), [x1] "+r"(x1), [w] "+r"(w), [so] "+r"(so), [a] "+r"(a), [sum] "+r"(sum),
+        [groups] "+r"(groups), [steps] "+r"(steps)
+      : [stride] "r"(stride), [group_stride] "r"(group_stride), [acc] "r"(acc), [rows] "i"(T),
+        [vecs] "i"(V)
+      : "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9", "xmm10",
+        "xmm11", "xmm12", "xmm13", "xmm14", "xmm15", "xmm16", "xmm17", "xmm18", "xmm19", "xmm20",
+        "xmm21", "xmm22", "xmm23", "xmm24", "xmm25", "xmm26", "xmm27", "xmm28", "xmm29", "xmm30",
+        "xmm31", "cc", "memory");
+}
+
+#undef SLUICE_WIDE_STORE
+#undef SLUICE_WIDE_EPILOGUE_ROW
+#undef SLUICE_WIDE_EPILOGUE_VECTOR
+#undef SLUICE_WIDE_STEP
+#undef SLUICE_WIDE_ROW
+#undef SLUICE_ENDIF
+#undef SLUICE_IF
+
+constexpr int kWideRows = 4;       // rows of a wide tile
+constexpr int kWideVectors = 3;    // vectors of 16 outputs in a wide tile
+constexpr int64_t kWideFrom = 32;  // rows from which int4_gemm takes the wide tiles
+constexpr int64_t kChunk = 32;     // rows of a task: a panel's outputs for that many rows
+
+// int4_gemm's arithmetic for the rows of `act` with few rows: each weight vector unpacked
+// with a vpermt2b per tile of kTile rows, 32 outputs at a time.
+void int4_narrow(const Activations& act, int64_t M, int64_t K, const uint8_t* weights,
+                 const uint32_t* szp, int64_t N, float* out) {
   at::parallel_for(0, 2 * (N / kBlock), 1, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
       const int64_t block = task / 2;
       const int h = static_cast<int>(task % 2);
       const __m512i index = gather_index(h);
       over_tiles<kTile>(M, [&](auto rows, int64_t m0) {
-        tile<decltype(rows)::value>(q.view, m0, K, weights, szp, N, block, h, index, out);
+        tile<decltype(rows)::value>(act, m0, K, weights, szp, N, block, h, index, out);
       });
     }
   });
+}
+
+// int4_gemm for many rows: the same integers and the same float epilogue, from weights
+// unpacked once per panel of 48 outputs into vpdpwssd's layout.
+void int4_wide(const at::Tensor& x, const uint8_t* weights, const uint32_t* szp, int64_t N,
+               float* out) {
+  const int64_t M = x.size(0), K = x.size(1), groups = K / kGroup, half = K / 2;
+  const auto input = x.contiguous();
+  const auto* xp = input.data_ptr<at::BFloat16>();
+  auto pairs_t = at::empty({M, half}, x.options().dtype(at::kInt));
+  auto a_t = at::empty({groups, M}, x.options().dtype(at::kFloat));
+  auto sums_t = at::empty({groups, M}, x.options().dtype(at::kFloat));
+  std::vector<uint8_t> unrepresented(M * groups, 0);  // by group, as threads write them
+  auto* pairs = pairs_t.data_ptr<int32_t>();
+  auto* a = a_t.data_ptr<float>();
+  auto* sums = sums_t.data_ptr<float>();
+  // 16 groups at a time, the flat [M, K / 32] groups in order, then the last few alone
+  const int64_t all = M * groups, batches = all / 16;
+  auto mark = [&](int64_t group) { unrepresented[group] = 1; };
+  auto place = [&](int64_t group, float scale, float sum) {
+    const int64_t m = group / groups, g = group % groups;
+    a[g * M + m] = scale / 256.f;
+    sums[g * M + m] = sum;
+  };
+  at::parallel_for(0, batches + 1, 16, [&](int64_t begin, int64_t end) {
+    alignas(64) float scale[16], sum[16];
+    alignas(64) int8_t codes[kGroup], fine[kGroup];
+    for (int64_t batch = begin; batch < end; ++batch) {
+      if (batch < batches) {
+        const int64_t first = 16 * batch;
+        uint32_t bad = quantize_sixteen_groups(xp + first * kGroup, scale, sum,
+                                               pairs + first * (kGroup / 2));
+        for (int64_t j = 0, m = first / groups, g = first % groups; j < 16; ++j) {
+          a[g * M + m] = scale[j] / 256.f;
+          sums[g * M + m] = sum[j];
+          if (++g == groups) g = 0, ++m;
+        }
+        for (; bad; bad &= bad - 1) mark(first + __builtin_ctz(bad));
+        continue;
+      }
+      for (int64_t group = 16 * batches; group < all; ++group) {
+        float total;
+        const float s = quantize_group(xp + group * kGroup, codes, fine, &total, _mm_setzero_si128());
+        place(group, s, total);
+        const __m256i c8 = _mm256_load_si256(reinterpret_cast<const __m256i*>(codes));
+        const __m256i f8 = _mm256_load_si256(reinterpret_cast<const __m256i*>(fine));
+        if (_mm256_cmpeq_epi8_mask(c8, _mm256_set1_epi8(-128))) mark(group);
+        const __m512i c = _mm512_cvtepi8_epi16(c8), f = _mm512_cvtepi8_epi16(f8);
+        _mm512_storeu_si512(pairs + group * (kGroup / 2),
+                            _mm512_add_epi16(_mm512_slli_epi16(c, 8), f));
+      }
+    }
+  });
+  constexpr int T = kWideRows, V = kWideVectors;
+  const int64_t vectors = N / 16, panels = (vectors + V - 1) / V;
+  const int64_t chunks = (M + kChunk - 1) / kChunk;
+  at::parallel_for(0, panels * chunks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<__m512i> w(half * V);
+    std::vector<__m512> so(2 * groups * V);
+    alignas(64) float acc[T * V * 16];
+    int64_t unpacked = -1;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t panel = task / chunks, first = (task % chunks) * kChunk;
+      const int64_t last = std::min(M, first + kChunk);
+      const int64_t n16 = panel * V, n0 = 16 * n16;
+      const int width = static_cast<int>(std::min<int64_t>(V, vectors - n16));
+      auto run = [&](auto vecs) {
+        constexpr int W = decltype(vecs)::value;
+        if (panel != unpacked) unpack_panel<W>(weights, szp, K, N, n16, w.data(), so.data());
+        unpacked = panel;
+        auto tile_of = [&](auto rows, int64_t m0) {
+          constexpr int R = decltype(rows)::value;
+          wide_tile<R, W>(pairs + m0 * half, 4 * half, a + m0, sums + m0, 4 * M, w.data(),
+                          so.data(), groups, acc);
+          for (int t = 0; t < R; ++t)
+            std::memcpy(out + (m0 + t) * N + n0, acc + t * W * 16, W * 16 * sizeof(float));
+        };
+        int64_t m0 = first;
+        for (; m0 + T <= last; m0 += T) tile_of(std::integral_constant<int, T>{}, m0);
+        if (m0 < last) last_tile<T - 1>(last - m0, m0, tile_of);
+      };
+      if (width == 3) run(std::integral_constant<int, 3>{});
+      else if (width == 2) run(std::integral_constant<int, 2>{});
+      else run(std::integral_constant<int, 1>{});
+    }
+  });
+  // Rows whose 256 c + f does not fit int16 take the narrow tiles' path, as when alone.
+  for (int64_t m = 0; m < M; ++m) {
+    const auto* flags = unrepresented.data() + m * groups;
+    if (std::find(flags, flags + groups, 1) != flags + groups) {
+      const auto q = quantize_rows(x.slice(0, m, m + 1), false);
+      int4_narrow(q.view, 1, K, weights, szp, N, out + m * N);
+    }
+  }
+}
+
+at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& pack, const at::Tensor& scales_and_zeros) {
+  TORCH_CHECK(scales_and_zeros.dim() == 3 && scales_and_zeros.size(2) == 2 &&
+                  scales_and_zeros.scalar_type() == at::kBFloat16,
+              "scales_and_zeros: [in / 32, out, 2] bfloat16");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "x: [rows, in] bfloat16");
+  TORCH_CHECK(x.size(1) % kGroup == 0, "in must be a multiple of 32");
+  const int64_t M = x.size(0), K = x.size(1), N = scales_and_zeros.size(1);
+  TORCH_CHECK(N % kBlock == 0 && scales_and_zeros.size(0) == K / kGroup,
+              "int4: out must be a multiple of 64");
+  TORCH_CHECK(pack.scalar_type() == at::kByte && pack.numel() == N * K / 2, "pack: out * in / 2 bytes");
+  const auto packed = pack.contiguous();
+  const auto sz = scales_and_zeros.contiguous();
+  const auto* weights = packed.data_ptr<uint8_t>();
+  const auto* szp = reinterpret_cast<const uint32_t*>(sz.data_ptr<at::BFloat16>());
+  auto y = at::empty({M, N}, x.options().dtype(at::kFloat));
+  if (K == 0) return y.zero_();
+  if (M >= kWideFrom) {
+    int4_wide(x, weights, szp, N, y.data_ptr<float>());
+  } else {
+    const auto q = quantize_rows(x, false);
+    int4_narrow(q.view, M, K, weights, szp, N, y.data_ptr<float>());
+  }
   return y;
 }
 

@@ -507,10 +507,14 @@ def test_out_of_vocab_stop_token_id_is_rejected_up_front(make_engine: EngineFact
 def test_the_engine_names_what_it_runs_on_at_start(
     make_engine: Callable[..., LLMEngine], caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Its start line says which attention backend, dtype and device it runs."""
+    """Its start line says which attention backend, dtype and device it runs, and whether a
+    request's tokens may depend on what else it runs."""
     with caplog.at_level(logging.INFO, logger="engine.llm_engine"):
         engine = make_engine(num_blocks=8)
     line = f"engine ready: {engine.description}"
     assert line in caplog.messages
-    assert "attention torch, float32 on cpu (dtype float32), weights dense" in engine.description
+    dtype = str(engine.precision.dtype).removeprefix("torch.")
+    assert f"attention torch, {dtype} on cpu (dtype auto: {dtype}" in engine.description
+    invariant = engine.precision.batch_invariant
+    assert engine.description.endswith("batch-invariant" if invariant else "not batch-invariant")
     assert "8 KV blocks of 16" in engine.description

@@ -226,7 +226,7 @@ def test_an_image_that_does_not_fit_its_span_or_is_none_is_refused(vlm: Path) ->
 
 
 def test_the_offline_llm_takes_pictures_for_its_image_tokens(vlm: Path) -> None:
-    llm = LLM(str(vlm), max_model_len=2048, num_kv_blocks=256)
+    llm = LLM(str(vlm), dtype="float32", max_model_len=2048, num_kv_blocks=256)
     pictured = picture(100, 70, seed=2)
     prompt = "<|im_start|>User:<image>What is this?<end_of_utterance>\nAssistant:"
     (by_picture,) = llm.generate([prompt], GREEDY, images=[[pictured]])

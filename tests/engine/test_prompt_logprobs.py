@@ -26,6 +26,13 @@ from tests.engine.test_engine_behaviour import (
 
 pytestmark = pytest.mark.slow
 
+
+@pytest.fixture
+def make_engine(make_float32_engine: EngineFactory) -> EngineFactory:
+    """transformers is the reference here: the engines compute in float32 as it does."""
+    return make_float32_engine
+
+
 PROMPT = "The capital of France is Paris. The capital of Italy is Rome. The capital of Spain is"
 TOLERANCE = 1e-3
 

@@ -96,9 +96,9 @@ def test_int8_linear_matches_dense_arithmetic(
     assert error < 0.05 * exact[:, quiet].abs().max(), error
 
 
-def test_quantize_linears_replaces_every_projection(loaded_model: LoadedModel) -> None:
+def test_quantize_linears_replaces_every_projection(loaded_float32_model: LoadedModel) -> None:
     """Every Linear (tied lm_head included) becomes int8; the embedding reads the head's rows."""
-    model = loaded_model.model
+    model = loaded_float32_model.model
     cfg = model.cfg
     small = type(model)(cfg, 64)
     small.load_state_dict(model.state_dict())
@@ -124,7 +124,7 @@ def test_quantized_default_model_follows_fp32(loaded_model: LoadedModel) -> None
     prompts = [encode(p).ids for p in PROMPTS]
     int8 = LLM(quantization="int8", dtype="bfloat16", max_model_len=256, num_kv_blocks=64)
     assert int8.engine.precision.dtype == torch.bfloat16
-    fp32 = LLM(max_model_len=256, num_kv_blocks=64)
+    fp32 = LLM(dtype="float32", max_model_len=256, num_kv_blocks=64)
 
     ours, reference = int8.generate(prompts, params), fp32.generate(prompts, params)
 

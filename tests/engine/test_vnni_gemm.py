@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import compiled
-from engine.model import quantized, vnni_gemm
+from engine.model import vnni_gemm
 from engine.model.quantized import GROUP_SIZE, Int4Linear, Int8Linear
 
 pytestmark = pytest.mark.skipif(
@@ -93,6 +92,49 @@ def test_bad_shapes_and_dtypes_are_refused() -> None:
         )
 
 
-def test_the_int8_kernel_starts_where_the_many_rows_graph_does() -> None:
-    """A graph exported for 4-64 rows must not branch on its row count inside the range."""
-    assert quantized.INT8_VNNI_FROM_ROWS == compiled.MANY_ROWS
+def _rows_alone(layer: Int4Linear, x: torch.Tensor) -> torch.Tensor:
+    return torch.cat(
+        [torch.ops.sluice.int4_gemm(row[None], layer.weight, layer.scales_and_zeros) for row in x]
+    )
+
+
+@pytest.mark.parametrize(
+    "shape", [(960, 576), (3072, 576), (576, 1536), (64, 32), (320, 96), (448, 160)]
+)
+def test_each_row_gets_the_same_bits_whatever_rows_come_with_it(shape: tuple[int, int]) -> None:
+    """Batch invariance: a row's outputs do not depend on how many rows the call has (the
+    few-rows and the many-rows tiles, every tile size, every tail) nor on what they hold."""
+    layer, x = _layer_and_input(*shape, 1000)
+    alone = _rows_alone(layer, x)
+    for rows in (2, 3, 5, 8, 17, 31, 32, 33, 64, 65, 300, 1000):
+        together = torch.ops.sluice.int4_gemm(x[:rows], layer.weight, layer.scales_and_zeros)
+        assert torch.equal(together, alone[:rows]), rows
+    # the same rows behind other rows, at other positions in their tiles
+    for offset in (1, 2, 3, 37):
+        together = torch.ops.sluice.int4_gemm(
+            x[offset : offset + 300], layer.weight, layer.scales_and_zeros
+        )
+        assert torch.equal(together, alone[offset : offset + 300]), offset
+    # and among rows of other magnitudes
+    others = x[:65].flip(0) * 1000
+    for position in (0, 1, 30, 31, 32, 64):
+        mixed = others.clone()
+        mixed[position] = x[position]
+        together = torch.ops.sluice.int4_gemm(mixed, layer.weight, layer.scales_and_zeros)
+        assert torch.equal(together[position], alone[position]), position
+
+
+def test_rows_the_many_rows_tiles_cannot_hold_get_the_same_bits() -> None:
+    """An infinite or NaN input, or a group of subnormal ones, quantizes to codes of -128,
+    which 256 c + f cannot hold in int16: such a row takes the few-rows path, as when alone."""
+    layer, x = _layer_and_input(192, 96, 40)
+    x[3, 5] = float("inf")
+    x[7, 40] = float("nan")
+    x[11, 64:96] = 1e-39
+    x[11, 70] = -3e-39
+    x[20, :32] = -float("inf")
+    alone = _rows_alone(layer, x)
+    together = torch.ops.sluice.int4_gemm(x, layer.weight, layer.scales_and_zeros)
+    assert torch.equal(together.isnan(), alone.isnan())
+    assert torch.equal(together.nan_to_num(), alone.nan_to_num())
+    assert torch.isfinite(together[11]).all()
