@@ -21,7 +21,8 @@ not autotune its matmuls for the same reason: a template of its own would
 round differently from the kernel an eager step runs.
 
 Compiling runs in a child process (``engine.decode_compiler``), once per
-model, machine and PyTorch version. What it makes is kept under
+model, machine and PyTorch version; processes starting together wait for the
+one that compiles. What it makes is kept under
 ``CACHE_DIR/decode/<key>``, where the key hashes everything the generated
 code depends on (the weights, this code, the CPU, the thread count, whether
 the engine's own kernels run): for each graph a shared library, loaded in
@@ -38,6 +39,7 @@ the cache, and graphs share identical ones.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import gc
 import hashlib
 import json
@@ -48,6 +50,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import NamedTuple
 
@@ -191,17 +194,20 @@ class CompiledDecode:
                 os.utime(compiled)  # in use: not stale
             return compiled
         root.mkdir(parents=True, exist_ok=True)
-        _prune(root)
-        log.info("compiling the decode graphs in a child process; later starts load them")
-        staging = Path(tempfile.mkdtemp(dir=root, prefix=f"{compiled.name}."))
-        try:
-            self._compile(staging)
-            staging.rename(compiled)
-        except OSError:
-            if not compiled.is_dir():
-                raise
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)  # gone if renamed; a rival's won
+        with _compiling_alone(root / f"{compiled.name}.lock"):
+            if compiled.is_dir():  # a process starting beside this one compiled them meanwhile
+                return compiled
+            _prune(root)
+            log.info("compiling the decode graphs in a child process; later starts load them")
+            staging = Path(tempfile.mkdtemp(dir=root, prefix=f"{compiled.name}."))
+            try:
+                self._compile(staging)
+                staging.rename(compiled)
+            except OSError:
+                if not compiled.is_dir():
+                    raise
+            finally:
+                shutil.rmtree(staging, ignore_errors=True)  # gone if renamed
         return compiled
 
     def _compile(self, out: Path) -> None:
@@ -256,12 +262,24 @@ class CompiledDecode:
         return digest.hexdigest()
 
 
+@contextlib.contextmanager
+def _compiling_alone(lock: Path) -> Iterator[None]:
+    """Hold ``lock`` while compiling, so that processes starting together on one machine (a
+    host's workers) compile once: the others wait, rather than compile beside it on the same
+    cores for minutes. The lock goes with the process holding it, killed or not."""
+    with lock.open("a") as file:
+        fcntl.flock(file, fcntl.LOCK_EX)
+        yield
+
+
 def _prune(root: Path) -> None:
     """Delete the entries under ``root`` that no start has loaded for ``STALE_AFTER_S``, and
-    staging directories that old (a compile that was killed)."""
+    staging directories and locks that old (a compile that was killed)."""
     cutoff = time.time() - STALE_AFTER_S
     for entry in root.iterdir():
-        if entry.is_dir() and entry.stat().st_mtime < cutoff:
+        if entry.suffix == ".lock" and entry.stat().st_mtime < cutoff:
+            entry.unlink(missing_ok=True)
+        elif entry.is_dir() and entry.stat().st_mtime < cutoff:
             log.info("deleting compiled decode graphs no start has loaded since %s", entry.name)
             shutil.rmtree(entry, ignore_errors=True)
 

@@ -37,7 +37,7 @@ from tests.servers import COMPILED, free_port
 from workers.heartbeat import WorkerIdentity, leave
 
 ROOT = Path(__file__).resolve().parents[2]
-MAX_MODEL_LEN = 1024
+MAX_MODEL_LEN = 2048  # the e2e servers' too: all of them load the graphs the first compiled
 WORKER_SEQS = 4
 STARTUP_TIMEOUT_S = 180
 CHILD_ENV = {

@@ -13,6 +13,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from engine import LLM, SamplingParams
 from engine.precision import own_kernels_run
@@ -46,10 +47,11 @@ def weights(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
 
 
 def _llm(weights: str, budget: int = 2048) -> LLM:
+    torch.set_num_threads(1)  # as the suite's servers run: they load the graphs compiled here
     llm = LLM(
         weights,
         max_num_seqs=64,
-        max_model_len=512,
+        max_model_len=2048,
         max_num_batched_tokens=budget,
         enforce_eager=False,
     )

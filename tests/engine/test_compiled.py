@@ -76,7 +76,8 @@ def test_a_later_start_loads_what_the_first_compiled(
     assert texts[0] == texts[1]
 
     assert not stale.exists()  # compiling deleted what no start had loaded for a month
-    [compiled] = set(root.iterdir()) - {recent}
+    [compiled] = {entry for entry in root.iterdir() if entry.is_dir()} - {recent}
+    assert (root / f"{compiled.name}.lock").is_file()  # what a second start would wait on
     ours = vnni_gemm.available() or paged_decode.available()
     calls = ["one.json"] if ours else []  # the graph calls the engine's own kernels
     expected = sorted(["one.constants", "one.so", "spec.json", *calls])
@@ -101,7 +102,7 @@ def test_an_engine_whose_graphs_fail_to_compile_steps_eagerly(
     assert llm.engine.runner.compiled is None
     [failure] = [r for r in caplog.records if "compiling them failed" in r.message]
     assert "no-such-compiler" in str(failure.exc_info[1])  # the child's own error
-    assert not list((tmp_path / "cache" / "decode").iterdir())
+    assert not [entry for entry in (tmp_path / "cache" / "decode").iterdir() if entry.is_dir()]
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     assert len(llm.generate(PROMPTS[:1], params)[0].token_ids) == 4
 
