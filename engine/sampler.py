@@ -88,7 +88,9 @@ def _nucleus(
         if float(probs[above].sum()) >= top_p:
             subset = above
             break
-    sorted_probs, order = probs[subset].sort(descending=True)
+    # Stable: of tokens tied in probability the lowest id comes first, as greedy's argmax
+    # takes it (a quantized head gives near-identical tokens identical logits).
+    sorted_probs, order = probs[subset].sort(descending=True, stable=True)
     kept = subset[order[sorted_probs.cumsum(0) - sorted_probs <= top_p]]
     return values[kept], kept if ids is None else ids[kept]
 

@@ -49,3 +49,12 @@ def test_draw_is_seeded_and_follows_the_distribution() -> None:
     counts = torch.bincount(torch.tensor(draws), minlength=5).float() / len(draws)
     assert counts[0] == 0 and counts[2] == 0  # never a zero-probability token
     torch.testing.assert_close(counts, probs, atol=0.03, rtol=0)
+
+
+def test_a_tiny_top_p_keeps_the_lowest_id_of_tied_tokens_as_greedy_does() -> None:
+    """A quantized head gives near-identical tokens identical logits: top_p=0.01 must then
+    keep the token greedy's argmax takes, whatever order a sort leaves ties in."""
+    row = torch.full((50_000,), -5.0)
+    row[[28, 284, 40_000]] = 3.0
+    _, ids = candidates(row, SamplingParams(temperature=1.0, top_p=0.01))
+    assert ids.tolist() == [28] == [int(row.max(-1).indices)]
