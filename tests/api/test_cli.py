@@ -129,9 +129,11 @@ def test_enforce_eager_reaches_the_engine(caplog: pytest.LogCaptureFixture) -> N
 def test_kv_cache_memory_sizes_the_engine(caplog: pytest.LogCaptureFixture) -> None:
     """``sluice generate`` loads the default model with a cache of the size asked for."""
     from engine.attention import KVCache
+    from engine.precision import precision_for
 
     with caplog.at_level(logging.INFO, logger="engine.llm_engine"):
         assert main(["generate", "--kv-cache-memory", "8MiB", "--max-tokens", "2", "Hi"]) == 0
-    # the default model in float32: 30 layers, 3 KV heads of 64
-    per_block = KVCache.bytes_per_block(30, 16, 3, 64, torch.float32)
+    # the default model, its cache in the default precision's dtype: 30 layers, 3 KV heads of 64
+    kv_dtype = precision_for("auto", "auto", torch.device("cpu")).kv_dtype
+    per_block = KVCache.bytes_per_block(30, 16, 3, 64, kv_dtype)
     assert f"{8 * 2**20 // per_block} KV blocks of 16" in caplog.text

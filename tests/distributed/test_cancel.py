@@ -85,6 +85,8 @@ def test_a_client_that_leaves_stops_its_generation(
     tokens = sum(len(event.token_ids) for event in events if isinstance(event, Text))
     after_cancel = [event for event in events[entries_at_cancel:] if isinstance(event, Text)]
     assert isinstance(events[-1], Finish) and events[-1].reason is FinishReason.ABORT
-    assert len(after_cancel) <= 1  # the step already running when the cancel came, at most
+    # At most the step running when the cancel came and one before it whose text was still
+    # on its way to Redis: a compiled decode step (a few ms) outruns a publish.
+    assert len(after_cancel) <= 2
     assert tokens < BODY["max_tokens"] // 2
     assert cancel_latency < 1.0

@@ -404,9 +404,7 @@ def ended(client: anthropic.Anthropic, batch_id: str, timeout: float = 300):
     pytest.fail(f"message batch {batch_id} never ended")
 
 
-def test_message_batch_results_are_the_direct_answers(
-    claude: anthropic.Anthropic, alice: OpenAI
-):
+def test_message_batch_results_are_the_direct_answers(claude: anthropic.Anthropic, alice: OpenAI):
     topics = TOPICS[:10]
     requests = [{"custom_id": f"m-{t}", "params": messages_params(t)} for t in topics]
     batch = claude.messages.batches.create(requests=requests)
@@ -455,8 +453,8 @@ def test_a_cancelled_message_batch_ends_with_its_requests_canceled(claude: anthr
 
 def test_what_is_not_done_when_the_window_closes_expires(claude: anthropic.Anthropic):
     requests = [
-        {"custom_id": f"e-{n}", "params": messages_params(f"{TOPICS[n % 8]} {n}", 64)}
-        for n in range(64)
+        {"custom_id": f"e-{n}", "params": messages_params(f"{TOPICS[n % 8]} {n}", 128)}
+        for n in range(128)
     ]  # far more work than the window allows
     batch = claude.messages.batches.create(requests=requests)
     done = ended(claude, batch.id, timeout=WINDOW_S + 60)

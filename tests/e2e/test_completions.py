@@ -22,7 +22,9 @@ pytestmark = pytest.mark.slow
 MODEL = "default"
 PROMPT = "The capital of France is Paris. The capital of Italy is"
 TOKENS = 12
-TOLERANCE = 1e-3
+DEFAULT_PRECISION_BOUND = 0.5
+"""How far the session server's default precision may move a logprob from transformers' float32
+(``tests/engine/test_precision.py`` measures the bound on a prompt set)."""
 
 
 def _complete(client: OpenAI, **kwargs):
@@ -89,7 +91,7 @@ def test_echo_logprobs_match_transformers(openai_client: OpenAI, transformers_de
     expected = logits[:-1].log_softmax(-1).gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
     assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
     got = torch.tensor(logprobs.token_logprobs[1:])
-    torch.testing.assert_close(got, expected, rtol=0, atol=TOLERANCE)
+    torch.testing.assert_close(got, expected, rtol=0, atol=DEFAULT_PRECISION_BOUND)
     assert all(2 <= len(top) <= 3 for top in logprobs.top_logprobs[1:])  # the token and the top 2
     assert logprobs.text_offset == [
         sum(len(token) for token in logprobs.tokens[:i]) for i in range(len(ids))

@@ -26,6 +26,7 @@ HEADER_TIMEOUT_S = 2
 BODY_TIMEOUT_S = 2
 KEEP_ALIVE_S = 2
 FIRST_TOKEN_TIMEOUT_S = 3
+LONG_TOKENS = 700  # a request that holds the only sequence well past the first-token deadline
 MAX_HEADER_BYTES = 16 * 1024
 MAX_BODY_BYTES = 8 * 2**20
 
@@ -141,7 +142,7 @@ def test_an_idle_kept_alive_connection_is_closed(server: str):
 def test_the_first_token_deadline_fires_for_a_request_queued_behind_a_long_one(server: str):
     async def scene() -> tuple[httpx.Response, httpx.Response, float]:
         async with httpx.AsyncClient(base_url=server, timeout=120) as client:
-            body = _chat(120, ignore_eos=True)
+            body = _chat(LONG_TOKENS, ignore_eos=True)
             long = asyncio.create_task(client.post("/v1/chat/completions", json=body))
             await asyncio.sleep(1.0)  # the long one holds the only sequence
             started = time.monotonic()
@@ -153,7 +154,7 @@ def test_the_first_token_deadline_fires_for_a_request_queued_behind_a_long_one(s
     assert queued.json()["error"]["type"] == "timeout_error"
     assert f"No first token within {FIRST_TOKEN_TIMEOUT_S}s" in queued.text
     assert FIRST_TOKEN_TIMEOUT_S - 1.5 <= waited < FIRST_TOKEN_TIMEOUT_S + 10
-    assert long.status_code == 200 and long.json()["usage"]["completion_tokens"] == 120
+    assert long.status_code == 200 and long.json()["usage"]["completion_tokens"] == LONG_TOKENS
     after = httpx.post(f"{server}/v1/chat/completions", json=_chat(2), timeout=60)
     assert after.status_code == 200  # the queued request left the engine: nothing is ahead
 

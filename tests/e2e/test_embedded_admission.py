@@ -100,7 +100,7 @@ def test_a_high_priority_request_overtakes_queued_low_priority_ones(server: str)
                 assert reply.status_code == 200, reply.text
                 finished.append(name)
 
-            running = asyncio.create_task(send("running", 24, 0))
+            running = asyncio.create_task(send("running", 200, 0))
             await asyncio.sleep(0.5)  # it holds the only sequence
             low = [asyncio.create_task(send(f"low{i}", 4, 10)) for i in range(2)]
             await asyncio.sleep(0.3)  # the low ones queue first

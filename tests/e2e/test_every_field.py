@@ -46,7 +46,7 @@ TOKENS = 4  # a baseline's answer: enough for every field below to show
 
 SEA = "Write one sentence about the sea."
 MOON = "Write one sentence about the moon."
-REPEAT = "Write the word sea ten times."  # repeats tokens early: penalties show within 12 tokens
+REPEAT = "Repeat after me: la la la la la la la la"  # penalties show within 12 tokens
 SHORT = "Answer with one word: is water wet?"  # ends (EOS) after 6 tokens
 TIME = "What time is it?"
 PREFILL = "Waves crash"
