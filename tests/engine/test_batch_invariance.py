@@ -43,7 +43,9 @@ def weights(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
     if request.param == "default":
         return "default"
     path = tmp_path_factory.mktemp("tiny") / "tiny"
-    return str(make_tiny_model(path, hidden_size=128, intermediate_size=256))
+    return str(
+        make_tiny_model(path, hidden_size=128, intermediate_size=256, max_position_embeddings=2048)
+    )
 
 
 def _llm(weights: str, budget: int = 2048) -> LLM:
