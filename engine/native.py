@@ -2,8 +2,8 @@
 
 Each kernel is one C++ source compiled for this machine on first use (about
 9 s) with PyTorch's extension builder and kept under
-``CACHE_DIR/kernels/<key>``, the key hashing the source, the flags and
-PyTorch's version. Each build runs in a directory of its own and is renamed
+``CACHE_DIR/kernels/<key>``, the key hashing the source, the engine's shared
+headers, the flags and PyTorch's version. Each build runs in a directory of its own and is renamed
 into place, so processes starting together never wait on one another's lock.
 """
 
@@ -23,6 +23,10 @@ from engine import CACHE_DIR
 from shared.cpu import cpu_flags
 
 log = logging.getLogger(__name__)
+
+INCLUDE = Path(__file__).parent
+HEADERS = sorted(INCLUDE.glob("*.h"))
+"""What the kernels share (``simd16.h``): part of every kernel's key, so a change rebuilds them."""
 
 
 def runs(name: str, source: Path, flags: Sequence[str], needs: Sequence[str], instead: str) -> bool:
@@ -45,7 +49,8 @@ def load(name: str, source: Path, flags: Sequence[str]) -> None:
     Raises when it cannot be built (no compiler, no ninja, a full disk).
     """
     digest = hashlib.blake2b(digest_size=12)
-    digest.update(source.read_bytes())
+    for code in (source, *HEADERS):
+        digest.update(code.read_bytes())
     digest.update(repr((tuple(flags), torch.__version__)).encode())
     built = Path(CACHE_DIR) / "kernels" / digest.hexdigest()
     library = built / f"{name}.so"
@@ -64,6 +69,7 @@ def load(name: str, source: Path, flags: Sequence[str]) -> None:
             name,
             [str(source)],
             extra_cflags=list(flags),
+            extra_include_paths=[str(INCLUDE)],
             extra_ldflags=["-fopenmp"],
             build_directory=str(staging),
             is_python_module=False,

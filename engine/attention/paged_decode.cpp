@@ -50,6 +50,8 @@
 #include <immintrin.h>
 #include <torch/library.h>
 
+#include "simd16.h"
+
 #include <algorithm>
 #include <array>
 #include <atomic>
@@ -78,36 +80,17 @@ inline void prefetch(const void* p, int64_t bytes) {
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 
 inline __m512 load16(const at::BFloat16* p) {
-  __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+  return sluice::widen_bf16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
 inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
 
-inline void store16(at::BFloat16* p, __m512 v) {  // rounds to nearest even, as PyTorch does
-  __m512i bits = _mm512_castps_si512(v);
-  __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
-  __m512i nan = _mm512_set1_epi32(0x7fc00000);
-  rounded = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), nan);
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
-                      _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
+inline void store16(at::BFloat16* p, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), sluice::narrow_bf16(v));
 }
 
-// e^x for x <= 0 (scores less their maximum), to about 2 ulp: x = n·ln2 + r, e^r by its
-// Taylor polynomial on |r| <= ln2/2, then scaled by 2^n.
-inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
-  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
-                                  _MM_FROUND_TO_NEAREST_INT);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
-  __m512 p = _mm512_set1_ps(1.f / 5040);
-  for (float c : {1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f}) {
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
-  }
-  return _mm512_scalef_ps(p, n);
-}
+// e^x of scores less their maximum (x <= 0).
+using sluice::exp16;
 
 // Σ of each of a, b, c and d's lanes, in that order.
 inline __m128 reduce4(__m512 a, __m512 b, __m512 c, __m512 d) {

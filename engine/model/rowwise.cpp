@@ -23,6 +23,8 @@
 #include <immintrin.h>
 #include <torch/library.h>
 
+#include "simd16.h"
+
 #include <cmath>
 #include <cstdint>
 #include <optional>
@@ -38,32 +40,11 @@ __mmask16 first(int64_t count) {
 }
 
 __m512 load16(const at::BFloat16* p, __mmask16 mask) {
-  __m256i bits = _mm256_maskz_loadu_epi16(mask, p);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+  return sluice::widen_bf16(_mm256_maskz_loadu_epi16(mask, p));
 }
 
-void store16(at::BFloat16* p, __m512 v, __mmask16 mask) {  // to nearest even, as PyTorch does
-  __m512i bits = _mm512_castps_si512(v);
-  __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
-  __m512i nan = _mm512_set1_epi32(0x7fc00000);
-  rounded = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), nan);
-  _mm256_mask_storeu_epi16(p, mask, _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
-}
-
-// e^x to about 2 ulp over float32's range: x = n·ln2 + r, e^r by its Taylor polynomial on
-// |r| <= ln2/2, then scaled by 2^n.
-__m512 exp16(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), _mm512_set1_ps(88.f));
-  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
-                                  _MM_FROUND_TO_NEAREST_INT);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
-  __m512 p = _mm512_set1_ps(1.f / 5040);
-  for (float c : {1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f}) {
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
-  }
-  return _mm512_scalef_ps(p, n);
+void store16(at::BFloat16* p, __m512 v, __mmask16 mask) {
+  _mm256_mask_storeu_epi16(p, mask, sluice::narrow_bf16(v));
 }
 
 at::Tensor rows_of(const at::Tensor& x, int64_t size) {
@@ -117,7 +98,7 @@ at::Tensor silu_mul(const at::Tensor& x) {
       for (int64_t i = 0; i < half; i += kLanes) {
         const __mmask16 mask = first(half - i);
         __m512 g = load16(gate + i, mask), u = load16(gate + half + i, mask);
-        __m512 sigmoid = _mm512_div_ps(one, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+        __m512 sigmoid = _mm512_div_ps(one, _mm512_add_ps(one, sluice::exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
         store16(op + row * half + i, _mm512_mul_ps(_mm512_mul_ps(g, sigmoid), u), mask);
       }
     }
