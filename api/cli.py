@@ -179,6 +179,7 @@ def _serve(args: argparse.Namespace) -> int:
         max_preparing=args.max_preparing,
         stall_timeout_s=args.stall_timeout,
         allowed_origins=tuple(args.allowed_origins or ()),
+        default_additional_properties=args.default_additional_properties == "true",
         images=ImageOptions(
             DestinationPolicy.allowing(args.image_allow or ()),
             ImageQuota(args.max_images, args.max_image_bytes, args.max_image_pixels),
@@ -464,6 +465,14 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         metavar="ORIGIN",
         help="allow browser clients from this origin (repeatable; * for any); CORS is off without",
+    )
+    serve.add_argument(
+        "--default-additional-properties",
+        default="false",
+        choices=["false", "true"],
+        help="what a JSON schema object that names properties and leaves out "
+        "additionalProperties allows in structured outputs and forced tool calls: false "
+        "(default) keeps to the named keys; true reads it as JSON Schema does",
     )
     serve.set_defaults(run=_serve)
 

@@ -79,13 +79,15 @@ _FIELD = re.compile(r"([A-Za-z_][\w.\[\]]*) ")
 
 @dataclass(slots=True)
 class PreparationContext:
-    """What preparation looks up: accepted names, the loaded models, how images resolve, and
-    the image tokens a generation reserves (None: none are reserved)."""
+    """What preparation looks up: accepted names, the loaded models, how images resolve, the
+    image tokens a generation reserves (None: none are reserved), and what an object schema
+    that leaves out ``additionalProperties`` allows (``shared.constraints``)."""
 
     registry: ModelRegistry
     models: Mapping[str, ServedModel]  # by registry name (``spec.name``)
     images: ImageOptions = field(default_factory=ImageOptions)
     image_tokens: ImageTokenBudget | None = None
+    additional_properties: bool = False
 
 
 @dataclass(slots=True)
@@ -149,11 +151,15 @@ def prepare(
     # 404 unknown model, 400 bad conversation, 503 while the image token budget is in use
     encoded = encode_request(request, ctx, reserve_from=ctx.image_tokens)
     with released_on_error(encoded.image_tokens):
-        return _prepared(protocol, request, encoded, request_id)
+        return _prepared(protocol, request, encoded, request_id, ctx.additional_properties)
 
 
 def _prepared(
-    protocol: Protocol, request: GenerationRequest, encoded: Encoded, request_id: str | None
+    protocol: Protocol,
+    request: GenerationRequest,
+    encoded: Encoded,
+    request_id: str | None,
+    additional_properties: bool,
 ) -> Prepared:
     """The rest, once the request is encoded: max_tokens, sampling, constraint, the wire."""
     model, prompt_ids = encoded.model, encoded.token_ids
@@ -169,7 +175,8 @@ def _prepared(
     )  # 400: the context cannot hold what was asked for
     sampling = sampling_params(request, max_tokens)  # 400 naming the field
     _check_token_ids(sampling, model)  # 400: ids outside the vocabulary
-    sampling.structured_outputs = constraint(encoded, thinking)  # 400: a grammar llguidance refuses
+    # 400: a grammar llguidance refuses
+    sampling.structured_outputs = constraint(encoded, thinking, additional_properties)
     sampling.stop += hidden_stops(encoded)
     context = ResponseContext(
         request_id=request_id or new_request_id(protocol),
@@ -482,11 +489,14 @@ def sampling_params(request: GenerationRequest, max_tokens: int) -> SamplingPara
         raise bad_request(str(exc), _leading_field(str(exc))) from exc
 
 
-def constraint(encoded: Encoded, thinking: bool) -> StructuredOutputs | None:
+def constraint(
+    encoded: Encoded, thinking: bool, additional_properties: bool = False
+) -> StructuredOutputs | None:
     """The request's constraint as one checked grammar, or None when the output is free.
 
     A forced tool call, ``structured_outputs`` and a JSON response format are
     each a grammar; a thinking model's grammar starts after its reasoning.
+    ``additional_properties`` is what an object schema that leaves it out allows.
     """
     request, model = encoded.request, encoded.model
     conversation = request.conversation
@@ -509,7 +519,7 @@ def constraint(encoded: Encoded, thinking: bool) -> StructuredOutputs | None:
         )
     field = sources[0]
     try:
-        grammar = _grammar(encoded, field)
+        grammar = _grammar(encoded, field, additional_properties)
         if thinking:
             grammar = after_reasoning(grammar, THINK.close)
         check(grammar, field, lltokenizer(model.tokenizer))
@@ -519,21 +529,22 @@ def constraint(encoded: Encoded, thinking: bool) -> StructuredOutputs | None:
     return StructuredOutputs(grammar=grammar)
 
 
-def _grammar(encoded: Encoded, field: str) -> str:
+def _grammar(encoded: Encoded, field: str, additional_properties: bool) -> str:
     request = encoded.request
     conversation = request.conversation
     if field == "tool_choice":
-        return _tool_call_grammar(encoded)
+        return _tool_call_grammar(encoded, additional_properties)
     if field == "structured_outputs":
         assert request.structured_outputs is not None
-        return grammar_of(request.structured_outputs)
-    response_format = conversation.response_format
-    if response_format.type == "json_object":
-        return grammar_of(StructuredOutputs(json_object=True))
-    return grammar_of(StructuredOutputs(json=response_format.schema))
+        spec = request.structured_outputs
+    elif conversation.response_format.type == "json_object":
+        spec = StructuredOutputs(json_object=True)
+    else:
+        spec = StructuredOutputs(json=conversation.response_format.schema)
+    return grammar_of(spec, additional_properties=additional_properties)
 
 
-def _tool_call_grammar(encoded: Encoded) -> str:
+def _tool_call_grammar(encoded: Encoded, additional_properties: bool) -> str:
     """One call to the named tool, or calls to any tool, in the model's syntax.
 
     A ``strict`` tool's arguments match its schema, and a schema the grammar
@@ -560,7 +571,12 @@ def _tool_call_grammar(encoded: Encoded) -> str:
             parameters = ANY_OBJECT
         specs.append(ToolSpec(tool.name, parameters))
     # A named function is one call (as vLLM forces it); "required" allows several when parallel.
-    return tool_call_grammar(specs, syntax, parallel=choice.parallel and choice.mode == "required")
+    return tool_call_grammar(
+        specs,
+        syntax,
+        parallel=choice.parallel and choice.mode == "required",
+        additional_properties=additional_properties,
+    )
 
 
 def tool_call_syntax(model: ServedModel) -> ToolCallSyntax | None:

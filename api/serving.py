@@ -55,6 +55,7 @@ class Serving:
         self.image_tokens = ImageTokenBudget(settings.image_token_budget)
         decoding = DecodingBudget(settings.images.decoding.limit, settings.prepare_timeout_s)
         self.images = replace(settings.images, decoding=decoding)
+        self.additional_properties = settings.default_additional_properties
         self._context: PreparationContext | None = None
         self._served: list[ServedModel] = []
 
@@ -81,7 +82,13 @@ class Serving:
         if self._context is None or served != self._served:  # a queue's context length can move
             models = {model.spec.name: model for model in served}
             self._context, self._served = (
-                PreparationContext(self.registry, models, self.images, self.image_tokens),
+                PreparationContext(
+                    self.registry,
+                    models,
+                    self.images,
+                    self.image_tokens,
+                    self.additional_properties,
+                ),
                 served,
             )
         return self._context

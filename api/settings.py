@@ -71,6 +71,8 @@ class Settings:
     metrics_token: str | None = None
     log_format: str = "text"  # or "json": one object per line, for log shippers
     allowed_origins: tuple[str, ...] = ()  # CORS for browser clients; none: CORS off
+    # What an object schema that leaves out additionalProperties allows (shared/constraints.py).
+    default_additional_properties: bool = False
 
 
 def load_models(settings: Settings) -> tuple[ModelRegistry, ModelSpec]:

@@ -9,6 +9,12 @@ compiles it once per distinct text.
 JSON is written the way ``json.dumps`` writes it (``", "`` and ``": "``, no
 other whitespace): a model cannot pad an object with newlines until it runs
 out of tokens, and the output reads like the JSON it was trained on.
+
+An object schema that names its properties and says nothing of others is
+closed: ``additionalProperties`` defaults to false, as XGrammar reads it and as
+pydantic, instructor and most tool definitions mean it (they leave it out).
+Under JSON Schema's own reading a model may add keys the schema never named
+until it runs out of tokens; ``additional_properties=True`` restores it.
 """
 
 from __future__ import annotations
@@ -34,6 +40,11 @@ JSON_OPTIONS: dict[str, Any] = {
     "key_separator": ": ",
 }
 ANY_OBJECT: dict[str, Any] = {"type": "object"}
+
+# Keywords whose value is one subschema, a list of them, or a map of name to subschema.
+_SUBSCHEMA = ("items", "additionalProperties", "not", "if", "then", "else", "contains")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 
 
 class ConstraintError(ValueError):
@@ -73,14 +84,16 @@ def lltokenizer(
     return _lltokenizers[key]
 
 
-def grammar_of(spec: StructuredOutputs) -> str:
+def grammar_of(spec: StructuredOutputs, *, additional_properties: bool = False) -> str:
     """The llguidance grammar (JSON text) for one structured-outputs spec.
+
+    ``additional_properties`` is what an object schema that leaves it out allows.
 
     ``ConstraintError`` for a spec llguidance cannot take in (an integer past
     64 bits, a string no encoding holds).
     """
     try:
-        return _grammar_of(spec)
+        return _grammar_of(spec, additional_properties)
     except ConstraintError:
         raise
     except BaseException as exc:
@@ -89,7 +102,31 @@ def grammar_of(spec: StructuredOutputs) -> str:
         raise ConstraintError("structured_outputs", str(exc)) from None
 
 
-def _grammar_of(spec: StructuredOutputs) -> str:
+def closed_objects(schema: Any) -> Any:
+    """``schema`` with ``additionalProperties: false`` on every object that names properties
+    and says nothing of others; objects that name none (a free-form dict) stay open."""
+    if not isinstance(schema, dict):
+        return schema
+    closed = dict(schema)
+    for key in _SUBSCHEMA:
+        if key in closed:
+            closed[key] = closed_objects(closed[key])
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(closed.get(key), list):
+            closed[key] = [closed_objects(item) for item in closed[key]]
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(closed.get(key), dict):
+            closed[key] = {name: closed_objects(item) for name, item in closed[key].items()}
+    if (
+        isinstance(closed.get("properties"), dict)
+        and "additionalProperties" not in closed
+        and "unevaluatedProperties" not in closed
+    ):
+        closed["additionalProperties"] = False
+    return closed
+
+
+def _grammar_of(spec: StructuredOutputs, additional_properties: bool) -> str:
     if spec.grammar is not None:
         text = spec.grammar.strip()
         return text if text.startswith("{") else _from_lark(text)
@@ -100,16 +137,24 @@ def _grammar_of(spec: StructuredOutputs) -> str:
     schema = ANY_OBJECT if spec.json_object else spec.json
     if isinstance(schema, str):
         schema = _schema_object(schema)
+    if not additional_properties:
+        schema = closed_objects(schema)
     return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
 
 
-def tool_call_grammar(tools: Iterable[ToolSpec], syntax: ToolCallSyntax, *, parallel: bool) -> str:
+def tool_call_grammar(
+    tools: Iterable[ToolSpec],
+    syntax: ToolCallSyntax,
+    *,
+    parallel: bool,
+    additional_properties: bool = False,
+) -> str:
     """One tool call (or, with ``parallel``, one or more) in the model's own syntax.
 
     ``hermes``: ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``,
     calls separated by a newline. ``llama3_json``: ``{"name": ..., "parameters":
     {...}}``, calls separated by ``"; "``. Each call's arguments match its
-    tool's ``parameters`` schema.
+    tool's ``parameters`` schema, read as ``grammar_of`` reads one.
     """
     key = "arguments" if syntax == "hermes" else "parameters"
     rules: list[str] = []
@@ -118,7 +163,8 @@ def tool_call_grammar(tools: Iterable[ToolSpec], syntax: ToolCallSyntax, *, para
         rule = f"tool_{index}"
         names.append(rule)
         prefix = json.dumps({"name": tool.name, key: 0}, ensure_ascii=False).removesuffix("0}")
-        schema = {**tool.parameters, "x-guidance": JSON_OPTIONS}
+        parameters = tool.parameters if additional_properties else closed_objects(tool.parameters)
+        schema = {**parameters, "x-guidance": JSON_OPTIONS}
         rules.append(f'{rule}: {_literal(prefix)} {rule}_args "}}"')
         rules.append(f"{rule}_args: %json {json.dumps(schema, ensure_ascii=False)}")
     if syntax == "hermes":

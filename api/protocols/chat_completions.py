@@ -5,12 +5,13 @@ rejected field gets a 400 that names its path, its value and what is accepted.
 Unknown fields are ignored, as the OpenAI API does. Extensions accepted
 besides the official fields: vLLM's ``top_k``, ``min_p``,
 ``repetition_penalty``, ``continue_final_message`` and
-``chat_template_kwargs.enable_thinking``; DeepSeek's ``reasoning_content`` and
-``prefix`` on assistant messages.
+``chat_template_kwargs.enable_thinking``; DeepSeek's ``reasoning_content``
+(or vLLM's ``reasoning``) and ``prefix`` on assistant messages.
 
 The builder writes the chunks the ``openai`` SDK reads: a role chunk, one
-chunk per delta (``reasoning_content`` carries reasoning, as vLLM and DeepSeek
-do), a finish chunk, and the usage chunk when ``stream_options.include_usage``
+chunk per delta (reasoning travels as ``reasoning``, the name current vLLM
+sends, and as ``reasoning_content``, the name DeepSeek and older clients read),
+a finish chunk, and the usage chunk when ``stream_options.include_usage``
 asks for it. The server appends the ``[DONE]`` marker.
 
 Finish reasons: ``stop`` and ``stop_sequence`` are ``stop`` (the matched
@@ -229,6 +230,11 @@ def _assistant(item: Fields) -> AssistantMessage:
     )
 
 
+def _reasoning_fields(text: str | None) -> dict[str, str | None]:
+    """Reasoning under both names clients read: vLLM's ``reasoning``, DeepSeek's ``reasoning_content``."""
+    return {"reasoning": text, "reasoning_content": text}
+
+
 def _tool_call(call: Fields) -> ToolCall:
     call.choice("type", ("function",))
     function = Fields(call.required("function"), call.where("function"))
@@ -387,7 +393,7 @@ class ChatCompletionBuilder(ResponseBuilder):
                 return [self._chunk({"content": text}, self._take_logprobs(logprobs))]
             case ReasoningDelta(text=text):
                 self._reasoning.append(text)
-                return [self._chunk({"reasoning_content": text})]
+                return [self._chunk(_reasoning_fields(text))]
             case ToolCallStart(index=index, id=call_id, name=name):
                 function = {"name": name, "arguments": ""}
                 self._calls[index] = {"id": call_id, "type": "function", "function": function}
@@ -422,7 +428,7 @@ class ChatCompletionBuilder(ResponseBuilder):
         message: dict[str, Any] = {
             "role": "assistant",
             "content": None if not content and self._calls else content,
-            "reasoning_content": "".join(self._reasoning) or None,
+            **_reasoning_fields("".join(self._reasoning) or None),
         }
         if self._calls:
             message["tool_calls"] = [self._calls[index] for index in sorted(self._calls)]

@@ -529,12 +529,14 @@ def test_plain_text_stream() -> None:
 def test_reasoning_then_content() -> None:
     builder, chunks = run([ReasoningDelta("think "), ReasoningDelta("more"), ContentDelta("42")])
     parsed = sdk_chunks(chunks)
-    assert [c.choices[0].delta.model_extra.get("reasoning_content") for c in parsed[1:3]] == [
-        "think ",
-        "more",
-    ]
+    for name in ("reasoning", "reasoning_content"):
+        assert [c.choices[0].delta.model_extra.get(name) for c in parsed[1:3]] == ["think ", "more"]
     message = builder.response()["choices"][0]["message"]
-    assert (message["reasoning_content"], message["content"]) == ("think more", "42")
+    assert (message["reasoning"], message["reasoning_content"], message["content"]) == (
+        "think more",
+        "think more",
+        "42",
+    )
     assert_stream_equals_response(builder, chunks)
 
 
