@@ -231,7 +231,8 @@ def _assistant(item: Fields) -> AssistantMessage:
 
 
 def _reasoning_fields(text: str | None) -> dict[str, str | None]:
-    """Reasoning under both names clients read: vLLM's ``reasoning``, DeepSeek's ``reasoning_content``."""
+    """Reasoning under both names clients read: vLLM's ``reasoning``, DeepSeek's
+    ``reasoning_content``."""
     return {"reasoning": text, "reasoning_content": text}
 
 
