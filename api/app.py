@@ -91,7 +91,7 @@ def create_app(settings: Settings | None = None, backend: Backend | None = None)
     app.add_api_route(messages.COUNT_TOKENS_PATH, _count_tokens_route(serving), methods=["POST"])
     app.add_api_route("/v1/tokenize", _tokenize_route(serving), methods=["POST"])
     app.add_api_route("/v1/models", _models_route(serving), methods=["GET"])
-    app.add_api_route("/health", _health, methods=["GET"])
+    app.add_api_route("/health", _health_route(serving), methods=["GET"])
     app.add_api_route("/ready", _ready_route(serving), methods=["GET"])
     app.add_api_route("/metrics", _metrics_route(serving), methods=["GET"])
     app.include_router(jobs_router(manager, settings))
@@ -352,9 +352,16 @@ def _models_route(serving: Serving) -> Callable[..., Awaitable[Response]]:
     return list_models
 
 
-async def _health() -> Response:
-    """Liveness: the process answers. Readiness is ``/ready``."""
-    return JSONResponse({"status": "ok"})
+def _health_route(serving: Serving) -> Callable[..., Awaitable[Response]]:
+    async def health() -> Response:
+        """Liveness: 200 while the process can serve; 503 once its backend cannot (the model
+        failed to load, the engine died) and the process is stopping. Readiness is ``/ready``."""
+        health = serving.backend.health()
+        if health.failed:
+            return JSONResponse({"status": "failed", "detail": health.detail}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    return health
 
 
 def _ready_route(serving: Serving) -> Callable[..., Awaitable[Response]]:

@@ -193,8 +193,7 @@ def _serve(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as exc:
         print(f"sluice serve: {exc}", file=sys.stderr)
         return 2
-    run(settings)
-    return 0
+    return run(settings)
 
 
 def _environment_key() -> tuple[str, ...]:

@@ -1,7 +1,9 @@
 """Run the HTTP server: ``sluice serve`` and ``python -m api.server`` land here.
 
 The app answers ``/health`` at once and ``/ready`` with 503 while the engine
-thread loads the model, so an orchestrator can tell "starting" from "dead".
+thread loads the model, so an orchestrator can tell "starting" from "dead". A
+model that fails to load, or an engine that dies, stops the server with exit
+status 1 and the reason on stderr.
 """
 
 from __future__ import annotations
@@ -17,8 +19,11 @@ from api.settings import Settings
 from shared import logs
 
 
-def run(settings: Settings) -> None:
-    """Build the app for ``settings`` and serve it until interrupted."""
+EXIT_BACKEND_FAILED = 1
+
+
+def run(settings: Settings) -> int:
+    """Build the app for ``settings`` and serve it until interrupted; the exit status."""
     # Preparation encodes a prompt's independent plain spans as one batch, which
     # the tokenizer spreads over the cores (about 0.7x the single-core latency
     # on 2 cores); this process never forks after that, so its threads are safe.
@@ -27,7 +32,7 @@ def run(settings: Settings) -> None:
     # reach the root's handler); requests are logged once, by api.access_log.
     logs.configure("INFO", settings.log_format)
     app = create_app(settings)
-    uvicorn.run(
+    config = uvicorn.Config(
         app,
         host=settings.host,
         port=settings.port,
@@ -37,6 +42,14 @@ def run(settings: Settings) -> None:
         http=GuardedHttpProtocol.configured(settings.header_timeout_s, settings.max_header_bytes),
         timeout_keep_alive=settings.keep_alive_timeout_s,
     )
+    server = uvicorn.Server(config)
+    serving = app.state.serving
+    serving.on_failure = lambda: setattr(server, "should_exit", True)
+    server.run()
+    if serving.failure is not None:
+        print(f"sluice serve: {serving.failure}", file=sys.stderr)
+        return EXIT_BACKEND_FAILED
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

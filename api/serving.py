@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import replace
@@ -26,6 +29,7 @@ from shared.events import InferenceEvent
 from shared.registry import ModelRegistry
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 class Serving:
@@ -58,15 +62,28 @@ class Serving:
         self.additional_properties = settings.default_additional_properties
         self._context: PreparationContext | None = None
         self._served: list[ServedModel] = []
+        # Why the backend can serve no more, once it cannot; ``on_failure`` then stops the
+        # server (``api.server`` sets it), so an orchestrator restarts the process.
+        self.failure: str | None = None
+        self.on_failure: Callable[[], None] = lambda: None
 
     @asynccontextmanager
     async def lifespan(self, app: FastAPI) -> AsyncIterator[None]:
         await self.backend.start()
+        watch = asyncio.create_task(self._stop_on_failure())
         try:
             yield
         finally:
+            watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watch
             self.pool.close()
             await self.backend.stop()
+
+    async def _stop_on_failure(self) -> None:
+        self.failure = await self.backend.failure()
+        log.error("the server stops: %s", self.failure)
+        self.on_failure()
 
     def context(self) -> PreparationContext:
         """The preparation context; 503 until the backend has loaded its model."""

@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 Command = Callable[["LLMEngine"], None]
 EventsHandler = Callable[["LLMEngine", list[InferenceEvent]], None]
 StepFailureHandler = Callable[["LLMEngine", Exception], None]
+DeathHandler = Callable[[BaseException], None]
 
 
 class EngineThread:
@@ -46,10 +47,12 @@ class EngineThread:
         on_events: EventsHandler,
         on_step_failure: StepFailureHandler,
         name: str = "sluice-engine",
+        on_death: DeathHandler | None = None,
     ) -> None:
         self.engine = engine
         self._on_events = on_events
         self._on_step_failure = on_step_failure
+        self._on_death = on_death  # called on the thread when something ends it early
         self._commands: deque[Command] = deque()
         self._wake = threading.Condition()
         self._stopping = False
@@ -82,6 +85,14 @@ class EngineThread:
             pass
 
     def _run(self) -> None:
+        try:
+            self._serve()
+        except BaseException as exc:  # logged and handed on: the thread ends here
+            log.exception("the engine thread died")
+            if self._on_death is not None:
+                self._on_death(exc)
+
+    def _serve(self) -> None:
         _name_os_thread(self._thread.name)
         engine = self.engine
         engine.warm_up()  # commands queued meanwhile wait for it

@@ -137,7 +137,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             enforce_eager=args.enforce_eager,
         )
         engine = load_engine(engine_args)
-    except (ValueError, OSError, RuntimeError) as exc:  # unknown or missing model, bad config
+    except Exception as exc:  # unknown, missing or broken model, bad config
         print(f"sluice worker: {exc}", file=sys.stderr)
         return 2
     worker_id = args.worker_id or default_worker_id()

@@ -8,6 +8,7 @@ Celery) implements the same few methods, so the routes do not change.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
@@ -55,6 +56,7 @@ class BackendHealth:
 
     ready: bool
     detail: str = ""
+    failed: bool = False  # it can serve no more (the model failed to load, the engine died)
     running: int = 0  # sequences in the running batch
     waiting: int = 0  # admitted but not yet scheduled
     aborted: int = 0  # requests the engine stopped early (client gone, shutdown)
@@ -96,6 +98,11 @@ class Backend(Protocol):
         admit, holding no place.
         """
         return Place()
+
+    async def failure(self) -> str:
+        """Wait until the backend can serve no more, and say why. Default: it never fails."""
+        await asyncio.Event().wait()
+        raise AssertionError("unreachable")
 
     def metrics_collector(self) -> Collector | None:
         """Gauges of this backend's own for ``/metrics``; default: none."""

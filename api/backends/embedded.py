@@ -4,7 +4,9 @@
 it applies the adds and aborts that the event loop queues for it and steps
 while there is work, sleeping when idle. The model loads on a worker thread
 while the server already answers (``/ready`` says 503 until then, and while
-the engine thread compiles its decode step). Events go
+the engine thread compiles its decode step). A model that fails to load, or an
+engine thread that dies, ends the backend for good: ``failure()`` returns the
+reason and the server stops. Events go
 back to the event loop with ``call_soon_threadsafe`` into one ``asyncio.Queue``
 per request; the event loop never touches the engine. Anything the engine
 raises becomes an ``Error`` event for the requests it concerns, so a client
@@ -104,10 +106,12 @@ class EmbeddedBackend(Backend):
         self._streams: dict[str, asyncio.Queue[InferenceEvent | _Expired]] = {}
         self._served: ServedModel | None = None
         self._health = BackendHealth(ready=False, detail="loading the model")
+        self._failed: asyncio.Future[str] | None = None
 
     async def start(self) -> None:
         """Load the model off the event loop; the server answers meanwhile."""
         self._loop = asyncio.get_running_loop()
+        self._failed = self._loop.create_future()
         self._loading = asyncio.create_task(self._load())
 
     async def stop(self) -> None:
@@ -123,6 +127,16 @@ class EmbeddedBackend(Backend):
     def health(self) -> BackendHealth:
         return self._health
 
+    async def failure(self) -> str:
+        assert self._failed is not None, "start() first"
+        return await asyncio.shield(self._failed)
+
+    def _fail(self, detail: str) -> None:
+        """Runs on the event loop: the backend can serve no more."""
+        self._health = BackendHealth(ready=False, detail=detail, failed=True)
+        if self._failed is not None and not self._failed.done():
+            self._failed.set_result(detail)
+
     def models(self) -> list[ServedModel]:
         return [self._served] if self._served is not None else []
 
@@ -137,7 +151,7 @@ class EmbeddedBackend(Backend):
     async def infer(self, request: PreparedRequest) -> AsyncIterator[InferenceEvent]:
         """Yield the request's events; leaving early aborts it in the engine."""
         request_id = request.request_id
-        if self._host is None:
+        if self._host is None or self._health.failed:
             yield Error(request_id, self._health.detail, "overloaded")
             return
         queue: asyncio.Queue[InferenceEvent | _Expired] = asyncio.Queue()
@@ -174,14 +188,16 @@ class EmbeddedBackend(Backend):
 
         try:
             engine = await asyncio.to_thread(self._factory)
-        except Exception as exc:  # a load failure is reported by /ready, not raised
+        except Exception as exc:
             log.exception("loading the model failed")
-            self._health = BackendHealth(ready=False, detail=f"loading the model failed: {exc}")
+            self._fail(f"loading the model failed: {exc}")
             return
         self._served = ServedModel(
             self._spec, engine.tokenizer, engine.max_model_len, engine.image_processing
         )
-        self._host = EngineThread(engine, self._on_events, self._on_step_failure)
+        self._host = EngineThread(
+            engine, self._on_events, self._on_step_failure, on_death=self._on_death
+        )
         self._health = BackendHealth(ready=False, detail="compiling the decode step")
         self._host.call(self._publish)  # ready once the engine thread has warmed up
         self._host.start()
@@ -224,6 +240,14 @@ class EmbeddedBackend(Backend):
             engine.abort(request_id)
         engine.step()  # drains the abort finishes, which reach no one
         self._send([Error(request_id, f"the engine failed: {exc}") for request_id in request_ids])
+
+    def _on_death(self, exc: BaseException) -> None:
+        """End every open stream, and the backend: nothing steps the engine any more."""
+        detail = f"the engine died: {exc!r}"
+        if self._loop is not None and not self._loop.is_closed():
+            with contextlib.suppress(RuntimeError):
+                self._loop.call_soon_threadsafe(self._fail, detail)
+        self._send([Error(request_id, detail) for request_id in list(self._streams)])
 
     def _send(self, events: list[InferenceEvent]) -> None:
         loop = self._loop

@@ -480,26 +480,45 @@ def test_the_engine_thread_sleeps_when_idle():
     assert _run(_with_backend(engine, idle)) == 0
 
 
-def test_a_model_that_fails_to_load_is_not_ready_and_errors_requests():
+def test_a_model_that_fails_to_load_fails_the_backend_and_errors_requests():
     def broken() -> Any:
         raise FileNotFoundError("no weights")
 
-    async def run() -> tuple[Any, list[Any]]:
+    async def run() -> tuple[str, Any, list[Any]]:
         backend = EmbeddedBackend(default_registry().resolve("default"), engine_factory=broken)
         await backend.start()
         try:
-            for _ in range(200):
-                if "failed" in backend.health().detail:
-                    break
-                await asyncio.sleep(0.01)
+            reason = await asyncio.wait_for(backend.failure(), 5)
             events = [event async for event in backend.infer(_wire("a"))]
-            return backend.health(), events
+            return reason, backend.health(), events
         finally:
             await backend.stop()
 
-    health, events = _run(run())
-    assert not health.ready and "no weights" in health.detail
+    reason, health, events = _run(run())
+    assert "no weights" in reason
+    assert health.failed and not health.ready and "no weights" in health.detail
     assert isinstance(events[-1], Error)
+
+
+class DyingEngine(FakeEngine):
+    """Its thread's loop raises once a request is in: the engine thread dies."""
+
+    def has_unfinished(self) -> bool:
+        if self.sequences:
+            raise RuntimeError("the loop broke")
+        return False
+
+
+def test_an_engine_thread_that_dies_fails_the_backend_and_ends_open_streams():
+    engine = DyingEngine()
+
+    async def run(backend: EmbeddedBackend) -> tuple[list[Any], str]:
+        events = [event async for event in backend.infer(_wire("a"))]
+        return events, await asyncio.wait_for(backend.failure(), 5)
+
+    events, reason = _run(_with_backend(engine, run))
+    assert isinstance(events[-1], Error) and "the loop broke" in events[-1].message
+    assert "the engine died" in reason and "the loop broke" in reason
 
 
 # --- through the app: engine errors get a status and the protocol's shape --------------
