@@ -18,7 +18,6 @@ from api.connection_limits import GuardedHttpProtocol
 from api.settings import Settings
 from shared import logs
 
-
 EXIT_BACKEND_FAILED = 1
 
 
