@@ -180,6 +180,7 @@ def _serve(args: argparse.Namespace) -> int:
         stall_timeout_s=args.stall_timeout,
         allowed_origins=tuple(args.allowed_origins or ()),
         default_additional_properties=args.default_additional_properties == "true",
+        chat_template_content_format=args.chat_template_content_format,
         images=ImageOptions(
             DestinationPolicy.allowing(args.image_allow or ()),
             ImageQuota(args.max_images, args.max_image_bytes, args.max_image_pixels),
@@ -472,6 +473,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="what a JSON schema object that names properties and leaves out "
         "additionalProperties allows in structured outputs and forced tool calls: false "
         "(default) keeps to the named keys; true reads it as JSON Schema does",
+    )
+    serve.add_argument(
+        "--chat-template-content-format",
+        choices=["auto", "string", "openai"],
+        help="how the chat template gets message content: one string for text, or a list of "
+        "typed parts (openai); auto (the default) decides from the template",
     )
     serve.set_defaults(run=_serve)
 

@@ -22,7 +22,7 @@ import secrets
 import time
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from tokenizers import Tokenizer
 
@@ -58,6 +58,7 @@ from shared.conversation import (
     images_as_text,
 )
 from shared.events import InferenceEvent
+from shared.generation_config import NO_DEFAULTS, SamplingDefaults
 from shared.images.layout import expand_images, image_tokens_at_most
 from shared.prompting import PromptFormatError, RenderedPrompt, render
 from shared.registry import UNSUPPORTED_IMAGE, ModelRegistry, ModelSpec
@@ -73,6 +74,7 @@ MAX_TOOLS = 512
 THINKING_MAX_TOKENS = 65536
 MAX_EFFORT_MAX_TOKENS = 131072
 
+T = TypeVar("T")
 _HERMES_FORMATS = frozenset({"chatml", "qwen3"})
 _FIELD = re.compile(r"([A-Za-z_][\w.\[\]]*) ")
 
@@ -172,8 +174,9 @@ def _prepared(
         thinking=thinking,
         max_effort=request.conversation.reasoning_effort == "max",
         param=request.max_tokens_param,
+        default=model.sampling_defaults.max_tokens,
     )  # 400: the context cannot hold what was asked for
-    sampling = sampling_params(request, max_tokens)  # 400 naming the field
+    sampling = sampling_params(request, max_tokens, model.sampling_defaults)  # 400 naming the field
     _check_token_ids(sampling, model)  # 400: ids outside the vocabulary
     # 400: a grammar llguidance refuses
     sampling.structured_outputs = constraint(encoded, thinking, additional_properties)
@@ -389,6 +392,7 @@ def render_conversation(conversation: Conversation, model: ServedModel) -> Rende
             default_system_prompt=spec.default_system_prompt,
             bos_token=decode(tok.bos_token_id) if tok.bos_token_id is not None else None,
             eos_token=decode(tok.eos_token_id) if tok.eos_token_id is not None else None,
+            content_format=spec.chat_template_content_format,
         )
     except ConversationError as exc:  # the client sent what the format cannot express
         raise bad_request(str(exc), _leading_field(str(exc))) from exc
@@ -429,13 +433,14 @@ def resolve_max_tokens(
     thinking: bool = False,
     max_effort: bool = False,
     param: str = "max_tokens",
+    default: int | None = None,
 ) -> int:
     """The completion budget: the request's, or a default that fits the context.
 
     A requested value is kept only if prompt and completion fit (OpenAI's
     message, word for word, so clients that parse it keep working). Unset, it
-    is a generous default (more when thinking: reasoning is long) clamped to
-    what the context leaves.
+    is ``default`` (the checkpoint's ``max_new_tokens``) or a generous one
+    (more when thinking: reasoning is long), clamped to what the context leaves.
     """
     if requested is not None and prompt_tokens + requested > context_length:
         raise bad_request(
@@ -456,25 +461,32 @@ def resolve_max_tokens(
         )
     if requested is not None:
         return requested
-    if thinking:
+    if default is None and thinking:
         default = MAX_EFFORT_MAX_TOKENS if max_effort else THINKING_MAX_TOKENS
-    else:
+    elif default is None:
         default = DEFAULT_MAX_TOKENS
     return max(1, min(default, context_length - prompt_tokens))
 
 
-def sampling_params(request: GenerationRequest, max_tokens: int) -> SamplingParams:
-    """The request's sampling fields, with OpenAI's defaults for what it left unset."""
+def sampling_params(
+    request: GenerationRequest, max_tokens: int, defaults: SamplingDefaults = NO_DEFAULTS
+) -> SamplingParams:
+    """The request's sampling fields; what it left unset comes from the checkpoint's
+    ``defaults``, else from OpenAI's."""
+
+    def chosen(value: T | None, default: T | None, fallback: T) -> T:
+        return next(v for v in (value, default, fallback) if v is not None)
+
     try:
         return SamplingParams(
             max_tokens=max_tokens,
-            temperature=1.0 if request.temperature is None else request.temperature,
-            top_p=1.0 if request.top_p is None else request.top_p,
-            top_k=request.top_k or 0,
-            min_p=request.min_p or 0.0,
+            temperature=chosen(request.temperature, defaults.temperature, 1.0),
+            top_p=chosen(request.top_p, defaults.top_p, 1.0),
+            top_k=chosen(request.top_k, defaults.top_k, 0),
+            min_p=chosen(request.min_p, defaults.min_p, 0.0),
             presence_penalty=request.presence_penalty,
             frequency_penalty=request.frequency_penalty,
-            repetition_penalty=request.repetition_penalty,
+            repetition_penalty=chosen(request.repetition_penalty, defaults.repetition_penalty, 1.0),
             seed=request.seed,
             stop=list(request.stop),
             stop_token_ids=list(request.stop_token_ids),

@@ -73,10 +73,14 @@ class Settings:
     allowed_origins: tuple[str, ...] = ()  # CORS for browser clients; none: CORS off
     # What an object schema that leaves out additionalProperties allows (shared/constraints.py).
     default_additional_properties: bool = False
+    # How chat templates get message content; None: each registry entry's own (shared/registry.py).
+    chat_template_content_format: str | None = None
 
 
 def load_models(settings: Settings) -> tuple[ModelRegistry, ModelSpec]:
     """The registry this server answers with (the served model only) and its entry."""
     registry = ModelRegistry.from_toml(settings.config) if settings.config else default_registry()
     spec = registry.resolve(settings.model)
+    if settings.chat_template_content_format is not None:
+        spec = spec.replaced(chat_template_content_format=settings.chat_template_content_format)
     return ModelRegistry([spec]), spec

@@ -2,17 +2,22 @@
 
 No vision model's weights are on this machine, so tests and benchmarks build
 one with transformers' own ``Idefics3ForConditionalGeneration`` and save it
-like any checkpoint: ``config.json``, ``model.safetensors``,
-``preprocessor_config.json``, and the default model's tokenizer with
-SmolVLM's image tokens and chat template added. ``tiny`` keeps tests fast;
+like any checkpoint: ``config.json``, ``model.safetensors``, and the default
+model's tokenizer with SmolVLM's image tokens and chat template added, with
+the processor saved as transformers 5 saves it (``processor_config.json``
+holding the image processor, ``chat_template.jinja``) or, with
+``layout="legacy"``, as older releases did (``preprocessor_config.json``,
+the template in ``tokenizer_config.json``). ``tiny`` keeps tests fast;
 ``smolvlm-256m`` has SmolVLM-256M's shapes, for timing the encoder.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
+import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from tokenizers import AddedToken, Tokenizer
 
@@ -64,13 +69,33 @@ SHAPES: dict[str, dict[str, Any]] = {
 }
 
 
-def make_idefics3(path: Path, shape: str = "tiny", seed: int = 0, weights: bool = True) -> Path:
+Layout = Literal["transformers5", "legacy"]
+
+
+def make_idefics3(
+    path: Path,
+    shape: str = "tiny",
+    seed: int = 0,
+    weights: bool = True,
+    layout: Layout = "transformers5",
+) -> Path:
     """Save a random-weight Idefics3 of ``shape`` at ``path``; returns ``path``.
 
     Without ``weights`` only the files the API reads are written (config,
     tokenizer, preprocessing): enough to prepare requests, in a second.
     """
     import transformers
+
+    if layout == "transformers5":  # the model's files as they are, the processor re-saved
+        with tempfile.TemporaryDirectory() as legacy:
+            make_idefics3(Path(legacy), shape, seed, weights, layout="legacy")
+            processor = transformers.AutoProcessor.from_pretrained(legacy)
+            processor.chat_template = CHAT_TEMPLATE
+            processor.save_pretrained(path)
+            for model_file in Path(legacy).iterdir():
+                if model_file.name == "config.json" or model_file.suffix == ".safetensors":
+                    shutil.copy(model_file, path / model_file.name)
+        return path
 
     sizes = SHAPES[shape]
     path.mkdir(parents=True, exist_ok=True)

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from shared.constraints import TOOL_CALL_SYNTAXES, ToolCallSyntax
+from shared.prompting.base import CONTENT_FORMATS, ContentFormat
 
 PROMPT_FORMATS = ("chatml", "qwen3", "llama3", "jinja")
 CAPABILITIES = frozenset({"tools", "thinking", "images"})
@@ -64,6 +65,9 @@ class ModelSpec:
     an image: ``refuse`` it with a 400 (the default: the client learns that
     its image was not seen), or put the text ``[Unsupported Image]`` in its
     place and answer (``placeholder``).
+    ``chat_template_content_format`` is how the model's chat template gets
+    message content: ``auto`` (decided from the template), ``string`` or
+    ``openai`` (a list of typed parts), as vLLM's flag of that name.
     """
 
     name: str
@@ -75,6 +79,7 @@ class ModelSpec:
     default_system_prompt: str | None
     raw_prompt_control_tokens: bool
     images: ImageHandling
+    chat_template_content_format: ContentFormat
     _weights: PathSource = field(repr=False)
     _tokenizer: PathSource | None = field(repr=False)
 
@@ -92,6 +97,7 @@ class ModelSpec:
         default_system_prompt: str | None = None,
         raw_prompt_control_tokens: bool = False,
         images: ImageHandling = "refuse",
+        chat_template_content_format: ContentFormat = "auto",
     ) -> None:
         capabilities = frozenset(capabilities)
         if "images" in capabilities and images != "refuse":
@@ -109,11 +115,30 @@ class ModelSpec:
             "default_system_prompt": default_system_prompt,
             "raw_prompt_control_tokens": raw_prompt_control_tokens,
             "images": images,
+            "chat_template_content_format": chat_template_content_format,
             "_weights": weights,
             "_tokenizer": tokenizer,
         }
         for key, value in values.items():
             object.__setattr__(self, key, value)
+
+    def replaced(self, **changes: Any) -> ModelSpec:
+        """This entry with ``changes`` (constructor arguments) applied."""
+        values = {
+            "name": self.name,
+            "weights": self._weights,
+            "tokenizer": self._tokenizer,
+            "aliases": self.aliases,
+            "prompt_format": self.prompt_format,
+            "context_length": self.context_length,
+            "capabilities": self.capabilities,
+            "tool_parser": self.tool_parser,
+            "default_system_prompt": self.default_system_prompt,
+            "raw_prompt_control_tokens": self.raw_prompt_control_tokens,
+            "images": self.images,
+            "chat_template_content_format": self.chat_template_content_format,
+        }
+        return ModelSpec(**(values | changes))
 
     @property
     def weights(self) -> Path:
@@ -248,6 +273,9 @@ def spec_from_entry(name: str, entry: Any, base: Path) -> ModelSpec:
         default_system_prompt=_optional_string(name, entry, "default_system_prompt"),
         raw_prompt_control_tokens=_boolean(name, entry, "raw_prompt_control_tokens"),
         images=_choice(name, entry, "images", IMAGE_HANDLING, "refuse"),
+        chat_template_content_format=_choice(
+            name, entry, "chat_template_content_format", CONTENT_FORMATS, "auto"
+        ),
     )
 
 
@@ -263,6 +291,7 @@ _TOML_FIELDS = frozenset(
         "default_system_prompt",
         "raw_prompt_control_tokens",
         "images",
+        "chat_template_content_format",
     }
 )
 

@@ -257,11 +257,15 @@ def _token_id(tokenizer: Tokenizer, token: str | dict[str, Any] | None) -> int |
 
 
 def _chat_template(path: Path, config: dict[str, Any]) -> str | None:
-    """Newer HF repos keep the template in ``chat_template.jinja``; older ones in the config,
+    """Newer HF repos keep the template in ``chat_template.jinja``; processors saved by
+    transformers 4 in ``chat_template.json``; older repos in the tokenizer's config,
     sometimes as a list of named templates of which "default" is the chat one."""
     standalone = path / "chat_template.jinja"
     if standalone.is_file():
         return standalone.read_text()
+    template = _read_json(path / "chat_template.json").get("chat_template")
+    if isinstance(template, str):
+        return template
     template = config.get("chat_template")
     if isinstance(template, list):
         named = {entry.get("name"): entry.get("template") for entry in template}

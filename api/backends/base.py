@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from shared.events import InferenceEvent
+from shared.generation_config import NO_DEFAULTS, SamplingDefaults
 from shared.images.idefics3 import Idefics3Processing
 from shared.registry import ModelSpec
 from shared.tokenizer_loader import LoadedTokenizer
@@ -48,6 +49,7 @@ class ServedModel:
     tokenizer: LoadedTokenizer
     context_length: int
     image_processing: Idefics3Processing | None = None  # a vision model's; it sees images
+    sampling_defaults: SamplingDefaults = NO_DEFAULTS  # its generation_config.json's
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,6 +26,7 @@ from api.backends.fleet import FleetCollector, FleetWatcher
 from api.backends.placement import Placer
 from shared import keys
 from shared.events import InferenceEvent
+from shared.generation_config import NO_DEFAULTS, sampling_defaults
 from shared.heap import freeze_startup_heap
 from shared.images.idefics3 import Idefics3Processing
 from shared.images.loading import image_processing_for
@@ -66,6 +67,7 @@ class DistributedBackend(Backend):
             spec.name, lambda: self.snapshot, settings.max_num_seqs, placer.placed
         )
         self._tokenizer: LoadedTokenizer | None = None
+        self._sampling_defaults = NO_DEFAULTS
         self._image_processing: Idefics3Processing | None = None
         self._served: ServedModel | None = None
         self._load_error: str | None = None
@@ -77,6 +79,7 @@ class DistributedBackend(Backend):
         try:
             self._image_processing = await asyncio.to_thread(image_processing_for, self._spec)
             self._tokenizer = await asyncio.to_thread(load_tokenizer, self._spec.tokenizer)
+            self._sampling_defaults = await asyncio.to_thread(sampling_defaults, self._spec.weights)
         except Exception as exc:  # reported by /ready, like a model that fails to load
             log.exception("loading the tokenizer failed")
             self._load_error = f"loading the tokenizer failed: {exc}"
@@ -139,7 +142,9 @@ class DistributedBackend(Backend):
             return []
         length = self._context_length(self.snapshot)
         if self._served is None or self._served.context_length != length:
-            self._served = ServedModel(self._spec, self._tokenizer, length, self._image_processing)
+            self._served = ServedModel(
+                self._spec, self._tokenizer, length, self._image_processing, self._sampling_defaults
+            )
         return [self._served]
 
     def _context_length(self, snapshot: FleetSnapshot) -> int:

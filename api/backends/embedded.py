@@ -34,6 +34,7 @@ from api.backends.base import Backend, BackendHealth, Place, ServedModel
 from engine.config import EngineArgs
 from shared.events import Error, Finish, InferenceEvent, Ready, Text
 from shared.execution import default_enforce_eager
+from shared.generation_config import sampling_defaults
 from shared.heap import freeze_startup_heap
 from shared.precision import default_dtype
 from shared.registry import ModelSpec
@@ -193,7 +194,11 @@ class EmbeddedBackend(Backend):
             self._fail(f"loading the model failed: {exc}")
             return
         self._served = ServedModel(
-            self._spec, engine.tokenizer, engine.max_model_len, engine.image_processing
+            self._spec,
+            engine.tokenizer,
+            engine.max_model_len,
+            engine.image_processing,
+            sampling_defaults(self._spec.weights),
         )
         self._host = EngineThread(
             engine, self._on_events, self._on_step_failure, on_death=self._on_death

@@ -60,7 +60,7 @@ class GenerationRequest:
     seed: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
+    repetition_penalty: float | None = None
     stop: list[str] = field(default_factory=list)
     skip_special_tokens: bool = True
     priority: int | None = None  # lower runs first; bounded below by the API key's

@@ -161,7 +161,7 @@ def read_sampling(fields: Fields) -> dict[str, Any]:
         "seed": fields.integer("seed"),
         "presence_penalty": fields.number("presence_penalty", -2, 2) or 0.0,
         "frequency_penalty": fields.number("frequency_penalty", -2, 2) or 0.0,
-        "repetition_penalty": fields.number("repetition_penalty", 0, low_open=True) or 1.0,
+        "repetition_penalty": fields.number("repetition_penalty", 0, low_open=True),
         "stop": read_stop(fields),
         "skip_special_tokens": fields.boolean("skip_special_tokens") is not False,
         "priority": fields.integer("priority"),

@@ -1,8 +1,10 @@
 """A checkpoint's image processing, read from its directory, for the API and the engine alike.
 
 A vision-language checkpoint is an HF directory: ``config.json`` names the
-architecture and the encoder's geometry, ``preprocessor_config.json`` how
-pictures become tiles. Both sides read the same files, so the API expands an
+architecture and the encoder's geometry, the image processor's settings how
+pictures become tiles: ``preprocessor_config.json``, or the
+``image_processor`` table of ``processor_config.json`` as transformers 5
+saves it. Both sides read the same files, so the API expands an
 image into exactly as many tokens as the engine's encoder produces.
 """
 
@@ -31,18 +33,29 @@ def load_image_processing(weights: Path) -> Idefics3Processing | None:
     config = json.loads(config_path.read_text())
     if (config.get("architectures") or [""])[0] not in VISION_ARCHITECTURES:
         return None
-    preprocessor_path = weights / "preprocessor_config.json"
-    if not preprocessor_path.is_file():
-        raise InvalidImageProcessing(
-            f"{weights} is a vision model without preprocessor_config.json"
-        )
     try:
         vision = config["vision_config"]
         grid = vision["image_size"] // vision["patch_size"]
         image_seq_len = grid * grid // config["scale_factor"] ** 2
-        return Idefics3Processing.from_hf(json.loads(preprocessor_path.read_text()), image_seq_len)
+        return Idefics3Processing.from_hf(_image_processor(weights), image_seq_len)
     except (KeyError, TypeError, ValueError) as exc:
         raise InvalidImageProcessing(f"{weights}: unusable image processing ({exc})") from exc
+
+
+def _image_processor(weights: Path) -> dict:
+    """The image processor's settings, from either file transformers writes."""
+    preprocessor = weights / "preprocessor_config.json"
+    if preprocessor.is_file():
+        return json.loads(preprocessor.read_text())
+    processor = weights / "processor_config.json"
+    if processor.is_file():
+        settings = json.loads(processor.read_text()).get("image_processor")
+        if isinstance(settings, dict):
+            return settings
+    raise InvalidImageProcessing(
+        f"{weights} is a vision model without image processor settings "
+        "(preprocessor_config.json, or processor_config.json with an image_processor)"
+    )
 
 
 def image_processing_for(spec: ModelSpec) -> Idefics3Processing | None:

@@ -10,7 +10,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from shared.conversation import Conversation
-from shared.prompting.base import PromptFormat, PromptFormatError, RenderedPrompt, RenderOptions
+from shared.prompting.base import (
+    ContentFormat,
+    PromptFormat,
+    PromptFormatError,
+    RenderedPrompt,
+    RenderOptions,
+)
 from shared.prompting.chatml import ChatMLFormat
 from shared.prompting.jinja import JinjaFormat
 from shared.prompting.llama3 import Llama3Format
@@ -42,6 +48,7 @@ def render(
     add_generation_prompt: bool = True,
     bos_token: str | None = None,
     eos_token: str | None = None,
+    content_format: ContentFormat = "auto",
 ) -> RenderedPrompt:
     """Validate the conversation and lay it out in the named format.
 
@@ -57,6 +64,7 @@ def render(
         add_generation_prompt=add_generation_prompt,
         bos_token=bos_token,
         eos_token=eos_token,
+        content_format=content_format,
     )
     return prompt_format.render(conversation, options)
 

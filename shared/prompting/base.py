@@ -11,9 +11,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Literal, Protocol
 
 from shared.conversation import Conversation, ImageSource
+
+ContentFormat = Literal["auto", "string", "openai"]
+CONTENT_FORMATS: tuple[ContentFormat, ...] = ("auto", "string", "openai")
 
 
 class PromptFormatError(ValueError):
@@ -46,7 +49,10 @@ class RenderOptions:
     ``default_system_prompt`` is used by the built-in formats when the
     conversation has no system message (a model's own Jinja template carries
     its default itself). ``bos_token``/``eos_token`` are the spellings chat
-    templates read as variables.
+    templates read as variables. ``content_format`` is how a chat template
+    receives message content: ``string`` (text-only content as one string),
+    ``openai`` (always a list of typed parts) or ``auto`` (whichever the
+    template reads, ``shared.prompting.jinja.content_format``).
     """
 
     special_tokens: Mapping[str, int]
@@ -55,6 +61,7 @@ class RenderOptions:
     add_generation_prompt: bool = True
     bos_token: str | None = None
     eos_token: str | None = None
+    content_format: ContentFormat = "auto"
 
 
 class PromptFormat(Protocol):

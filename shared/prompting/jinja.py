@@ -43,7 +43,12 @@ from shared.conversation import (
     has_images,
     text_of,
 )
-from shared.prompting.base import PromptFormatError, RenderedPrompt, RenderOptions
+from shared.prompting.base import (
+    ContentFormat,
+    PromptFormatError,
+    RenderedPrompt,
+    RenderOptions,
+)
 from shared.prompting.builder import special_pattern
 from shared.prompting.template_text import TemplateText, join_text, mark_literal, spans_of
 from shared.prompting.tool_json import parsed_arguments, tool_signature
@@ -69,7 +74,8 @@ class JinjaFormat:
             )
         template = compile_template(options.chat_template)
         cut_marker = _continuation_marker() if conversation.continues_last_message else None
-        variables = template_variables(conversation, options, cut_marker)
+        parts = resolved_content_format(options) == "openai"
+        variables = template_variables(conversation, options, cut_marker, parts=parts)
         text = _render(template, variables)
         if cut_marker is not None:
             text = _cut_at(text, cut_marker)
@@ -100,17 +106,24 @@ def template_special_ranges(text: str, special_tokens: Iterable[str]) -> list[tu
 
 
 def template_variables(
-    conversation: Conversation, options: RenderOptions, cut_marker: str | None = None
+    conversation: Conversation,
+    options: RenderOptions,
+    cut_marker: str | None = None,
+    *,
+    parts: bool = False,
 ) -> dict[str, Any]:
     """What transformers passes to a chat template, built from a Conversation.
 
     Keys a template tests for presence (``tool_calls``, ``reasoning_content``,
     ``enable_thinking``) are only set when they carry something, because
     templates such as Llama 3.1's branch on ``'tool_calls' in message``.
+    With ``parts`` every message's content is a list of typed parts, as
+    templates that iterate over content expect; otherwise text-only content
+    is one string.
     """
     last = len(conversation.messages) - 1
     messages = [
-        _message_dict(message, cut_marker if index == last else None)
+        _message_dict(message, cut_marker if index == last else None, parts)
         for index, message in enumerate(conversation.messages)
     ]
     tools = [tool_signature(tool) for tool in conversation.tools] or None
@@ -154,19 +167,20 @@ def _render(template: jinja2.Template, variables: dict[str, Any]) -> str:
         raise PromptFormatError(f"the chat template failed to render: {exc}") from exc
 
 
-def _message_dict(message: Message, cut_marker: str | None) -> dict[str, Any]:
+def _message_dict(message: Message, cut_marker: str | None, parts: bool) -> dict[str, Any]:
     match message:
         case SystemMessage():
-            return {"role": "system", "content": text_of(message.content)}
+            text = text_of(message.content)
+            return {"role": "system", "content": _text_parts(text) if parts else text}
         case UserMessage():
-            return {"role": "user", "content": _content(message.content)}
+            return {"role": "user", "content": _content(message.content, parts)}
         case AssistantMessage():
-            return _assistant_dict(message, cut_marker)
+            return _assistant_dict(message, cut_marker, parts)
         case ToolMessage():
             result: dict[str, Any] = {
                 "role": "tool",
                 "tool_call_id": message.tool_call_id,
-                "content": _content(message.content),
+                "content": _content(message.content, parts),
             }
             if message.name is not None:
                 result["name"] = message.name
@@ -174,12 +188,12 @@ def _message_dict(message: Message, cut_marker: str | None) -> dict[str, Any]:
     raise ConversationError(f"cannot render a {type(message).__name__}")
 
 
-def _assistant_dict(message: AssistantMessage, cut_marker: str | None) -> dict[str, Any]:
+def _assistant_dict(
+    message: AssistantMessage, cut_marker: str | None, parts: bool
+) -> dict[str, Any]:
     """transformers' shape; the reasoning goes under both names templates read."""
-    result: dict[str, Any] = {
-        "role": "assistant",
-        "content": text_of(message.content) + (cut_marker or ""),
-    }
+    text = text_of(message.content) + (cut_marker or "")
+    result: dict[str, Any] = {"role": "assistant", "content": _text_parts(text) if parts else text}
     if message.reasoning is not None:
         result["reasoning_content"] = message.reasoning
         result["thinking"] = message.reasoning
@@ -211,14 +225,85 @@ def _plain_data(value: Any) -> Any:
     return value
 
 
-def _content(parts: list[ContentPart]) -> str | list[dict[str, Any]]:
-    """A string for text-only content (what most templates expect), else typed parts."""
-    if not has_images(parts):
-        return text_of(parts)
+def _content(content: list[ContentPart], parts: bool) -> str | list[dict[str, Any]]:
+    """Typed parts when asked or when there are images, else one string."""
+    if not parts and not has_images(content):
+        return text_of(content)
     return [
         {"type": "text", "text": part.text} if isinstance(part, TextPart) else {"type": "image"}
-        for part in parts
+        for part in content
     ]
+
+
+def _text_parts(text: str) -> list[dict[str, Any]]:
+    return [{"type": "text", "text": text}] if text else []
+
+
+def resolved_content_format(options: RenderOptions) -> ContentFormat:
+    """``options.content_format``, with ``auto`` decided by what the template reads."""
+    if options.content_format != "auto":
+        return options.content_format
+    return content_format(options.chat_template or "")
+
+
+@lru_cache(maxsize=16)
+def content_format(source: str) -> ContentFormat:
+    """``openai`` when the template loops over a message's content (it expects a list of
+    typed parts), else ``string``; the rule vLLM applies.
+
+    A message is the target of a loop over ``messages``, or over a variable
+    set from it (``loop_messages = messages[1:]``); its content is
+    ``message.content`` or ``message['content']``, filtered or sliced or not.
+    """
+    try:
+        tree = _environment().parse(source)
+    except jinja2.TemplateSyntaxError:
+        return "string"
+    lists = _names_set_from(tree, "messages")
+    messages = {
+        loop.target.name
+        for loop in tree.find_all(nodes.For)
+        if isinstance(loop.target, nodes.Name) and any(_reads(loop.iter, name) for name in lists)
+    }
+    for loop in tree.find_all(nodes.For):
+        if any(_reads(loop.iter, name, "content") for name in messages):
+            return "openai"
+    return "string"
+
+
+def _names_set_from(tree: nodes.Template, name: str) -> set[str]:
+    """``name`` and every variable set, directly or in turn, from it."""
+    names, pending = {name}, [name]
+    while pending:
+        source = pending.pop()
+        for assign in tree.find_all(nodes.Assign):
+            target = assign.target
+            if (
+                isinstance(target, nodes.Name)
+                and target.name not in names
+                and _reads(assign.node, source)
+            ):
+                names.add(target.name)
+                pending.append(target.name)
+    return names
+
+
+def _reads(node: nodes.Node, name: str, key: str | None = None) -> bool:
+    """Whether ``node`` is the variable ``name`` (or its ``key``), through filters, tests
+    and slices."""
+    if isinstance(node, nodes.Filter | nodes.Test):
+        return node.node is not None and _reads(node.node, name, key)
+    if isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Slice):
+        return _reads(node.node, name, key)
+    if key is None:
+        return isinstance(node, nodes.Name) and node.name == name
+    if isinstance(node, nodes.Getattr):
+        return node.attr == key and _reads(node.node, name)
+    if isinstance(node, nodes.Getitem):
+        return (
+            isinstance(node.arg, nodes.Const) and node.arg.value == key and _reads(node.node, name)
+        )
+    return False
 
 
 def _continuation_marker() -> str:
