@@ -189,9 +189,12 @@ def _serve(args: argparse.Namespace) -> int:
         image_token_budget=args.image_token_budget,
     )
     try:
-        load_models(settings)  # a bad --model or --config fails here, with a clear message
+        # A bad --model or --config fails here, with a clear message; a hub id is found in
+        # the local cache or downloaded.
+        _, spec = load_models(settings)
+        spec.weights  # noqa: B018
         KeyRing.configured(settings.api_keys, settings.api_keys_file)  # and a bad keys file
-    except (ValueError, OSError) as exc:
+    except (ValueError, OSError, RuntimeError) as exc:
         print(f"sluice serve: {exc}", file=sys.stderr)
         return 2
     return run(settings)

@@ -80,7 +80,7 @@ class Settings:
 def load_models(settings: Settings) -> tuple[ModelRegistry, ModelSpec]:
     """The registry this server answers with (the served model only) and its entry."""
     registry = ModelRegistry.from_toml(settings.config) if settings.config else default_registry()
-    spec = registry.resolve(settings.model)
+    spec = registry.resolve(settings.model, hub=True)
     if settings.chat_template_content_format is not None:
         spec = spec.replaced(chat_template_content_format=settings.chat_template_content_format)
     return ModelRegistry([spec]), spec

@@ -79,7 +79,7 @@ def _load(args: EngineArgs) -> LoadedModel:
     registry = (
         ModelRegistry.from_toml(args.registry_file) if args.registry_file else default_registry()
     )
-    spec = registry.resolve(args.model)
+    spec = registry.resolve(args.model, hub=True)
     device = resolve_device(args.device)
     check_utilization(args, device)
     precision = precision_for(args.dtype, args.quantization, device)

@@ -3,7 +3,8 @@
 The API validates ``model`` against this before doing any work, and workers
 use the same entry to find the weights, so both sides agree on what a name
 means. Entries come from the built-in default, from a TOML file, or from a
-local path passed as the name (an ad-hoc entry for trying a checkpoint).
+local path or a hub id passed as the name (an ad-hoc entry for trying a
+checkpoint).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from shared.constraints import TOOL_CALL_SYNTAXES, ToolCallSyntax
+from shared.hub import hub_checkpoint, is_hub_id
 from shared.prompting.base import CONTENT_FORMATS, ContentFormat
 
 PROMPT_FORMATS = ("chatml", "qwen3", "llama3", "jinja")
@@ -211,13 +213,21 @@ class ModelRegistry:
         """One entry per model (for listings such as ``GET /v1/models``)."""
         return list(self._specs.values())
 
-    def resolve(self, name: str) -> ModelSpec:
-        """The entry for a name or alias, or an ad-hoc entry for a local checkpoint path."""
+    def resolve(self, name: str, *, hub: bool = False) -> ModelSpec:
+        """The entry for a name or alias, or an ad-hoc entry for a local checkpoint path or,
+        with ``hub``, a hub id (``shared.hub``: its files are found or downloaded when the
+        entry's weights are first read).
+
+        Names in requests resolve without ``hub``: a client cannot make the server
+        download a model.
+        """
         if name in self._by_name:
             return self._by_name[name]
         local = _local_checkpoint(name)
         if local is not None:
             return ModelSpec(name=name, weights=local)
+        if hub and is_hub_id(name):
+            return ModelSpec(name=name, weights=lambda: hub_checkpoint(name))
         raise UnknownModel(
             f"The supported API model names are {', '.join(self.names())}, but you passed {name}."
         )

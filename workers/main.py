@@ -124,7 +124,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logs.configure(args.loglevel, args.log_format)
     try:
         registry = ModelRegistry.from_toml(args.config) if args.config else default_registry()
-        spec = registry.resolve(args.model)
+        spec = registry.resolve(args.model, hub=True)
         queues = worker_queues(registry, spec, split_queues(args.queues))
         engine_args = engine_args_for(
             spec, args.dtype, args.max_model_len, args.max_num_seqs, args.quantization
