@@ -67,11 +67,11 @@ T = TypeVar("T")
 def create_app(settings: Settings | None = None, backend: Backend | None = None) -> FastAPI:
     """The app for ``settings``; ``backend`` defaults to the embedded engine."""
     settings = settings or Settings()
-    registry, spec = load_models(settings)
+    registry, specs = load_models(settings)
     channel = _request_channel(settings)
     serving = Serving(
         registry,
-        backend or _default_backend(spec, settings, channel),
+        backend or _default_backend(specs, settings, channel),
         settings,
         _rate_limiter(channel),
     )
@@ -123,9 +123,19 @@ def _request_channel(settings: Settings) -> RequestChannel | None:
 
 
 def _default_backend(
-    spec: ModelSpec, settings: Settings, channel: RequestChannel | None
+    specs: list[ModelSpec], settings: Settings, channel: RequestChannel | None
 ) -> Backend:
-    """Workers behind Redis with ``redis_url`` (no torch here), else the embedded engine."""
+    """Per model: workers behind Redis with ``redis_url`` (no torch here), else an embedded
+    engine; several models behind one backend that routes by model."""
+    backends = {spec.name: _model_backend(spec, settings, channel) for spec in specs}
+    if len(backends) == 1:
+        return next(iter(backends.values()))
+    from api.backends.several import SeveralModels
+
+    return SeveralModels(backends)
+
+
+def _model_backend(spec: ModelSpec, settings: Settings, channel: RequestChannel | None) -> Backend:
     if settings.redis_url:
         from api.backends.distributed import DistributedBackend
 
@@ -264,7 +274,7 @@ async def _generate(
     """Admit, prepare and run one request body; the answer (SSE or JSON) and the request."""
     request_id = new_request_id(protocol)
     access: AccessRecord = request.state.access
-    access.place = await serving.admit()  # released when the request ends
+    access.place = await serving.admit(body)  # released when the request ends
     key = caller_key(request)
     prepared = await serving.prepare(protocol, body, request_id, key)
     access.rate_limits = await serving.limit(key, prepared)  # 429 beyond the key's limits
@@ -342,10 +352,20 @@ def _models_route(serving: Serving) -> Callable[..., Awaitable[Response]]:
     created = int(time.time())
 
     async def list_models() -> Response:
-        """OpenAI's list shape; every accepted name, aliases included, is a model."""
+        """OpenAI's list shape, each served model once, with its aliases (names it also
+        answers to) and, once loaded, vLLM's ``max_model_len``."""
+        loaded = {model.spec.name: model.context_length for model in serving.backend.models()}
         data = [
-            {"id": name, "object": "model", "created": created, "owned_by": "sluice"}
-            for name in serving.registry.names()
+            {
+                "id": spec.name,
+                "object": "model",
+                "created": created,
+                "owned_by": "sluice",
+                "root": spec.name,
+                "aliases": list(spec.aliases),
+                "max_model_len": loaded.get(spec.name) or spec.context_length or None,
+            }
+            for spec in serving.registry.specs()
         ]
         return JSONResponse({"object": "list", "data": data})
 

@@ -55,7 +55,7 @@ async def start(
     """Admit, prepare and start every prompt's generation; the answer, to await."""
     protocol = completions.PROTOCOL
     access: AccessRecord = request.state.access
-    access.place = await serving.admit()
+    access.place = await serving.admit(bodies[0])
     key = caller_key(request)
     response_id = new_request_id(protocol)
     prepared: list[Prepared] = []

@@ -56,8 +56,17 @@ def _enforce_eager(args: argparse.Namespace) -> bool:
     return default_enforce_eager() if args.enforce_eager is None else args.enforce_eager
 
 
-def _add_engine_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="default", help="model name, alias or path")
+def _add_engine_args(parser: argparse.ArgumentParser, *, several_models: bool = False) -> None:
+    if several_models:
+        parser.add_argument(
+            "--model",
+            action="append",
+            help="a model to serve: registry name, alias, path or hub id (org/name[@revision]); "
+            "repeat it to serve several (default: every entry of --config, else the default "
+            "model)",
+        )
+    else:
+        parser.add_argument("--model", default="default", help="model name, alias, path or hub id")
     parser.add_argument(
         "--dtype",
         default=default_dtype(),
@@ -137,7 +146,7 @@ def _serve(args: argparse.Namespace) -> int:
             )
             return 2
     settings = Settings(
-        model=args.model,
+        models=tuple(args.model or ()),
         config=Path(args.config) if args.config else None,
         host=args.host,
         port=args.port,
@@ -191,8 +200,8 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         # A bad --model or --config fails here, with a clear message; a hub id is found in
         # the local cache or downloaded.
-        _, spec = load_models(settings)
-        spec.weights  # noqa: B018
+        for spec in load_models(settings)[1]:
+            spec.weights  # noqa: B018
         KeyRing.configured(settings.api_keys, settings.api_keys_file)  # and a bad keys file
     except (ValueError, OSError, RuntimeError) as exc:
         print(f"sluice serve: {exc}", file=sys.stderr)
@@ -306,7 +315,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate.set_defaults(run=_generate)
 
     serve = commands.add_parser("serve", help="serve the HTTP APIs")
-    _add_engine_args(serve)
+    _add_engine_args(serve, several_models=True)
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--config", default=None, help="TOML model registry ([models.<name>])")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -18,12 +19,14 @@ from prometheus_client.registry import Collector
 from api.backends.base import BackendHealth
 from shared.events import Finish, InferenceEvent, Ready, Text
 
+if TYPE_CHECKING:
+    from api.preparation import Prepared
+
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
 class ServingMetrics:
-    def __init__(self, health: Callable[[], BackendHealth], model: str) -> None:
-        self.model = model  # the served model: every request's label
+    def __init__(self, health: Callable[[], BackendHealth]) -> None:
         self.registry = CollectorRegistry()
         self.requests = Counter(
             "sluice_requests",
@@ -60,12 +63,13 @@ class ServingMetrics:
         self.requests.labels(protocol, str(status)).inc()
 
     async def track(
-        self, protocol: str, events: AsyncIterator[InferenceEvent], arrived: float
+        self, prepared: Prepared, events: AsyncIterator[InferenceEvent], arrived: float
     ) -> AsyncIterator[InferenceEvent]:
-        """Pass ``events`` through, observing latency and token counts.
+        """Pass ``events`` through, observing latency and token counts by protocol and model.
 
         Closing this iterator closes ``events`` (which cancels the request).
         """
+        protocol, model = prepared.protocol.name, prepared.model.spec.name
         last_token: float | None = None
         inter_token = self.inter_token_latency.labels(protocol)  # looked up once, not per token
         try:
@@ -78,11 +82,11 @@ class ServingMetrics:
                         inter_token.observe(now - last_token)
                     last_token = now
                 elif isinstance(event, Ready):
-                    self.prompt_tokens.labels(self.model, protocol).inc(event.prompt_tokens)
-                    cached = self.cached_prompt_tokens.labels(self.model, protocol)
+                    self.prompt_tokens.labels(model, protocol).inc(event.prompt_tokens)
+                    cached = self.cached_prompt_tokens.labels(model, protocol)
                     cached.inc(event.cached_tokens)
                 elif isinstance(event, Finish):
-                    completion = self.completion_tokens.labels(self.model, protocol)
+                    completion = self.completion_tokens.labels(model, protocol)
                     completion.inc(event.completion_tokens)
                 yield event
         finally:

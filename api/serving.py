@@ -43,6 +43,7 @@ class Serving:
         rate_limiter: RateLimiter | None = None,
     ) -> None:
         self.registry = registry
+        self._names = frozenset(registry.names())
         self.backend = backend
         self.rate_limiter = rate_limiter or MemoryRateLimiter()
         self.max_body_bytes = settings.max_body_bytes  # what a request body may hold, at most
@@ -50,7 +51,7 @@ class Serving:
         self.pool = PreparationPool(
             settings.preparation_threads, settings.max_preparing, settings.prepare_timeout_s
         )
-        self.metrics = ServingMetrics(backend.health, registry.specs()[0].name)
+        self.metrics = ServingMetrics(backend.health)
         collector = backend.metrics_collector()
         if collector is not None:
             self.metrics.registry.register(collector)
@@ -115,12 +116,15 @@ class Serving:
         read = read_json_value if value else read_json
         return await read(request, self.max_body_bytes, timeout_s=self.body_timeout_s)
 
-    async def admit(self) -> Place:
+    async def admit(self, body: dict[str, Any]) -> Place:
         """Before a request is prepared: the backend refuses work it has no room for (429/503).
 
-        The caller releases the place once the request has ended.
+        ``body`` is the request's, for the model it names. The caller releases the
+        place once the request has ended.
         """
-        return await self.backend.admit()
+        name = body.get("model")
+        known = isinstance(name, str) and name in self._names  # else preparation answers it
+        return await self.backend.admit(self.registry.resolve(name).name if known else None)
 
     async def off_loop(self, function: Callable[..., T], *args: Any) -> T:
         """Run CPU work (rendering, tokenizing) in the bounded pool, under the prepare timeout."""
@@ -211,5 +215,5 @@ class Serving:
         # Only a backend that takes shares sees the ticket; for others it is taken already.
         generation = backend.infer(wire, ticket) if backend.takes_shares else backend.infer(wire)
         generation = prepared.holding(generation)  # images' tokens, held to the end
-        events = self.metrics.track(prepared.protocol.name, generation, arrived)
+        events = self.metrics.track(prepared, generation, arrived)
         return processor, events

@@ -23,9 +23,12 @@ from shared.registry import ModelRegistry, ModelSpec, default_registry
 
 @dataclass(slots=True)
 class Settings:
-    """How ``sluice serve`` runs; ``config`` is a TOML model registry."""
+    """How ``sluice serve`` runs; ``config`` is a TOML model registry.
 
-    model: str = "default"
+    ``models`` are the names served; none: every entry of ``config``, else the default model.
+    """
+
+    models: tuple[str, ...] = ()
     config: Path | None = None
     host: str = "127.0.0.1"
     port: int = 8000
@@ -77,10 +80,16 @@ class Settings:
     chat_template_content_format: str | None = None
 
 
-def load_models(settings: Settings) -> tuple[ModelRegistry, ModelSpec]:
-    """The registry this server answers with (the served model only) and its entry."""
+def load_models(settings: Settings) -> tuple[ModelRegistry, list[ModelSpec]]:
+    """The registry this server answers with (the served models only) and their entries."""
     registry = ModelRegistry.from_toml(settings.config) if settings.config else default_registry()
-    spec = registry.resolve(settings.model, hub=True)
+    names = settings.models
+    if not names and settings.config:
+        own = ModelRegistry.from_toml(settings.config, include_default=False)
+        names = tuple(spec.name for spec in own.specs())
+    resolved = [registry.resolve(name, hub=True) for name in names or ("default",)]
+    specs = list({spec.name: spec for spec in resolved}.values())  # a model named twice is one
     if settings.chat_template_content_format is not None:
-        spec = spec.replaced(chat_template_content_format=settings.chat_template_content_format)
-    return ModelRegistry([spec]), spec
+        content_format = settings.chat_template_content_format
+        specs = [spec.replaced(chat_template_content_format=content_format) for spec in specs]
+    return ModelRegistry(specs), specs

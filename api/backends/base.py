@@ -93,8 +93,9 @@ class Backend(Protocol):
 
     def models(self) -> list[ServedModel]: ...
 
-    async def admit(self) -> Place:
-        """Refuse a request before its preparation (a 429/503 ``ApiError``), or admit it.
+    async def admit(self, model: str | None = None) -> Place:
+        """Refuse a request for ``model`` (the name it asks for, if any) before its
+        preparation (a 429/503 ``ApiError``), or admit it.
 
         The caller releases the admission when the request has ended. Default:
         admit, holding no place.

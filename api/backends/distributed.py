@@ -91,7 +91,7 @@ class DistributedBackend(Backend):
         await self._fleet.stop()
         await self._channel.stop()
 
-    async def admit(self) -> Place:
+    async def admit(self, model: str | None = None) -> Place:
         """Admission for one request, before its preparation (429/503 ``ApiError``).
 
         Its place is kept in Redis by the submission, not by the ``Place`` returned.

@@ -141,7 +141,7 @@ class EmbeddedBackend(Backend):
     def models(self) -> list[ServedModel]:
         return [self._served] if self._served is not None else []
 
-    async def admit(self) -> Place:
+    async def admit(self, model: str | None = None) -> Place:
         """A place among the ``max_inflight`` requests admitted and not ended, or a 429."""
         bound = self._limits.max_inflight
         if self._admitted >= bound:

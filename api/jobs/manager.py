@@ -275,21 +275,21 @@ class JobManager:
         if admit:
             # The admission check only: a job holds no connection, and the engine or the
             # queue holds its place once it runs.
-            (await self.serving.admit()).release()
+            (await self.serving.admit(body)).release()
         return await self.serving.prepare(protocol, body, response_id, key)
 
     async def _generate(self, record: JobRecord, prepared: Prepared) -> AsyncIterator:
         """Start the generation: on the workers (a 503 if it cannot be queued), or here."""
-        arrived, name = time.monotonic(), prepared.protocol.name
+        arrived = time.monotonic()
         if self._channel is None:
             events = prepared.holding(self.serving.backend.infer(prepared.wire))
-            return self.serving.metrics.track(name, events, arrived)
+            return self.serving.metrics.track(prepared, events, arrived)
         job = QueuedRequest(prepared.wire, self._channel.limits.job_deadlines(record.created_at))
         job, queued = await self._channel.submit(job)
         if isinstance(queued, Error):
             raise error_for(queued)
         events = prepared.holding(self._channel.follow(job, queued))
-        return self.serving.metrics.track(name, events, arrived)
+        return self.serving.metrics.track(prepared, events, arrived)
 
     def _new_record(
         self, job: JobRequest, job_hex: str, prepared: Prepared, owner: str | None

@@ -107,9 +107,10 @@ def test_chat_and_responses_say_the_same(openai_client: OpenAI):
     assert response.output_text == chat
 
 
-def test_models_lists_every_name(openai_client: OpenAI):
-    names = {model.id for model in openai_client.models.list()}
-    assert names == {"default", "smollm2-135m-instruct"}
+def test_models_lists_the_model_once_with_its_aliases(openai_client: OpenAI):
+    (model,) = openai_client.models.list()
+    assert model.id == "smollm2-135m-instruct"
+    assert model.model_extra == {"root": model.id, "aliases": ["default"], "max_model_len": 2048}
 
 
 def test_tokenize_matches_the_prompt_usage(http: httpx.Client, openai_client: OpenAI):
