@@ -101,7 +101,7 @@ def _exported_metrics() -> set[str]:
     """Sample names the API's /metrics can carry (per-request, engine and fleet metrics)."""
     names = set(FLEET_GAUGES)
     suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count")}
-    metrics = ServingMetrics(lambda: BackendHealth(ready=True), "default")
+    metrics = ServingMetrics(lambda: BackendHealth(ready=True))
     for family in metrics.registry.collect():
         names.update(family.name + suffix for suffix in suffixes.get(family.type, ("",)))
     return names
