@@ -22,7 +22,11 @@ round differently from the kernel an eager step runs.
 
 Compiling runs in a child process (``engine.decode_compiler``), once per
 model, machine and PyTorch version; processes starting together wait for the
-one that compiles. What it makes is kept under
+one that compiles. A server does not wait: ``warm_up(background=True)`` leaves
+the compile to a thread, steps run eagerly meanwhile, and the first step after
+it has finished loads the graphs (a second or so) and runs through them from
+then on; since a graph computes what an eager step does, the switch changes no
+token. What it makes is kept under
 ``CACHE_DIR/decode/<key>``, where the key hashes everything the generated
 code depends on (the weights, this code, the CPU, the thread count, whether
 the engine's own kernels run): for each graph a shared library, loaded in
@@ -49,6 +53,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -125,15 +130,27 @@ class CompiledDecode:
         self.model = model
         self.kv_cache = kv_cache
         self.max_rows = min(MAX_ROWS, max_num_seqs)
-        self.steps = 0  # decode steps it ran, warm-up included
+        self.steps = 0  # decode steps it ran
         self.graphs = {"one": Graph(1, 1, 1)}
         if self.max_rows >= 2:
             self.graphs["many"] = Graph(min(MANY_ROWS_EXAMPLE, self.max_rows), 2, MAX_ROWS)
-        # the runner for each batch size, index = rows (0 has none); filled by warm_up
+        # the runner for each batch size, index = rows (0 has none); filled when loaded
         self._by_rows: list[torch._C._aoti.AOTIModelContainerRunnerCpu | None] = []
+        self._built: Path | None = None  # compiled in the background, not loaded yet
+        self._building: threading.Thread | None = None
+        self._build_started = 0.0
+
+    @property
+    def loaded(self) -> bool:
+        return bool(self._by_rows)
 
     def takes(self, layout: BatchLayout) -> bool:
-        """Whether this step is a decode batch the graphs serve."""
+        """Whether this step is a decode batch the graphs serve (loading them first, once a
+        background compile has finished)."""
+        if not self._by_rows:
+            if self._built is None:
+                return False
+            self._switch()
         rows = len(layout.query_lens)
         return rows <= self.max_rows and layout.num_decodes == rows
 
@@ -151,31 +168,62 @@ class CompiledDecode:
         cache.v.index_copy_(1, layout.slot_mapping, values)
         return logits
 
-    def warm_up(self) -> None:
-        """Load the graphs (compiling them first if no start has), then run each once.
+    def warm_up(self, background: bool = False) -> None:
+        """Load the graphs, compiling them first if no start has.
 
-        Each runs on slot 0, which nothing has written yet and every sequence
-        writes before it reads.
+        With ``background`` a compile runs on a thread while steps run
+        eagerly, and the first step after it loads the graphs.
         """
+        compiled = self._cached_dir()
+        if compiled is None and background:
+            log.info("compiling the decode graphs in the background; steps run eagerly until then")
+            self._build_started = time.perf_counter()
+            self._building = threading.Thread(
+                target=self._build, name="sluice-compile", daemon=True
+            )
+            self._building.start()
+            return
+        self._load_graphs(compiled or self._compiled_dir())
+
+    def wait_built(self, timeout: float | None = None) -> bool:
+        """Wait for a background compile; whether the graphs are built (or loaded)."""
+        if self._building is not None:
+            self._building.join(timeout)
+        return self.loaded or self._built is not None
+
+    def _build(self) -> None:
+        try:
+            self._built = self._compiled_dir()
+        except Exception:
+            log.warning("decode steps stay eager: compiling them failed", exc_info=True)
+
+    def _switch(self) -> None:
+        assert self._built is not None
+        self._load_graphs(self._built)
+        log.info(
+            "decode steps compiled: the graphs took %.0f s to build in the background",
+            time.perf_counter() - self._build_started,
+        )
+
+    def _load_graphs(self, compiled: Path) -> None:
+        """Load the graphs in ``compiled`` and run each once (its first run initializes it);
+        the runs write nothing to the KV cache, so a server may load them mid-stream."""
         start = time.perf_counter()
-        compiled = self._compiled_dir()
         own = model_tensors(self.model)
         shared: dict[str, torch.Tensor] = {}
         torch.cpu._init_amx()  # lets this process run AMX tiles, where the CPU has them
-        self._by_rows = [None] * (self.max_rows + 1)
+        by_rows: list[torch._C._aoti.AOTIModelContainerRunnerCpu | None] = [None] * (
+            self.max_rows + 1
+        )
+        cache = self.kv_cache
         for name, graph in self.graphs.items():
             runner = _load(*graph_files(compiled, name), own, shared)
             for rows in range(graph.least, min(graph.most, self.max_rows) + 1):
-                self._by_rows[rows] = runner
-        for rows in (graph.least for graph in self.graphs.values()):
-            layout = BatchLayout(
-                query_lens=[1] * rows,
-                context_lens=[1] * rows,
-                block_tables=[[0]] * rows,
-                slot_mapping=torch.zeros(rows, dtype=torch.long),
-            )
-            zeros = (torch.zeros(rows, dtype=torch.long) for _ in range(2))
-            self(*zeros, layout)
+                by_rows[rows] = runner
+            ids = torch.zeros(graph.least, dtype=torch.long)
+            tables, mask = context([[0]] * graph.least, [1] * graph.least, cache.block_size)
+            runner.run([ids, ids, tables, mask, cache.k, cache.v])  # outputs dropped
+        self._by_rows, self._built = by_rows, None
         gc.collect()
         return_free_memory()
         held = sum(t.nbytes for t in shared.values()) / 2**20
@@ -185,14 +233,22 @@ class CompiledDecode:
             held,
         )
 
+    def _cached_dir(self) -> Path | None:
+        """The directory of this model's compiled graphs, if a start has compiled them."""
+        compiled = Path(CACHE_DIR) / "decode" / self._key()
+        if not compiled.is_dir():
+            return None
+        with contextlib.suppress(OSError):  # a read-only cache is still a cache
+            os.utime(compiled)  # in use: not stale
+        return compiled
+
     def _compiled_dir(self) -> Path:
         """The directory of this model's compiled graphs, compiled now if it does not exist."""
+        cached = self._cached_dir()
+        if cached is not None:
+            return cached
         root = Path(CACHE_DIR) / "decode"
         compiled = root / self._key()
-        if compiled.is_dir():
-            with contextlib.suppress(OSError):  # a read-only cache is still a cache
-                os.utime(compiled)  # in use: not stale
-            return compiled
         root.mkdir(parents=True, exist_ok=True)
         with _compiling_alone(root / f"{compiled.name}.lock"):
             if compiled.is_dir():  # a process starting beside this one compiled them meanwhile

@@ -95,7 +95,7 @@ class EngineThread:
     def _serve(self) -> None:
         _name_os_thread(self._thread.name)
         engine = self.engine
-        engine.warm_up()  # commands queued meanwhile wait for it
+        engine.warm_up(background=True)  # commands queued meanwhile wait for it
         drop_code_pages()
         self._warm.set()
         while (commands := self._next_commands()) is not None:

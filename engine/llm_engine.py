@@ -75,7 +75,7 @@ class LLMEngine:
             f"max_model_len {self.max_model_len}, "
             f"{loaded.num_blocks} KV blocks of {args.block_size} "
             f"in {str(loaded.precision.kv_dtype).removeprefix('torch.')}, "
-            f"decode steps {'compiled' if compiled else 'eager'}, "
+            f"decode steps {'compiled once warm' if compiled else 'eager'}, "
             f"{'batch-invariant' if loaded.precision.batch_invariant else 'not batch-invariant'}"
         )
         log.info("engine ready: %s", self.description)
@@ -165,9 +165,11 @@ class LLMEngine:
         self.stats.aborted += 1
         return True
 
-    def warm_up(self) -> None:
-        """Compile now what the first decode steps would; call it on the thread that steps."""
-        self.runner.warm_up()
+    def warm_up(self, background: bool = False) -> None:
+        """Load the compiled decode steps, compiling them first if no start has; with
+        ``background`` the compile runs on a thread of its own while steps run eagerly (a
+        server answers at once). Call it on the thread that steps."""
+        self.runner.warm_up(background)
 
     def has_unfinished(self) -> bool:
         return bool(self.sequences) or bool(self._pending)

@@ -78,12 +78,13 @@ class ModelRunner:
             CompiledDecode(model, attention.kv_cache, compiled_batch) if compiled_batch else None
         )
 
-    def warm_up(self) -> None:
-        """Compile the decode graphs now; on failure (no C++ compiler, say) decode eagerly."""
+    def warm_up(self, background: bool = False) -> None:
+        """Load the decode graphs, compiling them now or, with ``background``, while steps
+        run eagerly; on failure (no C++ compiler, say) decode eagerly."""
         if self.compiled is None:
             return
         try:
-            self.compiled.warm_up()
+            self.compiled.warm_up(background)
         except Exception:
             log.warning("decode steps run eagerly: compiling them failed", exc_info=True)
             self.compiled = None

@@ -10,16 +10,17 @@ with integer accumulation for the low-bit layers (``engine.model.vnni_gemm``),
 one attention kernel for every query row (``engine.attention.paged_decode``),
 and norms and SiLU of its own (``engine.model.rowwise``), called alike by eager
 steps and by the compiled decode graphs. Where they do not run, bfloat16's
-rounding would follow the batch, so ``auto`` computes in float32. ``quantization="auto"`` keeps
-a checkpoint's block-quantized weights quantized on a CPU unless float32 was
-asked for by name: a 4-bit GGUF tensor stays 4-bit (``Int4Linear``), an 8-bit
-one 8-bit (``Int8Linear``), and float tensors stay dense. The low-bit kernels
-take bfloat16 inputs on every CPU, so a float32 model keeps its weights
-quantized too. A model with low-bit layers keeps its KV cache in bfloat16
-(as llama.cpp keeps its in float16): its activations already meet bfloat16 at
-every such layer, and a float32 cache would double the server's largest
-allocation. ``--dtype float32`` keeps exact parity with transformers; the
-parity tests pin it.
+rounding would follow the batch, so ``auto`` computes in float32 with dense
+weights, as ``--dtype float32`` does: PyTorch's low-bit kernels round their
+inputs to bfloat16 along paths chosen by the row count. ``quantization="auto"``
+keeps a checkpoint's block-quantized weights quantized on a CPU otherwise: a
+4-bit GGUF tensor stays 4-bit (``Int4Linear``), an 8-bit one 8-bit
+(``Int8Linear``), and float tensors stay dense; a quantization named
+explicitly keeps them quantized whatever the dtype. A model with low-bit
+layers keeps its KV cache in bfloat16 (as llama.cpp keeps its in float16): its
+activations already meet bfloat16 at every such layer, and a float32 cache
+would double the server's largest allocation. ``--dtype float32`` keeps exact
+parity with transformers; the parity tests pin it.
 """
 
 from __future__ import annotations
@@ -93,7 +94,7 @@ def _resolve(
             chosen.dtype, quantization, f"quantization {quantization}; {chosen.reason}"
         )
     chosen = _dtype_for(dtype, device, bf16_flag, own_kernels)
-    if quantization == "none" or device.type != "cpu" or dtype == "float32":
+    if quantization == "none" or device.type != "cpu" or chosen.dtype == torch.float32:
         return chosen
     return Precision(chosen.dtype, "stored", f"{chosen.reason}; quantized weights kept quantized")
 
@@ -105,9 +106,13 @@ def _dtype_for(
         if device.type == "cuda":
             return Precision(torch.bfloat16, "none", "dtype auto: bfloat16 on CUDA")
         if bf16_flag is None:
-            return Precision(torch.float32, "none", "dtype auto: float32, no native bfloat16 here")
+            reason = "dtype auto: float32 with dense weights, no native bfloat16 here"
+            return Precision(torch.float32, "none", reason)
         if not own_kernels:
-            reason = "dtype auto: float32, the engine's batch-invariant kernels do not run here"
+            reason = (
+                "dtype auto: float32 with dense weights, the engine's batch-invariant kernels "
+                "do not run here"
+            )
             return Precision(torch.float32, "none", reason)
         return Precision(torch.bfloat16, "none", f"dtype auto: bfloat16, the CPU has {bf16_flag}")
     if dtype in DTYPES:

@@ -30,7 +30,12 @@ def test_a_padded_linear_computes_what_an_unpadded_one_does(dtype: torch.dtype) 
     torch.testing.assert_close(ours, F.linear(x, weight, bias), rtol=2e-2, atol=2e-2)
 
 
-rowwise.available()  # registers sluice::dense_linear, which bfloat16 layers call
+# sluice::dense_linear is what bfloat16 layers call where the engine's kernels build.
+PRODUCTS = (
+    torch.ops.aten.linear.default,
+    torch.ops.aten.mm.default,
+    *((torch.ops.sluice.dense_linear.default,) if rowwise.available() else ()),
+)
 
 
 class _GemmRows(TorchDispatchMode):
@@ -41,12 +46,7 @@ class _GemmRows(TorchDispatchMode):
         self.rows: set[int] = set()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
-        products = (
-            torch.ops.aten.linear.default,
-            torch.ops.aten.mm.default,
-            torch.ops.sluice.dense_linear.default,
-        )
-        if func in products:
+        if func in PRODUCTS:
             self.rows.add(args[0].shape[0])
         elif func is torch.ops.aten.addmm.default:
             self.rows.add(args[1].shape[0])
