@@ -147,7 +147,8 @@ def test_the_first_token_deadline_fires_for_a_request_queued_behind_a_long_one(s
             await asyncio.sleep(1.0)  # the long one holds the only sequence
             started = time.monotonic()
             queued = await client.post("/v1/chat/completions", json=_chat(4))
-            return await long, queued, time.monotonic() - started
+            waited = time.monotonic() - started
+            return await long, queued, waited
 
     long, queued, waited = asyncio.run(scene())
     assert queued.status_code == 504, queued.text

@@ -88,7 +88,11 @@ def test_the_queue_and_total_deadlines_fire_and_free_the_engine(server: str):
 
 
 def test_a_high_priority_request_overtakes_queued_low_priority_ones(server: str):
-    """One sequence at a time: behind a running request, the urgent one goes first."""
+    """One sequence at a time: behind a running request, the urgent one goes first.
+
+    The scene moves on when the server shows each step taken (the running one has
+    streamed a token, the low ones wait), so it holds on a fast engine and a slow one.
+    """
 
     async def race() -> list[str]:
         finished: list[str] = []
@@ -100,15 +104,35 @@ def test_a_high_priority_request_overtakes_queued_low_priority_ones(server: str)
                 assert reply.status_code == 200, reply.text
                 finished.append(name)
 
-            running = asyncio.create_task(send("running", 200, 0))
-            await asyncio.sleep(0.5)  # it holds the only sequence
+            async def run_streamed(started: asyncio.Event) -> None:
+                body = _body(RUNNING_TOKENS, ignore_eos=True, stream=True)
+                async with client.stream("POST", "/v1/chat/completions", json=body) as reply:
+                    async for _ in reply.aiter_lines():
+                        started.set()
+                finished.append("running")
+
+            started = asyncio.Event()
+            running = asyncio.create_task(run_streamed(started))
+            await started.wait()  # it holds the only sequence
             low = [asyncio.create_task(send(f"low{i}", 4, 10)) for i in range(2)]
-            await asyncio.sleep(0.3)  # the low ones queue first
+            await _until_waiting(client, 2)  # the low ones queue first
             await send("high", 4, -10)
             await asyncio.gather(running, *low)
         return finished
 
     assert asyncio.run(race())[:2] == ["running", "high"]
+
+
+RUNNING_TOKENS = 100  # long enough to queue others behind, short of the queue deadline
+
+
+async def _until_waiting(client: httpx.AsyncClient, count: int) -> None:
+    for _ in range(200):
+        metrics = (await client.get("/metrics")).text
+        if f"sluice_engine_waiting_requests {count}.0" in metrics:
+            return
+        await asyncio.sleep(0.02)
+    pytest.fail(f"{count} requests never waited together")
 
 
 def test_clients_that_never_finish_their_body_get_408_and_do_not_hold_up_others(server: str):
