@@ -1,4 +1,4 @@
-"""The ``sluice`` command: serve, worker, generate, bench.
+"""The ``sluice`` command: serve, worker, warmup, generate, bench.
 
 Each subcommand imports its side lazily, so ``sluice serve --redis`` never
 pulls in torch and ``sluice generate`` never pulls in the web stack.
@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 
 from shared.execution import ENFORCE_EAGER_HELP, default_enforce_eager
 from shared.precision import (
@@ -95,6 +96,42 @@ def _add_engine_args(parser: argparse.ArgumentParser, *, several_models: bool = 
         "sequence or --max-num-seqs sequences of 128 tokens, whichever is more, at most 2 GiB)",
     )
     add_gpu_memory_utilization(parser)
+
+
+def _warmup(args: argparse.Namespace) -> int:
+    """Load each model as ``sluice serve`` would, compiling what a first start would: the
+    compile cache then holds it for every later start on this machine (the same CPU and
+    thread count)."""
+    from engine import LLM
+    from shared.registry import ModelRegistry, default_registry
+
+    registry = ModelRegistry.from_toml(args.config) if args.config else default_registry()
+    for name in args.model or ["default"]:
+        started = time.perf_counter()
+        try:
+            spec = registry.resolve(name, hub=True)
+            llm = LLM(
+                name,
+                registry_file=args.config,
+                dtype=args.dtype,
+                quantization=args.quantization,
+                enforce_eager=False,
+                max_model_len=args.max_model_len or spec.context_length or None,
+                max_num_seqs=args.max_num_seqs,
+                kv_cache_bytes=args.kv_cache_memory,
+            )
+        except (ValueError, OSError, RuntimeError) as exc:
+            print(f"sluice warmup: {exc}", file=sys.stderr)
+            return 2
+        compiled = llm.engine.runner.compiled
+        built = (
+            "decode graphs compiled"
+            if compiled is not None and compiled.loaded
+            else ("decode steps eager: no graph serves this model here")
+        )
+        elapsed = time.perf_counter() - started
+        print(f"sluice warmup: {spec.name}: {built} ({elapsed:.0f} s)")
+    return 0
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -313,6 +350,14 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--seed", type=int, default=None)
     generate.add_argument("prompt", nargs="+")
     generate.set_defaults(run=_generate)
+
+    warmup = commands.add_parser(
+        "warmup",
+        help="build the engine's kernels and compile its decode graphs ahead of a first start",
+    )
+    _add_engine_args(warmup, several_models=True)
+    warmup.add_argument("--config", default=None, help="TOML model registry ([models.<name>])")
+    warmup.set_defaults(run=_warmup)
 
     serve = commands.add_parser("serve", help="serve the HTTP APIs")
     _add_engine_args(serve, several_models=True)
