@@ -82,7 +82,7 @@ def _commands() -> dict[str, list[str]]:
         for name, service in _compose()["services"].items()
         if service.get("image", "").startswith("sluice")
     }
-    for deployment in ("sluice-api", "sluice-worker"):
+    for deployment in ("sluice-api", "sluice-worker", "sluice-embedded"):
         commands[f"k8s:{deployment}"] = _container(deployment)["args"]
     for name in ("Dockerfile", "Dockerfile.gpu"):
         argv = _dockerfile_command(name)
