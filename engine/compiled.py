@@ -282,7 +282,7 @@ class CompiledDecode:
         path = os.pathsep.join(filter(None, (project, os.environ.get("PYTHONPATH"))))
         done = subprocess.run(
             [*command, str(spec_file), str(out)],
-            env=os.environ | {"PYTHONPATH": path},
+            env=os.environ | {"PYTHONPATH": path, "SLUICE_COMPILE_PARENT": str(os.getpid())},
             capture_output=True,
             text=True,
             timeout=COMPILE_TIMEOUT_S,

@@ -23,8 +23,11 @@ loaded, so they are held once.
 
 from __future__ import annotations
 
+import ctypes
 import io
 import json
+import os
+import signal
 import sys
 import zipfile
 from pathlib import Path
@@ -37,6 +40,8 @@ from engine.attention import KVCache, paged_decode
 from engine.attention.torch_backend import attend_decode, gather_blocks
 from engine.compiled import MAX_ROWS, MIN_BLOCKS, Graph, context, graph_files, model_tensors
 
+PARENT_ENV = "SLUICE_COMPILE_PARENT"
+"""The pid of the process that started the compile, which the child ends with."""
 EXAMPLE_TABLE_BLOCKS = MAX_ROWS + 1
 EXAMPLE_CACHE_BLOCKS = MAX_ROWS + 2
 """The example's block tables are this wide and its KV cache this many blocks: sizes no batch
@@ -181,6 +186,7 @@ def _unpack(package: Path, name: str, own: set[str]) -> None:
 
 
 def main(model_file: str, spec_file: str, out_dir: str) -> None:
+    _end_with_the_parent()
     spec = json.loads(Path(spec_file).read_text())
     torch.set_num_threads(spec["threads"])
     model = torch.load(model_file, weights_only=False)
@@ -192,6 +198,20 @@ def main(model_file: str, spec_file: str, out_dir: str) -> None:
         package = out / f"{name}.pt2"
         compile_graph(step, Graph(**graph), kv_dtype, package)
         _unpack(package, name, own)
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _end_with_the_parent() -> None:
+    """Be killed when the process that asked for the compile ends (Linux): a server stopped
+    during a background compile leaves no compile running on its cores."""
+    parent = os.environ.get(PARENT_ENV)
+    if not sys.platform.startswith("linux") or parent is None:
+        return
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != int(parent):  # it ended before the request took effect
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -81,7 +81,7 @@ def resolve_precision(
 def _resolve(
     dtype: str, quantization: str, device: torch.device, bf16_flag: str | None, own_kernels: bool
 ) -> Precision:
-    if quantization not in ("auto", "none"):
+    if quantization not in ("auto", "none", "stored"):
         check_quantization(quantization)
         if device.type != "cpu":
             raise ValueError(f"quantization {quantization!r} runs on CPU only, not {device.type}")
@@ -94,6 +94,10 @@ def _resolve(
             chosen.dtype, quantization, f"quantization {quantization}; {chosen.reason}"
         )
     chosen = _dtype_for(dtype, device, bf16_flag, own_kernels)
+    if quantization == "stored" and device.type != "cpu":
+        raise ValueError(f"quantization 'stored' runs on CPU only, not {device.type}")
+    if quantization == "stored":
+        return Precision(chosen.dtype, "stored", f"quantization stored; {chosen.reason}")
     if quantization == "none" or device.type != "cpu" or chosen.dtype == torch.float32:
         return chosen
     return Precision(chosen.dtype, "stored", f"{chosen.reason}; quantized weights kept quantized")

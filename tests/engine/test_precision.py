@@ -47,12 +47,14 @@ low-bit layer still takes its input in bfloat16)."""
         ("bfloat16", "int8", CPU, "avx512_bf16", (torch.bfloat16, "int8")),
         ("float32", "int8", CPU, "avx512_bf16", (torch.float32, "int8")),
         ("auto", "int8", CPU, None, (torch.float32, "int8")),
+        ("auto", "stored", CPU, None, (torch.float32, "stored")),  # fast, not invariant
+        ("float32", "stored", CPU, "avx512_bf16", (torch.float32, "stored")),
     ],
 )
 def test_precision_follows_the_hardware(dtype, quantization, device, flag, expected) -> None:
     precision = resolve_precision(dtype, quantization, device, flag)
     assert (precision.dtype, precision.quantization) == expected
-    explicit = quantization in ("int8", "int4")
+    explicit = quantization in ("int8", "int4", "stored")
     assert precision.reason.startswith("quantization" if explicit else f"dtype {dtype}")
 
 
