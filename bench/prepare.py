@@ -80,7 +80,7 @@ def preparation_context() -> PreparationContext:
     may report less when its KV cache is smaller, which only matters for
     requests near the limit.
     """
-    registry, spec = load_models(Settings())
+    registry, [spec] = load_models(Settings())
     served = ServedModel(spec, load_tokenizer(spec.tokenizer), spec.context_length)
     return PreparationContext(registry, {spec.name: served})
 
@@ -89,7 +89,8 @@ def transformers_tokenizer() -> Any:
     """transformers' tokenizer for the default model, converted from the same GGUF file."""
     import transformers
 
-    gguf = Path(load_models(Settings())[1].weights)
+    [spec] = load_models(Settings())[1]
+    gguf = Path(spec.weights)
     return transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
 
 
