@@ -355,7 +355,7 @@ class FakeEngine:
         self._pending: list[InferenceEvent] = []
         self._fail_on_step = fail_on_step
 
-    def warm_up(self) -> None:
+    def warm_up(self, background: bool = False) -> None:
         self.threads.add(threading.get_ident())
 
     def add_request(

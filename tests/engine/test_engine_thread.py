@@ -22,7 +22,7 @@ class FailingOnce:
         self.steps = 0
         self.warmed_on: int | None = None  # the thread that warmed it up
 
-    def warm_up(self) -> None:
+    def warm_up(self, background: bool = False) -> None:
         time.sleep(0.2)  # as compiling takes a while
         self.warmed_on = threading.get_ident()
 

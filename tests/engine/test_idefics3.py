@@ -10,7 +10,6 @@ from __future__ import annotations
 import base64
 import hashlib
 import io
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -145,11 +144,10 @@ def make_engine(vlm: Path, **args: object) -> LLMEngine:
 
 @pytest.mark.parametrize("size", [(100, 70), (70, 100), (20, 30), (128, 128), (300, 40)])
 def test_preprocessing_and_layout_match_transformers(vlm: Path, size: tuple[int, int]) -> None:
-    config = json.loads((vlm / "preprocessor_config.json").read_text())
     ours = load_image_processing(vlm)
     assert ours is not None
     image = picture(*size, seed=1)
-    theirs = Idefics3ImageProcessorPil(**config)(image, return_row_col_info=True)
+    theirs = Idefics3ImageProcessorPil.from_pretrained(vlm)(image, return_row_col_info=True)
     processed = ours.preprocess(image)
     np.testing.assert_allclose(processed.pixel_values, theirs["pixel_values"][0], atol=1e-6)
     assert (processed.rows, processed.cols) == (theirs["rows"][0][0], theirs["cols"][0][0])
@@ -157,7 +155,7 @@ def test_preprocessing_and_layout_match_transformers(vlm: Path, size: tuple[int,
 
     tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_file=str(vlm / "tokenizer.json"))
     processor = transformers.Idefics3Processor(
-        Idefics3ImageProcessorPil(**config), tokenizer, image_seq_len=ours.image_seq_len
+        Idefics3ImageProcessorPil.from_pretrained(vlm), tokenizer, image_seq_len=ours.image_seq_len
     )
     expected = processor(text=["Look: <image> what?"], images=[[image]])["input_ids"][0]
     layout = prompt_string(processed.rows, processed.cols, ours.image_seq_len)
@@ -169,9 +167,7 @@ def test_logits_match_transformers_batched_with_text(
 ) -> None:
     """Image and text-only requests in one batch, prefilled in chunks that cut through images."""
     engine = make_engine(vlm, max_num_batched_tokens=48)
-    processor = Idefics3ImageProcessorPil(
-        **json.loads((vlm / "preprocessor_config.json").read_text())
-    )
+    processor = Idefics3ImageProcessorPil.from_pretrained(vlm)
     prompts = {
         "one image": build_prompt(engine, [picture(100, 70, seed=2), "What is this?"]),
         "text only": build_prompt(engine, ["Tell me a story about a cat."]),
