@@ -82,6 +82,9 @@ MIN_BLOCKS = 2
 
 COMPILE_TIMEOUT_S = 3600
 
+COMPILE_PARENT_ENV = "SLUICE_COMPILE_PARENT"
+"""The pid of the process that starts a compile, which the compiling child ends with."""
+
 STALE_AFTER_S = 30 * 24 * 3600
 """Compiled graphs no start has loaded for this long are deleted when a start compiles: an
 upgrade of this code or of PyTorch changes the key, and the old entry would stay for good."""
@@ -136,6 +139,7 @@ class CompiledDecode:
             self.graphs["many"] = Graph(min(MANY_ROWS_EXAMPLE, self.max_rows), 2, MAX_ROWS)
         # the runner for each batch size, index = rows (0 has none); filled when loaded
         self._by_rows: list[torch._C._aoti.AOTIModelContainerRunnerCpu | None] = []
+        self._entry_path: Path | None = None  # where the graphs are kept: see _entry
         self._built: Path | None = None  # compiled in the background, not loaded yet
         self._building: threading.Thread | None = None
         self._build_started = 0.0
@@ -233,9 +237,15 @@ class CompiledDecode:
             held,
         )
 
+    def _entry(self) -> Path:
+        """The directory this model's graphs are kept in (its key hashes the weights: once)."""
+        if self._entry_path is None:
+            self._entry_path = Path(CACHE_DIR) / "decode" / self._key()
+        return self._entry_path
+
     def _cached_dir(self) -> Path | None:
         """The directory of this model's compiled graphs, if a start has compiled them."""
-        compiled = Path(CACHE_DIR) / "decode" / self._key()
+        compiled = self._entry()
         if not compiled.is_dir():
             return None
         with contextlib.suppress(OSError):  # a read-only cache is still a cache
@@ -247,8 +257,8 @@ class CompiledDecode:
         cached = self._cached_dir()
         if cached is not None:
             return cached
-        root = Path(CACHE_DIR) / "decode"
-        compiled = root / self._key()
+        compiled = self._entry()
+        root = compiled.parent
         root.mkdir(parents=True, exist_ok=True)
         with _compiling_alone(root / f"{compiled.name}.lock"):
             if compiled.is_dir():  # a process starting beside this one compiled them meanwhile
@@ -282,7 +292,7 @@ class CompiledDecode:
         path = os.pathsep.join(filter(None, (project, os.environ.get("PYTHONPATH"))))
         done = subprocess.run(
             [*command, str(spec_file), str(out)],
-            env=os.environ | {"PYTHONPATH": path, "SLUICE_COMPILE_PARENT": str(os.getpid())},
+            env=os.environ | {"PYTHONPATH": path, COMPILE_PARENT_ENV: str(os.getpid())},
             capture_output=True,
             text=True,
             timeout=COMPILE_TIMEOUT_S,

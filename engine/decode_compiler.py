@@ -38,10 +38,16 @@ from torch.export import Dim
 
 from engine.attention import KVCache, paged_decode
 from engine.attention.torch_backend import attend_decode, gather_blocks
-from engine.compiled import MAX_ROWS, MIN_BLOCKS, Graph, context, graph_files, model_tensors
+from engine.compiled import (
+    COMPILE_PARENT_ENV,
+    MAX_ROWS,
+    MIN_BLOCKS,
+    Graph,
+    context,
+    graph_files,
+    model_tensors,
+)
 
-PARENT_ENV = "SLUICE_COMPILE_PARENT"
-"""The pid of the process that started the compile, which the child ends with."""
 EXAMPLE_TABLE_BLOCKS = MAX_ROWS + 1
 EXAMPLE_CACHE_BLOCKS = MAX_ROWS + 2
 """The example's block tables are this wide and its KV cache this many blocks: sizes no batch
@@ -206,7 +212,7 @@ _PR_SET_PDEATHSIG = 1
 def _end_with_the_parent() -> None:
     """Be killed when the process that asked for the compile ends (Linux): a server stopped
     during a background compile leaves no compile running on its cores."""
-    parent = os.environ.get(PARENT_ENV)
+    parent = os.environ.get(COMPILE_PARENT_ENV)
     if not sys.platform.startswith("linux") or parent is None:
         return
     ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
