@@ -10,6 +10,7 @@ import argparse
 import os
 import sys
 import time
+from pathlib import Path
 
 from shared.execution import ENFORCE_EAGER_HELP, default_enforce_eager
 from shared.precision import (
@@ -99,31 +100,33 @@ def _add_engine_args(parser: argparse.ArgumentParser, *, several_models: bool = 
 
 
 def _warmup(args: argparse.Namespace) -> int:
-    """Load each model as ``sluice serve`` would, compiling what a first start would: the
-    compile cache then holds it for every later start on this machine (the same CPU and
-    thread count)."""
-    from engine import LLM
-    from shared.registry import ModelRegistry, default_registry
+    """Load each model ``sluice serve`` would serve with these options, as it would, compiling
+    what its first start would: the compile cache then holds it for every later start on this
+    machine (the same CPU and thread count)."""
+    from api.backends.embedded import engine_args_for
+    from api.settings import Settings, load_models
+    from engine.llm_engine import LLMEngine
 
-    registry = ModelRegistry.from_toml(args.config) if args.config else default_registry()
-    for name in args.model or ["default"]:
+    config = Path(args.config) if args.config else None
+    for spec in load_models(Settings(models=tuple(args.model or ()), config=config))[1]:
         started = time.perf_counter()
+        engine_args = engine_args_for(
+            spec,
+            dtype=args.dtype,
+            quantization=args.quantization,
+            enforce_eager=False,
+            max_model_len=args.max_model_len,
+            max_num_seqs=args.max_num_seqs,
+            kv_cache_bytes=args.kv_cache_memory,
+            registry_file=args.config,
+        )
         try:
-            spec = registry.resolve(name, hub=True)
-            llm = LLM(
-                name,
-                registry_file=args.config,
-                dtype=args.dtype,
-                quantization=args.quantization,
-                enforce_eager=False,
-                max_model_len=args.max_model_len or spec.context_length or None,
-                max_num_seqs=args.max_num_seqs,
-                kv_cache_bytes=args.kv_cache_memory,
-            )
+            engine = LLMEngine(engine_args)
+            engine.warm_up()
         except (ValueError, OSError, RuntimeError) as exc:
             print(f"sluice warmup: {exc}", file=sys.stderr)
             return 2
-        compiled = llm.engine.runner.compiled
+        compiled = engine.runner.compiled
         built = (
             "decode graphs compiled"
             if compiled is not None and compiled.loaded
@@ -161,7 +164,6 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from pathlib import Path
 
     from api.auth import KeyRing
     from api.backends.placement import PlacementPolicy
