@@ -27,10 +27,8 @@ class SeveralModels(Backend):
     """Routes each request to ``backends[request.model]`` (keyed by registry name)."""
 
     def __init__(self, backends: Mapping[str, Backend]) -> None:
-        self._backends = dict(backends)
+        self._backends = dict(backends)  # of one kind: all embedded, or all distributed
         self.takes_shares = all(backend.takes_shares for backend in self._backends.values())
-        if any(backend.takes_shares for backend in self._backends.values()) != self.takes_shares:
-            raise ValueError("the models' backends must all take rate-limit shares, or none")
 
     async def start(self) -> None:
         await asyncio.gather(*(backend.start() for backend in self._backends.values()))
