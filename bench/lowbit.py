@@ -59,8 +59,9 @@ def _kernels(out: int, inp: int, bits: int, x: torch.Tensor) -> dict[str, Callab
         ours = torch.ops.sluice.int4_gemm if vnni_gemm.available() else None
     else:
         layer = Int8Linear(weight, None)
-        args = (layer.weight, layer.scale)
-        kernels["pytorch"] = lambda: torch.ops.aten._weight_int8pack_mm(x, *args)
+        codes = layer.codes()
+        kernels["pytorch"] = lambda: torch.ops.aten._weight_int8pack_mm(x, codes, layer.scale)
+        args = (layer.pack, layer.sums, layer.scale)
         ours = torch.ops.sluice.int8_gemm if vnni_gemm.available() else None
     if ours is not None:
         kernels["vnni"] = lambda: ours(x, *args)

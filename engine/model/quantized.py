@@ -20,8 +20,9 @@ dense GEMM in the model's dtype instead; decode batches stay on the low-bit
 kernel, because dequantizing every weight on every step costs more than it
 saves below that size.
 
-Where the CPU has AVX-512 VNNI, the layers run ``vnni_gemm``'s kernels on the
-same weights instead, at every number of rows: they multiply the weights with
+Where the CPU has AVX-512 VNNI, the layers run ``vnni_gemm``'s kernels instead (an
+int4 layer on the same pack, an int8 layer on its codes in ``int8_pack``'s order), at
+every number of rows: they multiply the weights with
 int8 activations quantized per row and accumulate in int32, which is exact, so a
 row's output is the same bits whatever other rows share its step (a decode batch
 of any size, a prefill chunk of any length). ``int4_gemm`` beats PyTorch's int4
@@ -88,13 +89,21 @@ class Int8Linear(nn.Module):
             scale = (chunk.abs().amax(dim=1) / 127).clamp(min=torch.finfo(torch.float32).tiny)
             rows.append((chunk / scale[:, None]).round().clamp(-127, 127).to(torch.int8))
             scales.append(scale.to(KERNEL_DTYPE))
-        self.register_buffer("weight", torch.cat(rows))
+        codes = torch.cat(rows)
+        self.out_features, self.in_features = codes.shape
+        # where int8_gemm runs, the layer keeps the codes in its order (and their sums) only
+        packs = self.out_features % 16 == 0 and self.in_features % 64 == 0
+        packs = packs and vnni_gemm.available()
+        pack, sums = torch.ops.sluice.int8_pack(codes) if packs else (None, None)
+        self.register_buffer("weight", None if packs else codes)
+        self.register_buffer("pack", pack)
+        self.register_buffer("sums", sums)
         self.register_buffer("scale", torch.cat(scales))
         self.register_buffer("bias", None if bias is None else bias.to(self.dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.vnni():
-            y = torch.ops.sluice.int8_gemm(x.to(KERNEL_DTYPE), self.weight, self.scale)
+        if self.pack is not None:
+            y = torch.ops.sluice.int8_gemm(x.to(KERNEL_DTYPE), self.pack, self.sums, self.scale)
         elif x.shape[0] < DENSE_FROM_ROWS:
             y = torch.ops.aten._weight_int8pack_mm(x.to(KERNEL_DTYPE), self.weight, self.scale)
         else:
@@ -102,17 +111,21 @@ class Int8Linear(nn.Module):
         y = y.to(self.dtype)
         return y if self.bias is None else y + self.bias
 
-    def vnni(self) -> bool:
-        """Whether ``int8_gemm`` runs here on this layer's shape."""
-        rows, columns = self.weight.shape
-        return rows % 16 == 0 and columns % 64 == 0 and vnni_gemm.available()
+    def codes(self, ids: torch.Tensor | None = None) -> torch.Tensor:
+        """The int8 codes ``[out, in]``, or rows ``ids`` of them."""
+        if self.pack is None:
+            return self.weight if ids is None else self.weight[ids]
+        by_lane = self.pack.view(self.out_features // 16, self.in_features // 4, 16, 4)
+        if ids is None:
+            return by_lane.transpose(1, 2).reshape(self.out_features, self.in_features)
+        return by_lane[ids // 16, :, ids % 16].reshape(*ids.shape, self.in_features)
 
     def dequantized(self) -> torch.Tensor:
-        return self.scale.to(self.dtype)[:, None] * self.weight  # one pass from the int8 codes
+        return self.scale.to(self.dtype)[:, None] * self.codes()  # one pass from the int8 codes
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Dequantized weight rows ``ids`` (an embedding lookup on a tied head)."""
-        return self.weight[ids].to(self.dtype) * self.scale[ids, None]
+        return self.codes(ids).to(self.dtype) * self.scale[ids, None]
 
 
 @dataclass(frozen=True, slots=True)

@@ -27,7 +27,7 @@
 // Weight vectors hold 16 outputs, one a lane, 4 consecutive inputs each. The int4 pack keeps
 // 64 outputs per block as [K][32] bytes (the low nibble of byte j is output j, the high
 // nibble output j + 32); one vpermt2b gathers such a vector's bytes. int8 rows are
-// transposed 16 at a time, 64 inputs each.
+// transposed 16 at a time, 64 inputs each, once, when the layer is built (int8_pack).
 //
 // int4_gemm is batch invariant: y[m, n] has the same bits whatever the call's other rows
 // hold and however many there are, so a sequence's logits do not depend on what it was
@@ -65,6 +65,7 @@
 #include <array>
 #include <cstdint>
 #include <cstring>
+#include <tuple>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -613,62 +614,113 @@ void unpack8(const int8_t* w, int64_t K, int64_t n0, __m512i* vectors, __m512i* 
   }
 }
 
-// Rows m0..m0+T-1 of y, outputs n0..n0+15, from unpack8's vectors and the rows' scales; the
-// activations' codes arrive unsigned, as c + 128 and f + 128.
-template <int T>
+// int8 weights w [N, K] as int8_gemm takes them: pack [N/16, K/4, 64] bytes, unpack8's
+// vectors for each 16 outputs, and sums [N/16, K/32, 16], their Σ_k w over each group. The
+// pack holds the codes once, as w does; a layer keeps it in w's place.
+std::tuple<at::Tensor, at::Tensor> int8_pack(const at::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kChar, "weight: [out, in] int8");
+  const int64_t N = weight.size(0), K = weight.size(1);
+  TORCH_CHECK(K % (2 * kGroup) == 0 && N % 16 == 0,
+              "int8: in must be a multiple of 64 and out of 16");
+  const auto w = weight.contiguous();
+  auto pack = at::empty({N / 16, K / 4, 64}, weight.options());
+  auto sums = at::empty({N / 16, K / kGroup, 16}, weight.options().dtype(at::kInt));
+  const auto* wp = w.data_ptr<int8_t>();
+  auto* packed = reinterpret_cast<__m512i*>(pack.data_ptr<int8_t>());  // 64-byte aligned
+  auto* summed = reinterpret_cast<__m512i*>(sums.data_ptr<int32_t>());
+  at::parallel_for(0, N / 16, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      unpack8(wp, K, 16 * b, packed + b * (K / 4), summed + b * (K / kGroup));
+    }
+  });
+  return {pack, sums};
+}
+
+// Rows m0..m0+T-1 of y, outputs n0..n0+16U-1, from the pack's U blocks of 16 outputs there;
+// the activations' codes arrive unsigned, as c + 128 and f + 128. Each (row, output) takes
+// the same integer sums and float steps whatever T and U are.
+template <int T, int U>
 void tile8(const Activations& act, int64_t m0, int64_t K, const __m512i* vectors,
-           const __m512i* sums, const __m512 scale, int64_t N, int64_t n0, float* y) {
-  const int64_t groups = K / kGroup;
+           const __m512i* sums, const at::BFloat16* scales, int64_t N, int64_t n0, float* y) {
+  const int64_t groups = K / kGroup, stride = K / 4;  // vectors of one block of 16 outputs
   const __m512i correction = _mm512_set1_epi32(128 * 257);
-  __m512 acc[T];
-  for (int t = 0; t < T; ++t) acc[t] = _mm512_setzero_ps();
+  __m512 acc[T][U];
+  for (int t = 0; t < T; ++t)
+    for (int u = 0; u < U; ++u) acc[t][u] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
-    __m512i dot[T], finer[T];
-    for (int t = 0; t < T; ++t) dot[t] = finer[t] = _mm512_setzero_si512();
+    __m512i dot[T][U], finer[T][U];
+    for (int t = 0; t < T; ++t)
+      for (int u = 0; u < U; ++u) dot[t][u] = finer[t][u] = _mm512_setzero_si512();
     for (int j = 0; j < 8; ++j) {
-      const __m512i weights = vectors[8 * g + j];
+      __m512i weights[U];
+      for (int u = 0; u < U; ++u) weights[u] = _mm512_load_si512(vectors + u * stride + 8 * g + j);
       const int64_t k = g * kGroup + 4 * j;
       for (int t = 0; t < T; ++t) {
         int32_t four, four_fine;
         std::memcpy(&four, act.codes + (m0 + t) * K + k, 4);
         std::memcpy(&four_fine, act.fine + (m0 + t) * K + k, 4);
-        dot[t] = _mm512_dpbusd_epi32(dot[t], _mm512_set1_epi32(four), weights);
-        finer[t] = _mm512_dpbusd_epi32(finer[t], _mm512_set1_epi32(four_fine), weights);
+        const __m512i x = _mm512_set1_epi32(four), f = _mm512_set1_epi32(four_fine);
+        for (int u = 0; u < U; ++u) {
+          dot[t][u] = _mm512_dpbusd_epi32(dot[t][u], x, weights[u]);
+          finer[t][u] = _mm512_dpbusd_epi32(finer[t][u], f, weights[u]);
+        }
       }
     }
-    const __m512i taken = _mm512_mullo_epi32(sums[g], correction);
-    for (int t = 0; t < T; ++t) {
-      __m512i exact = _mm512_sub_epi32(_mm512_add_epi32(_mm512_slli_epi32(dot[t], 8), finer[t]), taken);
-      __m512 a = _mm512_set1_ps(act.scales[(m0 + t) * groups + g] / 256.f);
-      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact), a, acc[t]);
+    for (int u = 0; u < U; ++u) {
+      const __m512i taken = _mm512_mullo_epi32(sums[u * groups + g], correction);
+      for (int t = 0; t < T; ++t) {
+        __m512i exact = _mm512_sub_epi32(
+            _mm512_add_epi32(_mm512_slli_epi32(dot[t][u], 8), finer[t][u]), taken);
+        __m512 a = _mm512_set1_ps(act.scales[(m0 + t) * groups + g] / 256.f);
+        acc[t][u] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact), a, acc[t][u]);
+      }
     }
   }
-  for (int t = 0; t < T; ++t) _mm512_storeu_ps(y + (m0 + t) * N + n0, _mm512_mul_ps(acc[t], scale));
+  for (int u = 0; u < U; ++u) {
+    const __m512 scale = load_bf16(scales + n0 + 16 * u);
+    for (int t = 0; t < T; ++t)
+      _mm512_storeu_ps(y + (m0 + t) * N + n0 + 16 * u, _mm512_mul_ps(acc[t][u], scale));
+  }
 }
 
-at::Tensor int8_gemm(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales) {
-  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kChar, "weight: [out, in] int8");
+// Rows m0..m0+T-1 of blocks [begin, end) of 16 outputs, U blocks a tile and then one.
+template <int T, int U>
+void tiles8(const Activations& act, int64_t m0, int64_t K, const __m512i* pack,
+            const __m512i* sums, const at::BFloat16* scales, int64_t N, int64_t begin,
+            int64_t end, float* y) {
+  const int64_t stride = K / 4, groups = K / kGroup;
+  int64_t b = begin;
+  for (; b + U <= end; b += U)
+    tile8<T, U>(act, m0, K, pack + b * stride, sums + b * groups, scales, N, 16 * b, y);
+  for (; b < end; ++b)
+    tile8<T, 1>(act, m0, K, pack + b * stride, sums + b * groups, scales, N, 16 * b, y);
+}
+
+at::Tensor int8_gemm(const at::Tensor& x, const at::Tensor& pack, const at::Tensor& sums,
+                     const at::Tensor& scales) {
+  TORCH_CHECK(pack.dim() == 3 && pack.scalar_type() == at::kChar && pack.size(2) == 64 &&
+                  pack.is_contiguous(),
+              "pack: int8_pack's [out/16, in/4, 64] int8");
   TORCH_CHECK(scales.dim() == 1 && scales.scalar_type() == at::kBFloat16, "scales: [out] bfloat16");
   const auto q = quantize_rows(x, true);
-  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
-  TORCH_CHECK(weight.size(1) == K && scales.size(0) == N, "weight: [out, in], scales: [out]");
-  TORCH_CHECK(K % (2 * kGroup) == 0 && N % 16 == 0,
-              "int8: in must be a multiple of 64 and out of 16");
-  const auto w = weight.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), N = 16 * pack.size(0);
+  TORCH_CHECK(K % (2 * kGroup) == 0, "int8: in must be a multiple of 64");
+  TORCH_CHECK(pack.size(1) == K / 4 && scales.size(0) == N, "pack: [out/16, in/4, 64], scales: [out]");
+  TORCH_CHECK(sums.scalar_type() == at::kInt && sums.is_contiguous() &&
+                  sums.sizes() == at::IntArrayRef({N / 16, K / kGroup, 16}),
+              "sums: int8_pack's [out/16, in/32, 16] int32");
   const auto s = scales.contiguous();
   auto y = at::empty({M, N}, x.options().dtype(at::kFloat));
-  const auto* wp = w.data_ptr<int8_t>();
+  const auto* packed = reinterpret_cast<const __m512i*>(pack.data_ptr<int8_t>());
+  const auto* summed = reinterpret_cast<const __m512i*>(sums.data_ptr<int32_t>());
   const auto* sp = s.data_ptr<at::BFloat16>();
   float* out = y.data_ptr<float>();
   at::parallel_for(0, N / 16, 1, [&](int64_t begin, int64_t end) {
-    std::vector<__m512i> vectors(K / 4), sums(K / kGroup);
-    for (int64_t n0 = 16 * begin; n0 < 16 * end; n0 += 16) {
-      unpack8(wp, K, n0, vectors.data(), sums.data());
-      const __m512 scale = load_bf16(sp + n0);
-      over_tiles<kTile8>(M, [&](auto rows, int64_t m0) {
-        tile8<decltype(rows)::value>(q.view, m0, K, vectors.data(), sums.data(), scale, N, n0, out);
-      });
-    }
+    // one row reads 4 blocks' weights per activation it broadcasts; more rows share each
+    if (M == 1) return tiles8<1, 4>(q.view, 0, K, packed, summed, sp, N, begin, end, out);
+    over_tiles<kTile8>(M, [&](auto rows, int64_t m0) {
+      tiles8<decltype(rows)::value, 1>(q.view, m0, K, packed, summed, sp, N, begin, end, out);
+    });
   });
   return y;
 }
@@ -677,10 +729,12 @@ at::Tensor int8_gemm(const at::Tensor& x, const at::Tensor& weight, const at::Te
 
 TORCH_LIBRARY_FRAGMENT(sluice, m) {
   m.def("int4_gemm(Tensor x, Tensor pack, Tensor scales_and_zeros) -> Tensor");
-  m.def("int8_gemm(Tensor x, Tensor weight, Tensor scales) -> Tensor");
+  m.def("int8_pack(Tensor weight) -> (Tensor, Tensor)");
+  m.def("int8_gemm(Tensor x, Tensor pack, Tensor sums, Tensor scales) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(sluice, CPU, m) {
   m.impl("int4_gemm", &int4_gemm);
+  m.impl("int8_pack", &int8_pack);
   m.impl("int8_gemm", &int8_gemm);
 }

@@ -72,11 +72,12 @@ def kernel(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> I
 def test_int8_linear_matches_dense_arithmetic(
     rows: int, bias: bool, dtype: torch.dtype, kernel: str
 ) -> None:
-    """Each int8 kernel (``vnni_gemm``'s from 4 rows where it runs, else PyTorch's) and the
-    dequantized GEMM (many rows) compute x·Wᵀ+b."""
+    """Each int8 kernel (``vnni_gemm``'s where it runs, else PyTorch's) and the dequantized
+    GEMM (many rows) compute x·Wᵀ+b."""
     dense = _random_linear(96, 64, bias, dtype)
     layer = quantized.quantize(dense, "int8")
-    assert layer.weight.dtype == torch.int8 and layer.scale.shape == (96,)
+    assert layer.codes().dtype == torch.int8 and layer.codes().shape == (96, 64)
+    assert layer.scale.shape == (96,)
 
     x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(rows)).to(dtype)
     y = layer(x)
@@ -85,7 +86,7 @@ def test_int8_linear_matches_dense_arithmetic(
     exact = F.linear(
         x.float(), dense.weight.float(), None if dense.bias is None else dense.bias.float()
     )
-    dequantized = layer.weight.float() * layer.scale.float()[:, None]
+    dequantized = layer.codes().float() * layer.scale.float()[:, None]
     expected = F.linear(x.float(), dequantized, None if layer.bias is None else layer.bias.float())
 
     torch.testing.assert_close(got, expected, atol=0.05, rtol=0.02)

@@ -60,8 +60,8 @@ def test_int8_is_as_close_to_its_weight_as_pytorchs_kernel(
     layer = Int8Linear(weight, None)
     dequantized = layer.dequantized().float()
     exact = x.float() @ dequantized.T
-    ours = torch.ops.sluice.int8_gemm(x, layer.weight, layer.scale)
-    pytorchs = torch.ops.aten._weight_int8pack_mm(x, layer.weight, layer.scale).float()
+    ours = torch.ops.sluice.int8_gemm(x, layer.pack, layer.sums, layer.scale)
+    pytorchs = torch.ops.aten._weight_int8pack_mm(x, layer.codes(), layer.scale).float()
     assert ours.dtype == torch.float32 and ours.shape == exact.shape
     scale = exact.abs().max()
     assert (ours - exact).abs().max() <= max(2e-3 * scale, (pytorchs - exact).abs().max())
@@ -85,10 +85,12 @@ def test_bad_shapes_and_dtypes_are_refused() -> None:
         torch.ops.sluice.int4_gemm(x.float(), layer.weight, layer.scales_and_zeros)
     with pytest.raises(RuntimeError, match="multiple of 32"):
         torch.ops.sluice.int4_gemm(x[:, :48], layer.weight, layer.scales_and_zeros)
-    int8 = Int8Linear(torch.randn(64, 96, dtype=torch.bfloat16), None)
+    int8 = Int8Linear(torch.randn(64, 128, dtype=torch.bfloat16), None)
     with pytest.raises(RuntimeError, match="multiple of 64"):
+        torch.ops.sluice.int8_pack(torch.zeros(64, 96, dtype=torch.int8))
+    with pytest.raises(RuntimeError, match="pack"):
         torch.ops.sluice.int8_gemm(
-            torch.randn(2, 96, dtype=torch.bfloat16), int8.weight, int8.scale
+            torch.randn(2, 64, dtype=torch.bfloat16), int8.pack, int8.sums, int8.scale
         )
 
 
@@ -138,3 +140,24 @@ def test_rows_the_many_rows_tiles_cannot_hold_get_the_same_bits() -> None:
     assert torch.equal(together.isnan(), alone.isnan())
     assert torch.equal(together.nan_to_num(), alone.nan_to_num())
     assert torch.isfinite(together[11]).all()
+
+
+@pytest.mark.parametrize("shape", [(49152, 576), (960, 576), (48, 128), (80, 64)])
+def test_int8_rows_get_the_same_bits_whatever_rows_come_with_them(
+    shape: tuple[int, int],
+) -> None:
+    """One row takes 64 outputs a tile and more rows take 16 (the tail 16 at a time); a row's
+    outputs are the same bits either way, and the pack holds the layer's codes."""
+    weight, x = _weight_and_input(*shape, 70)
+    layer = Int8Linear(weight, None)
+    alone = torch.cat(
+        [torch.ops.sluice.int8_gemm(row[None], layer.pack, layer.sums, layer.scale) for row in x]
+    )
+    for rows in (2, 3, 7, 8, 9, 70):
+        together = torch.ops.sluice.int8_gemm(x[:rows], layer.pack, layer.sums, layer.scale)
+        assert torch.equal(together, alone[:rows]), rows
+    codes = layer.codes()
+    scale = (weight.float().abs().amax(dim=1) / 127).clamp(min=torch.finfo(torch.float32).tiny)
+    assert torch.equal(codes, (weight.float() / scale[:, None]).round().to(torch.int8))
+    ids = torch.tensor([[0, 17], [shape[0] - 1, 5]])
+    assert torch.equal(layer.codes(ids), codes[ids])
