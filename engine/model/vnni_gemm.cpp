@@ -182,61 +182,74 @@ __m512i gather_index(int h) {
   return _mm512_load_si512(index.data());
 }
 
-// Rows m0..m0+T-1 of y, outputs 16h..16h+15 and 32+16h..32+16h+15 of block `block`;
-// `index` is gather_index(h).
-template <int T>
+// Rows m0..m0+T-1 of y, outputs 16h..16h+15 and 32+16h..32+16h+15 of block `block` for h in
+// h0..h0+H-1; `index[h]` is gather_index(h). H = 2 shares each step's loads and broadcasts
+// between the halves; each (row, output) takes the same steps either way.
+template <int T, int H>
 void tile(const Activations& act, int64_t m0, int64_t K, const uint8_t* pack, const uint32_t* sz,
-          int64_t N, int64_t block, int h, __m512i index, float* y) {
+          int64_t N, int64_t block, int h0, const __m512i* index, float* y) {
   const int64_t groups = K / kGroup;
-  const int64_t n_low = block * kBlock + 16 * h, n_high = n_low + 32;
   const uint8_t* weights = pack + block * K * 32;
   const __m512i nibble = _mm512_set1_epi8(0x0F);
   const __m512i high_half = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
-  __m512 acc[T][2];
-  for (int t = 0; t < T; ++t) acc[t][0] = acc[t][1] = _mm512_setzero_ps();
+  int64_t n[H][2];
+  for (int h = 0; h < H; ++h) {
+    n[h][0] = block * kBlock + 16 * (h0 + h);
+    n[h][1] = n[h][0] + 32;
+  }
+  __m512 acc[T][H][2];
+  for (int t = 0; t < T; ++t)
+    for (int h = 0; h < H; ++h) acc[t][h][0] = acc[t][h][1] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
-    __m512i dot[T][2], finer[T][2];
+    __m512i dot[T][H][2], finer[T][H][2];
     for (int t = 0; t < T; ++t)
-      dot[t][0] = dot[t][1] = finer[t][0] = finer[t][1] = _mm512_setzero_si512();
+      for (int h = 0; h < H; ++h)
+        dot[t][h][0] = dot[t][h][1] = finer[t][h][0] = finer[t][h][1] = _mm512_setzero_si512();
     for (int64_t k = g * kGroup; k < (g + 1) * kGroup; k += 4) {
-      __m512i first = _mm512_loadu_si512(weights + k * 32);
-      __m512i second = _mm512_loadu_si512(weights + (k + 2) * 32);
-      __m512i bytes = _mm512_permutex2var_epi8(first, index, second);
-      __m512i low = _mm512_and_si512(bytes, nibble);
-      __m512i high = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), nibble);
+      const __m512i first = _mm512_loadu_si512(weights + k * 32);
+      const __m512i second = _mm512_loadu_si512(weights + (k + 2) * 32);
+      __m512i low[H], high[H];
+      for (int h = 0; h < H; ++h) {
+        const __m512i bytes = _mm512_permutex2var_epi8(first, index[h0 + h], second);
+        low[h] = _mm512_and_si512(bytes, nibble);
+        high[h] = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), nibble);
+      }
       for (int t = 0; t < T; ++t) {
         int32_t four, four_fine;
         std::memcpy(&four, act.codes + (m0 + t) * K + k, 4);
         std::memcpy(&four_fine, act.fine + (m0 + t) * K + k, 4);
-        __m512i x = _mm512_set1_epi32(four), f = _mm512_set1_epi32(four_fine);
-        dot[t][0] = _mm512_dpbusd_epi32(dot[t][0], low, x);
-        dot[t][1] = _mm512_dpbusd_epi32(dot[t][1], high, x);
-        finer[t][0] = _mm512_dpbusd_epi32(finer[t][0], low, f);
-        finer[t][1] = _mm512_dpbusd_epi32(finer[t][1], high, f);
+        const __m512i x = _mm512_set1_epi32(four), f = _mm512_set1_epi32(four_fine);
+        for (int h = 0; h < H; ++h) {
+          dot[t][h][0] = _mm512_dpbusd_epi32(dot[t][h][0], low[h], x);
+          dot[t][h][1] = _mm512_dpbusd_epi32(dot[t][h][1], high[h], x);
+          finer[t][h][0] = _mm512_dpbusd_epi32(finer[t][h][0], low[h], f);
+          finer[t][h][1] = _mm512_dpbusd_epi32(finer[t][h][1], high[h], f);
+        }
       }
     }
-    __m512 scale[2], offset[2];
-    for (int j = 0; j < 2; ++j) {
-      __m512i packed = _mm512_loadu_si512(sz + g * N + (j ? n_high : n_low));
-      scale[j] = _mm512_castsi512_ps(_mm512_slli_epi32(packed, 16));
-      __m512 zero = _mm512_castsi512_ps(_mm512_and_si512(packed, high_half));
-      offset[j] = _mm512_fnmadd_ps(_mm512_set1_ps(8.f), scale[j], zero);
-    }
-    for (int t = 0; t < T; ++t) {
-      __m512 a = _mm512_set1_ps(act.scales[(m0 + t) * groups + g] / 256.f);
-      __m512 sum = _mm512_set1_ps(act.sums[(m0 + t) * groups + g]);
+    for (int h = 0; h < H; ++h) {
+      __m512 scale[2], offset[2];
       for (int j = 0; j < 2; ++j) {
-        __m512i exact = _mm512_add_epi32(_mm512_slli_epi32(dot[t][j], 8), finer[t][j]);
-        __m512 products = _mm512_cvtepi32_ps(exact);
-        acc[t][j] = _mm512_fmadd_ps(products, _mm512_mul_ps(scale[j], a), acc[t][j]);
-        acc[t][j] = _mm512_fmadd_ps(offset[j], sum, acc[t][j]);
+        __m512i packed = _mm512_loadu_si512(sz + g * N + n[h][j]);
+        scale[j] = _mm512_castsi512_ps(_mm512_slli_epi32(packed, 16));
+        __m512 zero = _mm512_castsi512_ps(_mm512_and_si512(packed, high_half));
+        offset[j] = _mm512_fnmadd_ps(_mm512_set1_ps(8.f), scale[j], zero);
+      }
+      for (int t = 0; t < T; ++t) {
+        __m512 a = _mm512_set1_ps(act.scales[(m0 + t) * groups + g] / 256.f);
+        __m512 sum = _mm512_set1_ps(act.sums[(m0 + t) * groups + g]);
+        for (int j = 0; j < 2; ++j) {
+          __m512i exact = _mm512_add_epi32(_mm512_slli_epi32(dot[t][h][j], 8), finer[t][h][j]);
+          __m512 products = _mm512_cvtepi32_ps(exact);
+          acc[t][h][j] = _mm512_fmadd_ps(products, _mm512_mul_ps(scale[j], a), acc[t][h][j]);
+          acc[t][h][j] = _mm512_fmadd_ps(offset[j], sum, acc[t][h][j]);
+        }
       }
     }
   }
-  for (int t = 0; t < T; ++t) {
-    _mm512_storeu_ps(y + (m0 + t) * N + n_low, acc[t][0]);
-    _mm512_storeu_ps(y + (m0 + t) * N + n_high, acc[t][1]);
-  }
+  for (int t = 0; t < T; ++t)
+    for (int h = 0; h < H; ++h)
+      for (int j = 0; j < 2; ++j) _mm512_storeu_ps(y + (m0 + t) * N + n[h][j], acc[t][h][j]);
 }
 
 // The activations of x, quantized; the tensors own what ``view`` points at.
@@ -437,16 +450,25 @@ constexpr int64_t kWideFrom = 32;  // rows from which int4_gemm takes the wide t
 constexpr int64_t kChunk = 32;     // rows of a task: a panel's outputs for that many rows
 
 // int4_gemm's arithmetic for the rows of `act` with few rows: each weight vector unpacked
-// with a vpermt2b per tile of kTile rows, 32 outputs at a time.
+// with a vpermt2b per tile of kTile rows, 32 outputs at a time. One row takes a block's 64
+// outputs a task, so each step's loads and broadcasts serve twice the products.
 void int4_narrow(const Activations& act, int64_t M, int64_t K, const uint8_t* weights,
                  const uint32_t* szp, int64_t N, float* out) {
-  at::parallel_for(0, 2 * (N / kBlock), 1, [&](int64_t begin, int64_t end) {
+  const std::array<__m512i, 2> index{gather_index(0), gather_index(1)};
+  const int64_t blocks = N / kBlock;
+  if (M == 1) {
+    at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t block = begin; block < end; ++block)
+        tile<1, 2>(act, 0, K, weights, szp, N, block, 0, index.data(), out);
+    });
+    return;
+  }
+  at::parallel_for(0, 2 * blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
       const int64_t block = task / 2;
       const int h = static_cast<int>(task % 2);
-      const __m512i index = gather_index(h);
       over_tiles<kTile>(M, [&](auto rows, int64_t m0) {
-        tile<decltype(rows)::value>(act, m0, K, weights, szp, N, block, h, index, out);
+        tile<decltype(rows)::value, 1>(act, m0, K, weights, szp, N, block, h, index.data(), out);
       });
     }
   });
