@@ -36,9 +36,9 @@
 // sequence, in group order: acc = fma(float(Σ q·(256c + f)), s·(a / 256), acc), then
 // acc = fma(z - 8 s, Σ x, acc). Two paths compute it:
 //
-// - below kWideFrom rows, the few-rows tiles: kTile rows, 32 outputs, each weight vector
-//   unpacked from the pack (vpermt2b and nibble masks) for its tile, c and f met in separate
-//   vpdpbusd sums. Unpacking as it goes costs little where the rows are few, and nothing is
+// - below kWideFrom rows, the few-rows tiles: kTile rows, 32 outputs (one row: 64), each
+//   weight vector unpacked from the pack (vpermt2b and nibble masks) for its tile, c and f
+//   met in separate vpdpbusd sums. Unpacking as it goes costs little where the rows are few, and nothing is
 //   written before the products start.
 // - from kWideFrom rows, the many-rows tiles. A task's 48 outputs are unpacked once into
 //   vpdpwssd's layout (two inputs' codes a lane as int16, s and z - 8 s as floats) and each
