@@ -57,7 +57,7 @@ from workers.broker.transport import START_ARGS
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 MESSAGES = [{"role": "user", "content": "Write a long story about a lighthouse keeper."}]
-MAX_TOKENS = 96
+MAX_TOKENS = 256  # a second or more of stream: heartbeats show its worker before it ends
 CONSTRAINED_MAX_TOKENS = 200
 ROUNDS = int(os.environ.get("SLUICE_KILL_ROUNDS", "2"))  # ``make soak`` asks for more
 STALL_BOUND_S = 10  # the longest wait for the next delta a client may see across a kill
