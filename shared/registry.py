@@ -18,9 +18,10 @@ from typing import Any, Literal
 
 from shared.constraints import TOOL_CALL_SYNTAXES, ToolCallSyntax
 from shared.hub import hub_checkpoint, is_hub_id
+from shared.prompting import FORMAT_NAMES
 from shared.prompting.base import CONTENT_FORMATS, ContentFormat
 
-PROMPT_FORMATS = ("chatml", "qwen3", "llama3", "jinja")
+PROMPT_FORMATS = FORMAT_NAMES
 CAPABILITIES = frozenset({"tools", "thinking", "images"})
 # What a model without the "images" capability does with an image, and its placeholder text.
 ImageHandling = Literal["refuse", "placeholder"]

@@ -2,7 +2,8 @@
 
 ``render`` is the one entry the request path calls; ``get_format`` finds a
 format by the name the model registry gives (``chatml``, ``qwen3``,
-``llama3``, or ``jinja`` for the model's own chat template).
+``llama3``, ``deepseek_v4``, ``deepseek_v4.1``, or ``jinja`` for the model's
+own chat template).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from shared.conversation import Conversation
+from shared.prompting import deepseek
 from shared.prompting.base import (
     ContentFormat,
     PromptFormat,
@@ -23,7 +25,15 @@ from shared.prompting.llama3 import Llama3Format
 from shared.prompting.qwen3 import Qwen3Format
 
 _FORMATS: dict[str, PromptFormat] = {
-    format.name: format for format in (ChatMLFormat(), Qwen3Format(), Llama3Format(), JinjaFormat())
+    format.name: format
+    for format in (
+        ChatMLFormat(),
+        Qwen3Format(),
+        Llama3Format(),
+        JinjaFormat(),
+        deepseek.V4,
+        deepseek.V41,
+    )
 }
 
 FORMAT_NAMES: tuple[str, ...] = tuple(_FORMATS)

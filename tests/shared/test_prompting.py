@@ -658,7 +658,14 @@ def test_property_qwen3_equals_jinja_qwen3(conversation):
 
 
 def test_registry_knows_every_format():
-    assert set(FORMAT_NAMES) == {"chatml", "qwen3", "llama3", "jinja"}
+    assert set(FORMAT_NAMES) == {
+        "chatml",
+        "qwen3",
+        "llama3",
+        "jinja",
+        "deepseek_v4",
+        "deepseek_v4.1",
+    }
     for name in FORMAT_NAMES:
         assert get_format(name).name == name
     with pytest.raises(PromptFormatError, match="unknown prompt format 'alpaca'; known formats"):

@@ -1,0 +1,103 @@
+"""DeepSeek V4 and V4.1: the conversation rendered by deepseek-recipe's own encodings.
+
+``deepseek_recipe`` is the reference implementation of these prompt formats: system block
+with the reasoning effort and the tools, ``<｜User｜>`` / ``<｜Assistant｜>`` turns,
+``<think>`` reasoning, DSML tool calls, ``<tool_result>`` blocks. A format here maps the
+conversation onto its message types and returns its prompt and special ranges as they
+are, so every control token sits where the reference puts it and user text that spells
+one stays text. V4.1 opens its system block with ``<｜System｜>``; V4 has no such token.
+
+Thinking is on unless the conversation turns it off, as DeepSeek's API has it. The
+efforts a client can ask for map onto DeepSeek's as its API maps them (``medium`` is
+``high``). Images do not reach these formats: a V4 model puts ``[Unsupported Image]`` in
+their place before rendering.
+"""
+
+from __future__ import annotations
+
+import deepseek_recipe as recipe
+
+from shared.conversation import (
+    AssistantMessage,
+    Conversation,
+    ConversationError,
+    Message,
+    ReasoningEffort,
+    SystemMessage,
+    Tool,
+    ToolMessage,
+    UserMessage,
+    has_images,
+    text_of,
+)
+from shared.prompting.base import RenderedPrompt, RenderOptions
+
+EFFORTS: dict[ReasoningEffort, str] = {
+    "low": "low",
+    "medium": "high",
+    "high": "high",
+    "max": "max",
+}
+"""Each reasoning effort as DeepSeek names it."""
+
+
+class DeepseekFormat:
+    """One DeepSeek encoding (``recipe.DeepseekV4Encoding`` or ``DeepseekV41Encoding``)."""
+
+    def __init__(self, name: str, encoding: recipe.DeepseekV4Encoding | recipe.DeepseekV41Encoding):
+        self.name = name
+        self._encoding = encoding
+
+    def render(self, conversation: Conversation, options: RenderOptions) -> RenderedPrompt:
+        rendered = self._encoding.render_conversation(recipe_conversation(conversation))
+        return RenderedPrompt(rendered.prompt, list(rendered.special_ranges))
+
+
+def recipe_conversation(conversation: Conversation) -> recipe.Conversation:
+    """``conversation`` in deepseek-recipe's types."""
+    choice = conversation.tool_choice
+    tools = conversation.tools
+    if choice.mode == "function":  # one named tool, called: the only tool offered
+        tools = [tool for tool in tools if tool.name == choice.name]
+    effort = conversation.reasoning_effort
+    return recipe.Conversation(
+        [
+            _message(message, f"messages[{index}]")
+            for index, message in enumerate(conversation.messages)
+        ],
+        thinking_mode=conversation.thinking is not False,
+        tools=[_tool(tool) for tool in tools] if choice.mode != "none" else None,
+        tool_choice="required" if choice.mode in ("required", "function") else choice.mode,
+        reasoning_effort=EFFORTS[effort] if effort is not None else None,
+    )
+
+
+def _message(message: Message, where: str) -> recipe.Message:
+    if has_images(getattr(message, "content", [])):
+        raise ConversationError(f"{where}.content: this model's prompt format takes no images")
+    match message:
+        case SystemMessage():
+            return recipe.SystemMessage(text_of(message.content))
+        case UserMessage():
+            return recipe.UserMessage(text_of(message.content))
+        case AssistantMessage():
+            calls = [
+                recipe.ToolCall(call.id, call.name, call.arguments) for call in message.tool_calls
+            ]
+            return recipe.AssistantMessage(
+                text_of(message.content),
+                reasoning_content=message.reasoning,
+                tool_calls=calls or None,
+                prefix=message.prefix,
+            )
+        case ToolMessage():
+            return recipe.ToolMessage(text_of(message.content), tool_call_id=message.tool_call_id)
+    raise ConversationError(f"{where}: not a message this format lays out")
+
+
+def _tool(tool: Tool) -> recipe.ToolDefinition:
+    return recipe.ToolDefinition(tool.name, tool.description, tool.parameters, tool.strict or None)
+
+
+V4 = DeepseekFormat("deepseek_v4", recipe.DeepseekV4Encoding())
+V41 = DeepseekFormat("deepseek_v4.1", recipe.DeepseekV41Encoding())
