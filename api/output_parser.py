@@ -12,10 +12,14 @@ stop string or a lead of a bare JSON call (at most the longest of them minus
 one character), or, inside a tool call, a possible start of the closing
 delimiter.
 
-Tool calls come in one of two syntaxes. ``tool_calls`` delimiters (Hermes,
+Tool calls come in one of three syntaxes. ``tool_calls`` delimiters (Hermes,
 Qwen): ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` anywhere in
 the content. ``bare_json_tool_calls`` (Llama 3): the answer itself is the
-calls, ``{"name": ..., "parameters": {...}}`` objects joined by ``;``.
+calls, ``{"name": ..., "parameters": {...}}`` objects joined by ``;``. With
+``dsml_tool_calls`` (DeepSeek) the delimiters open a block of DSML invokes
+(``api.dsml``), held until the block closes and read as one call each; the
+block ends the turn, and the newlines before it are dropped. A block that holds
+anything else is shown as content.
 
 Choices worth knowing:
 
@@ -57,6 +61,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from enum import Enum
 
+from api import dsml
 from api.json_scanner import JsonValueScanner, PreludeStatus, ToolCallPrelude
 
 _ID_ALPHABET = string.ascii_letters + string.digits
@@ -159,6 +164,7 @@ class ParserConfig:
     starts_in_reasoning: bool = False  # the prompt already opened the reasoning block
     tool_calls: Delimiters | None = None
     bare_json_tool_calls: bool = False  # an answer that starts with ``{`` is tool calls (Llama 3)
+    dsml_tool_calls: bool = False  # the tool_calls block holds DSML invokes (DeepSeek)
     stop: Sequence[str] = ()
     single_tool_call: bool = False  # stop parsing (and generating) after the first call
 
@@ -173,6 +179,8 @@ class ParserConfig:
                 )
         if any(not stop for stop in self.stop):
             raise ValueError(f"stop strings must be non-empty, got {list(self.stop)!r}")
+        if self.dsml_tool_calls and self.tool_calls is None:
+            raise ValueError("dsml_tool_calls=True needs tool_calls delimiters, got None")
 
 
 @dataclass(slots=True)
@@ -279,10 +287,18 @@ class OutputParser:
 
     def _scan_text(self, buffer: str, pos: int) -> int:
         end, marker = self._finders[self._state].find(buffer, pos)
+        text = buffer[pos:end]
+        if self._state is _State.CONTENT and self._config.dsml_tool_calls:
+            kept = text.rstrip("\n")  # newlines before a DSML block are its formatting
+            if marker is None:  # held until what follows them shows
+                self._content(kept)
+                return pos + len(kept)
+            if self._config.tool_calls is not None and marker == self._config.tool_calls.open:
+                text = kept
         if self._state is _State.CONTENT:
-            self._content(buffer[pos:end])
+            self._content(text)
         else:
-            self._emit(ReasoningDelta(buffer[pos:end]))
+            self._emit(ReasoningDelta(text))
         if marker is None:
             return end
         if marker in self._config.stop:  # a stop string spelled like a delimiter wins
@@ -292,6 +308,8 @@ class OutputParser:
             self._state, self._strip_content = self._answer_start, True
         elif self._config.reasoning is not None and marker == self._config.reasoning.open:
             self._state = _State.REASONING
+        elif self._config.dsml_tool_calls:
+            self._state, self._body = _State.HELD, []
         else:
             self._state, self._body = _State.PRELUDE, []
             self._prelude = ToolCallPrelude()
@@ -374,11 +392,21 @@ class OutputParser:
         return end + len(marker)
 
     def _resolve_held_body(self, closed: bool) -> None:
-        """Emit a buffered body as one whole call, or as the content it was."""
+        """Emit a buffered body as its whole calls, or as the content it was."""
         body = "".join(self._body)
-        call = _parse_call(body)
-        if call is not None:
-            self._whole_call(*call)
+        if self._config.dsml_tool_calls:
+            calls = dsml.parse_calls(body) if closed else None
+        else:
+            call = _parse_call(body)
+            calls = None if call is None else [call]
+        if calls is not None:
+            for call in calls:
+                if self._state is _State.STOPPED:  # one call was allowed
+                    break
+                self._whole_call(*call)
+            if self._config.dsml_tool_calls and self._state is not _State.STOPPED:
+                self._emit(ToolCallsDone())  # a DSML block ends the turn
+                self._state = _State.STOPPED
             return
         delimiters = self._config.tool_calls
         assert delimiters is not None

@@ -22,10 +22,11 @@ import secrets
 import time
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 from tokenizers import Tokenizer
 
+from api import dsml
 from api.backends.base import ServedModel
 from api.errors import ApiError, bad_request
 from api.images.budget import ImageTokenBudget, ImageTokens, released_on_error
@@ -76,6 +77,9 @@ MAX_EFFORT_MAX_TOKENS = 131072
 
 T = TypeVar("T")
 _HERMES_FORMATS = frozenset({"chatml", "qwen3"})
+DSML_FORMATS = {"deepseek_v4": False, "deepseek_v4.1": True}
+"""The formats whose tool calls are DSML blocks, and whether ``｜DSML｜`` takes a space."""
+ModelToolSyntax = ToolCallSyntax | Literal["dsml"]
 _FIELD = re.compile(r"([A-Za-z_][\w.\[\]]*) ")
 
 
@@ -566,7 +570,7 @@ def _tool_call_grammar(encoded: Encoded, additional_properties: bool) -> str:
     conversation = encoded.request.conversation
     choice = conversation.tool_choice
     syntax = tool_call_syntax(encoded.model)
-    if syntax is None:
+    if syntax is None or syntax == "dsml":
         raise bad_request(
             f"tool_choice {choice.mode!r}: model {encoded.model.spec.name!r} has no tool-call "
             "syntax to enforce",
@@ -591,11 +595,20 @@ def _tool_call_grammar(encoded: Encoded, additional_properties: bool) -> str:
     )
 
 
-def tool_call_syntax(model: ServedModel) -> ToolCallSyntax | None:
+def tool_call_syntax(model: ServedModel) -> ModelToolSyntax | None:
     """How the model writes tool calls, or None when it has no syntax we read."""
+    if model.spec.prompt_format in DSML_FORMATS:
+        return "dsml"
     if model.spec.tool_parser == "llama3_json":
         return "llama3_json"
     return "hermes" if _hermes_tool_calls(model) else None
+
+
+def tool_call_block(model: ServedModel) -> Delimiters:
+    """The markup around the model's tool calls (``<tool_call>`` for Hermes)."""
+    if model.spec.prompt_format in DSML_FORMATS:
+        return Delimiters(*dsml.block_delimiters(space=DSML_FORMATS[model.spec.prompt_format]))
+    return HERMES_TOOL_CALL
 
 
 def hidden_stops(encoded: Encoded) -> list[str]:
@@ -605,9 +618,8 @@ def hidden_stops(encoded: Encoded) -> list[str]:
     """
     conversation = encoded.request.conversation
     ruled_out = conversation.tools and conversation.tool_choice.mode == "none"
-    return (
-        [HERMES_TOOL_CALL.open] if ruled_out and tool_call_syntax(encoded.model) == "hermes" else []
-    )
+    delimited = tool_call_syntax(encoded.model) in ("hermes", "dsml")
+    return [tool_call_block(encoded.model).open] if ruled_out and delimited else []
 
 
 def _check_token_ids(sampling: SamplingParams, model: ServedModel) -> None:
@@ -628,11 +640,13 @@ def parsing_options(encoded: Encoded, thinking: bool) -> ParsingOptions:
     reasoning = THINK if thinking else None
     tools = bool(conversation.tools) and conversation.tool_choice.mode != "none"
     syntax = tool_call_syntax(encoded.model) if tools else None
+    delimited = syntax in ("hermes", "dsml")
     return ParsingOptions(
         reasoning=_pair(reasoning),
         starts_in_reasoning=reasoning is not None and _opens(encoded.rendered, reasoning),
-        tool_calls=_pair(HERMES_TOOL_CALL) if syntax == "hermes" else None,
+        tool_calls=_pair(tool_call_block(encoded.model)) if delimited else None,
         bare_json_tool_calls=syntax == "llama3_json",
+        dsml_tool_calls=syntax == "dsml",
         stop=list(encoded.request.stop),
         single_tool_call=tools and not conversation.tool_choice.parallel,
     )
@@ -645,6 +659,7 @@ def parser_config(options: ParsingOptions) -> ParserConfig:
         starts_in_reasoning=options.starts_in_reasoning,
         tool_calls=Delimiters(*options.tool_calls) if options.tool_calls else None,
         bare_json_tool_calls=options.bare_json_tool_calls,
+        dsml_tool_calls=options.dsml_tool_calls,
         stop=options.stop,
         single_tool_call=options.single_tool_call,
     )

