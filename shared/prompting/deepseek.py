@@ -60,19 +60,20 @@ def recipe_conversation(conversation: Conversation) -> recipe.Conversation:
     if choice.mode == "function":  # one named tool, called: the only tool offered
         tools = [tool for tool in tools if tool.name == choice.name]
     effort = conversation.reasoning_effort
+    thinking = conversation.thinking is not False
+    messages = conversation.messages
     return recipe.Conversation(
-        [
-            _message(message, f"messages[{index}]")
-            for index, message in enumerate(conversation.messages)
-        ],
-        thinking_mode=conversation.thinking is not False,
+        [_message(m, f"messages[{i}]", thinking) for i, m in enumerate(messages)],
+        thinking_mode=thinking,
         tools=[_tool(tool) for tool in tools] if choice.mode != "none" else None,
         tool_choice="required" if choice.mode in ("required", "function") else choice.mode,
         reasoning_effort=EFFORTS[effort] if effort is not None else None,
     )
 
 
-def _message(message: Message, where: str) -> recipe.Message:
+def _message(message: Message, where: str, thinking: bool) -> recipe.Message:
+    """One message; in thinking mode an assistant turn without reasoning has an empty one,
+    as DeepSeek's API fills it."""
     if has_images(getattr(message, "content", [])):
         raise ConversationError(f"{where}.content: this model's prompt format takes no images")
     match message:
@@ -81,12 +82,11 @@ def _message(message: Message, where: str) -> recipe.Message:
         case UserMessage():
             return recipe.UserMessage(text_of(message.content))
         case AssistantMessage():
-            calls = [
-                recipe.ToolCall(call.id, call.name, call.arguments) for call in message.tool_calls
-            ]
+            calls = [recipe.ToolCall(c.id, c.name, c.arguments) for c in message.tool_calls]
+            reasoning = message.reasoning
             return recipe.AssistantMessage(
                 text_of(message.content),
-                reasoning_content=message.reasoning,
+                reasoning_content="" if reasoning is None and thinking else reasoning,
                 tool_calls=calls or None,
                 prefix=message.prefix,
             )

