@@ -16,10 +16,10 @@ from typing import Literal
 
 SystemRole = Literal["system", "developer"]
 ToolChoiceMode = Literal["none", "auto", "required", "function"]
-ReasoningEffort = Literal["low", "medium", "high", "max"]
+ReasoningEffort = Literal["low", "medium", "high", "xhigh", "max"]
 ResponseFormatType = Literal["text", "json_object", "json_schema"]
 
-REASONING_EFFORTS: tuple[str, ...] = ("low", "medium", "high", "max")
+REASONING_EFFORTS: tuple[str, ...] = ("low", "medium", "high", "xhigh", "max")
 TOOL_CHOICE_MODES: tuple[str, ...] = ("none", "auto", "required", "function")
 RESPONSE_FORMAT_TYPES: tuple[str, ...] = ("text", "json_object", "json_schema")
 

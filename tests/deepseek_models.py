@@ -28,3 +28,28 @@ def v41_tokenizer(target: Path) -> Path:
     (target / "tokenizer.json").write_text(json.dumps(config))
     (target / "tokenizer_config.json").write_text((V4_TOKENIZER / TOKENIZER_FILES[1]).read_text())
     return target
+
+
+def tiny_deepseek_checkpoint(path: Path, tokenizer: Path | None = None) -> Path:
+    """A random-weight two-layer Llama over the DeepSeek vocabulary, saved as transformers
+    saves it; ``tokenizer``'s files are copied in (without one the checkpoint has none)."""
+    import torch
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=129280,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+        bos_token_id=0,
+        eos_token_id=1,
+    )
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(path, safe_serialization=True)
+    for name in TOKENIZER_FILES if tokenizer is not None else ():
+        (path / name).write_bytes((tokenizer / name).read_bytes())
+    return path

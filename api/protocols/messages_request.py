@@ -15,7 +15,7 @@ Mapping choices:
   ``redacted_thinking`` blocks and signatures are dropped (nothing can read them).
 - ``thinking``: enabled → on, disabled → off, adaptive → the model's default.
   The budget is checked (≥ 1024, < max_tokens) but not enforced on generation.
-  ``output_config.effort`` becomes the reasoning effort (``xhigh`` → ``max``),
+  ``output_config.effort`` becomes the reasoning effort,
   ``output_config.format`` a JSON schema response format.
 - ``metadata.user_id`` travels in ``GenerationRequest.metadata``.
 - ``disable_parallel_tool_use`` ends the answer after its first tool call.
@@ -117,7 +117,7 @@ def _conversation(request: CountTokensBody) -> Conversation:
         tools=tools,
         tool_choice=_tool_choice(request.tool_choice, tools),
         thinking=_thinking(request.thinking),
-        reasoning_effort="max" if config.effort == "xhigh" else config.effort,
+        reasoning_effort=config.effort,
         response_format=(
             ResponseFormat(
                 "json_schema", config.format.schema_, param="output_config.format.schema"

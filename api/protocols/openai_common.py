@@ -42,7 +42,7 @@ REASONING_EFFORTS: dict[str, str | None] = {
     "low": "low",
     "medium": "medium",
     "high": "high",
-    "xhigh": "max",
+    "xhigh": "xhigh",
     "max": "max",
 }
 MAX_STOP_SEQUENCES = 16
@@ -254,8 +254,8 @@ def read_effort(fields: Fields, name: str) -> str | None:
 def apply_effort(conversation: Conversation, effort: str | None) -> None:
     """Map an OpenAI effort name: ``none`` turns thinking off, any other turns it on.
 
-    ``minimal`` becomes ``low`` and ``xhigh`` becomes ``max``: the conversation
-    knows four levels and each prompt format decides what they mean.
+    ``minimal`` becomes ``low``: the conversation knows five levels and each prompt
+    format decides what they mean.
     """
     if effort is None:
         return

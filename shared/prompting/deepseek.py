@@ -36,6 +36,7 @@ EFFORTS: dict[ReasoningEffort, str] = {
     "low": "low",
     "medium": "high",
     "high": "high",
+    "xhigh": "xhigh",
     "max": "max",
 }
 """Each reasoning effort as DeepSeek names it."""

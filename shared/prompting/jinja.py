@@ -139,8 +139,9 @@ def template_variables(
         variables["eos_token"] = TemplateText.literal(options.eos_token)
     if conversation.thinking is not None:
         variables["enable_thinking"] = conversation.thinking
-    if conversation.reasoning_effort is not None:
-        variables["reasoning_effort"] = conversation.reasoning_effort
+    if conversation.reasoning_effort is not None:  # a template knows up to max: xhigh is max
+        effort = conversation.reasoning_effort
+        variables["reasoning_effort"] = "max" if effort == "xhigh" else effort
     return variables
 
 

@@ -1,5 +1,6 @@
 """Requests in the three protocols, prepared for a DeepSeek model: the prompt's token ids
-equal deepseek-recipe's conversion and prompt encoding of the same body."""
+and the resolved ``max_tokens`` equal deepseek-recipe's conversion, prompt encoding and
+``resolve_max_tokens`` of the same body."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from shared.tokenizer_loader import load_tokenizer
 from tests.deepseek_models import V4_TOKENIZER, v41_tokenizer
 
 PRO, FLASH = "DeepSeek-V4-Pro", "DeepSeek-V4.1-Flash"
+CONTEXT = 1 << 20
 ENCODINGS = {PRO: recipe.DeepseekV4Encoding, FLASH: recipe.DeepseekV41Encoding}
 REQUESTS = {
     chat_completions.PROTOCOL: recipe.ChatCompletionRequest,
@@ -44,7 +46,7 @@ def context(tmp_path_factory: pytest.TempPathFactory) -> PreparationContext:
     tokenizers = {PRO: V4_TOKENIZER, FLASH: v41_tokenizer(root / "v4.1")}
     specs = [spec_from_entry(name, {"weights": str(p)}, root) for name, p in tokenizers.items()]
     models = {
-        spec.name: ServedModel(spec, load_tokenizer(tokenizers[spec.name]), 1 << 20)
+        spec.name: ServedModel(spec, load_tokenizer(tokenizers[spec.name]), CONTEXT)
         for spec in specs
     }
     return PreparationContext(ModelRegistry(specs), models)
@@ -75,7 +77,12 @@ def _chat_bodies() -> list[dict[str, Any]]:
     options: list[dict[str, Any]] = [
         {},
         {"reasoning_effort": "low"},
+        {"reasoning_effort": "medium"},
         {"reasoning_effort": "high"},
+        {"reasoning_effort": "xhigh"},
+        {"reasoning_effort": "max"},
+        {"reasoning_effort": "minimal"},
+        {"reasoning_effort": "none"},
         {"thinking": {"type": "disabled"}},
         {"thinking": {"type": "enabled"}},
         {"tools": [tool]},
@@ -105,6 +112,7 @@ def _responses_bodies() -> list[dict[str, Any]]:
         {"instructions": "Be brief."},
         {"reasoning": {"effort": "low"}},
         {"reasoning": {"effort": "high"}},
+        {"reasoning": {"effort": "xhigh"}},
         {"tools": [tool]},
     ]
     return [{"input": i, **o} for i, o in itertools.product(inputs, options)]
@@ -141,6 +149,9 @@ def _messages_bodies() -> list[dict[str, Any]]:
         {"system": "Be brief."},
         {"thinking": {"type": "disabled"}},
         {"thinking": {"type": "enabled", "budget_tokens": 2048}},
+        {"output_config": {"effort": "medium"}},
+        {"output_config": {"effort": "xhigh"}},
+        {"output_config": {"effort": "max"}},
         {"tools": [tool]},
     ]
     pairs = itertools.product(conversations, options)
@@ -158,11 +169,13 @@ CORPUS = [
 ]
 
 
-def _reference(protocol: Any, body: dict[str, Any], path: Path) -> list[int]:
-    """deepseek-recipe's ids for ``body``; OpenAI's ``developer`` role is its ``system``."""
+def _reference(protocol: Any, body: dict[str, Any], path: Path) -> tuple[list[int], int]:
+    """deepseek-recipe's ids for ``body``, and its ``max_tokens`` for them; OpenAI's
+    ``developer`` role is its ``system``."""
     text = json.dumps(body).replace('"role": "developer"', '"role": "system"')
     converted = REQUESTS[protocol](text).convert(recipe.ConversionOptions())
-    return _encoding(body["model"], path).encode(converted.conversation)
+    ids = _encoding(body["model"], path).encode(converted.conversation)
+    return ids, converted.resolve_max_tokens(len(ids), CONTEXT)
 
 
 @cache
@@ -178,7 +191,7 @@ def test_each_protocol_s_prompt_is_the_reference_s(model: str, context: Preparat
     mismatched = []
     for protocol, body in CORPUS:
         body = {"model": model, **body}
-        ours = prepare(protocol, body, context).wire.prompt_token_ids
-        if ours != _reference(protocol, body, path):
+        wire = prepare(protocol, body, context).wire
+        if (wire.prompt_token_ids, wire.sampling.max_tokens) != _reference(protocol, body, path):
             mismatched.append((protocol.path, body))
     assert not mismatched, mismatched[:3]

@@ -255,7 +255,7 @@ def test_output_config_sets_effort_and_json_schema():
     schema = {"type": "object", "properties": {"n": {"type": "integer"}}}
     config = {"effort": "xhigh", "format": {"type": "json_schema", "schema": schema}}
     conversation = parse(body(output_config=config)).conversation
-    assert conversation.reasoning_effort == "max"
+    assert conversation.reasoning_effort == "xhigh"
     assert conversation.response_format.type == "json_schema"
     assert conversation.response_format.schema == schema
 

