@@ -17,7 +17,7 @@ Qwen): ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` anywhere in
 the content. ``bare_json_tool_calls`` (Llama 3): the answer itself is the
 calls, ``{"name": ..., "parameters": {...}}`` objects joined by ``;``. With
 ``dsml_tool_calls`` (DeepSeek) the delimiters open a block of DSML invokes
-(``api.dsml``), held until the block closes and read as one call each; the
+(``shared.dsml``), held until the block closes and read as one call each; the
 block ends the turn, and the newlines before it are dropped. A block that holds
 anything else is shown as content.
 
@@ -61,8 +61,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from enum import Enum
 
-from api import dsml
 from api.json_scanner import JsonValueScanner, PreludeStatus, ToolCallPrelude
+from shared import dsml
 
 _ID_ALPHABET = string.ascii_letters + string.digits
 

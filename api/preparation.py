@@ -26,7 +26,6 @@ from typing import Any, Literal, TypeVar
 
 from tokenizers import Tokenizer
 
-from api import dsml
 from api.backends.base import ServedModel
 from api.errors import ApiError, bad_request
 from api.images.budget import ImageTokenBudget, ImageTokens, released_on_error
@@ -39,6 +38,7 @@ from api.images.resolution import (
 )
 from api.output_parser import HERMES_TOOL_CALL, THINK, Delimiters, ParserConfig
 from api.protocols.base import GenerationRequest, Protocol, RawPrompt, ResponseContext
+from shared import dsml
 from shared.constraints import (
     ANY_OBJECT,
     ConstraintError,
@@ -77,8 +77,6 @@ MAX_EFFORT_MAX_TOKENS = 131072
 
 T = TypeVar("T")
 _HERMES_FORMATS = frozenset({"chatml", "qwen3"})
-DSML_FORMATS = {"deepseek_v4": False, "deepseek_v4.1": True}
-"""The formats whose tool calls are DSML blocks, and whether ``｜DSML｜`` takes a space."""
 ModelToolSyntax = ToolCallSyntax | Literal["dsml"]
 _FIELD = re.compile(r"([A-Za-z_][\w.\[\]]*) ")
 
@@ -597,7 +595,7 @@ def _tool_call_grammar(encoded: Encoded, additional_properties: bool) -> str:
 
 def tool_call_syntax(model: ServedModel) -> ModelToolSyntax | None:
     """How the model writes tool calls, or None when it has no syntax we read."""
-    if model.spec.prompt_format in DSML_FORMATS:
+    if model.spec.prompt_format in dsml.MARKUPS:
         return "dsml"
     if model.spec.tool_parser == "llama3_json":
         return "llama3_json"
@@ -606,8 +604,8 @@ def tool_call_syntax(model: ServedModel) -> ModelToolSyntax | None:
 
 def tool_call_block(model: ServedModel) -> Delimiters:
     """The markup around the model's tool calls (``<tool_call>`` for Hermes)."""
-    if model.spec.prompt_format in DSML_FORMATS:
-        return Delimiters(*dsml.block_delimiters(space=DSML_FORMATS[model.spec.prompt_format]))
+    if model.spec.prompt_format in dsml.MARKUPS:
+        return Delimiters(*dsml.MARKUPS[model.spec.prompt_format].block_delimiters)
     return HERMES_TOOL_CALL
 
 

@@ -8,7 +8,6 @@ import json
 import deepseek_recipe as recipe
 import pytest
 
-from api import dsml
 from api.output_parser import (
     THINK,
     ContentDelta,
@@ -20,29 +19,28 @@ from api.output_parser import (
     ToolCallStart,
     merge_deltas,
 )
+from shared import dsml
 
-MODELS = {"DeepSeek-V4-Pro": False, "DeepSeek-V4.1-Flash": True}  # name: ｜DSML｜ takes a space
+MODELS = {"DeepSeek-V4-Pro": "deepseek_v4", "DeepSeek-V4.1-Flash": "deepseek_v4.1"}
 TOOLS = [
     {"type": "function", "function": {"name": name, "parameters": {"type": "object"}}}
     for name in ("get_weather", "now")
 ]
 
 
-def _invoke(space: bool, name: str, parameters: list[tuple[str, bool, str]]) -> str:
-    tag = dsml.DSML + (" " if space else "")
-    lines = [f'<{tag}invoke name="{name}">']
+def _invoke(markup: dsml.Markup, name: str, parameters: list[tuple[str, bool, str]]) -> str:
+    lines = [markup.invoke(name)]
     for key, string, value in parameters:
-        flag = "true" if string else "false"
-        lines.append(f'<{tag}parameter name="{key}" string="{flag}">{value}</{tag}parameter>')
-    lines.append(f"</{tag}invoke>")
+        lines.append(markup.parameter(key, string) + value + markup.parameter_close)
+    lines.append(markup.invoke_close)
     return "\n".join(lines)
 
 
-def _outputs(space: bool) -> list[str]:
+def _outputs(markup: dsml.Markup) -> list[str]:
     """Generated texts: reasoning, then an answer, calls or both."""
-    open_, close = dsml.block_delimiters(space)
+    open_, close = markup.block_delimiters
     weather = _invoke(
-        space,
+        markup,
         "get_weather",
         [
             ("city", True, 'Paris "rive gauche" é <b>'),
@@ -50,7 +48,7 @@ def _outputs(space: bool) -> list[str]:
             ("options", False, '{"units": ["C", "F"], "hourly": true}'),
         ],
     )
-    now = _invoke(space, "now", [])
+    now = _invoke(markup, "now", [])
     block = f"{open_}\n{weather}\n{now}\n{close}"
     return [
         "Let me think.\nTwice.</think>\n\nThe answer is 42.",
@@ -85,11 +83,11 @@ def _reference(model: str, text: str) -> tuple[str, str, list[tuple[str, str]]]:
     return reasoning, content, [tuple(call) for call in calls]
 
 
-def _ours(space: bool, pieces: list[str]) -> tuple[str, str, list[tuple[str, str]]]:
+def _ours(markup: dsml.Markup, pieces: list[str]) -> tuple[str, str, list[tuple[str, str]]]:
     config = ParserConfig(
         reasoning=THINK,
         starts_in_reasoning=True,
-        tool_calls=Delimiters(*dsml.block_delimiters(space)),
+        tool_calls=Delimiters(*markup.block_delimiters),
         dsml_tool_calls=True,
     )
     parser = OutputParser(config)
@@ -111,24 +109,29 @@ def _ours(space: bool, pieces: list[str]) -> tuple[str, str, list[tuple[str, str
 
 @pytest.mark.parametrize("model", list(MODELS))
 def test_every_cut_reads_as_the_reference_stream_processor(model: str) -> None:
-    space = MODELS[model]
-    for text in _outputs(space):
+    markup = dsml.MARKUPS[MODELS[model]]
+    for text in _outputs(markup):
         expected = _reference(model, text)
-        assert _ours(space, [text]) == expected, text
+        assert _ours(markup, [text]) == expected, text
         for cut in range(1, len(text)):
-            assert _ours(space, [text[:cut], text[cut:]]) == expected, (text, cut)
-        assert _ours(space, list(text)) == expected, text
+            assert _ours(markup, [text[:cut], text[cut:]]) == expected, (text, cut)
+        assert _ours(markup, list(text)) == expected, text
 
 
 def test_the_arguments_are_json_typed_by_their_string_attribute() -> None:
-    body = "\n" + _invoke(False, "f", [("s", True, "3"), ("n", False, "3"), ("b", False, "true")])
+    body = "\n" + _invoke(
+        dsml.MARKUPS["deepseek_v4"],
+        "f",
+        [("s", True, "3"), ("n", False, "3"), ("b", False, "true")],
+    )
     [(name, arguments)] = dsml.parse_calls(body + "\n")
     assert name == "f" and json.loads(arguments) == {"s": "3", "n": 3, "b": True}
 
 
 def test_a_block_of_anything_but_invokes_is_content() -> None:
-    open_, close = dsml.block_delimiters(False)
+    markup = dsml.MARKUPS["deepseek_v4"]
+    open_, close = markup.block_delimiters
     text = f"</think>{open_}\nnot a call\n{close} done"
-    reasoning, content, calls = _ours(False, [text])
+    reasoning, content, calls = _ours(markup, [text])
     assert (reasoning, calls) == ("", []) and content == f"{open_}\nnot a call\n{close} done"
     assert dsml.parse_calls("\n") is None

@@ -1,4 +1,5 @@
-"""DeepSeek's DSML tool calls: the invokes inside one ``tool_calls`` block, as calls.
+"""DeepSeek's DSML tool calls: how each model version spells them, and the invokes inside
+one ``tool_calls`` block read as calls.
 
 A block holds one ``invoke`` per call and one ``parameter`` per argument::
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import dataclass
 
 DSML = "｜DSML｜"
 
@@ -30,10 +32,35 @@ _PARAMETER = re.compile(
 )
 
 
-def block_delimiters(space: bool) -> tuple[str, str]:
-    """The ``tool_calls`` block's opening and closing markup (V4.1's: ``space``)."""
-    block = f"{DSML} calls" if space else f"{DSML}tool_calls"
-    return f"<{block}>", f"</{block}>"
+@dataclass(frozen=True, slots=True)
+class Markup:
+    """One model version's DSML spelling: ``tag`` leads every element's name."""
+
+    tag: str
+    block: str
+
+    @property
+    def block_delimiters(self) -> tuple[str, str]:
+        """The ``tool_calls`` block's opening and closing markup."""
+        return f"<{self.tag}{self.block}>", f"</{self.tag}{self.block}>"
+
+    def invoke(self, name: str) -> str:
+        return f'<{self.tag}invoke name="{name}">'
+
+    @property
+    def invoke_close(self) -> str:
+        return f"</{self.tag}invoke>"
+
+    def parameter(self, name: str, string: bool) -> str:
+        return f'<{self.tag}parameter name="{name}" string="{"true" if string else "false"}">'
+
+    @property
+    def parameter_close(self) -> str:
+        return f"</{self.tag}parameter>"
+
+
+MARKUPS = {"deepseek_v4": Markup(DSML, "tool_calls"), "deepseek_v4.1": Markup(DSML + " ", "calls")}
+"""Each DeepSeek prompt format's spelling, as deepseek-recipe renders it."""
 
 
 def parse_calls(body: str) -> list[tuple[str, str]] | None:
