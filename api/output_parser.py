@@ -165,6 +165,7 @@ class ParserConfig:
     tool_calls: Delimiters | None = None
     bare_json_tool_calls: bool = False  # an answer that starts with ``{`` is tool calls (Llama 3)
     dsml_tool_calls: bool = False  # the tool_calls block holds DSML invokes (DeepSeek)
+    starts_in_tool_calls: bool = False  # the prompt opened a DSML tool_calls block
     stop: Sequence[str] = ()
     single_tool_call: bool = False  # stop parsing (and generating) after the first call
 
@@ -181,6 +182,8 @@ class ParserConfig:
             raise ValueError(f"stop strings must be non-empty, got {list(self.stop)!r}")
         if self.dsml_tool_calls and self.tool_calls is None:
             raise ValueError("dsml_tool_calls=True needs tool_calls delimiters, got None")
+        if self.starts_in_tool_calls and not self.dsml_tool_calls:
+            raise ValueError("starts_in_tool_calls=True is for DSML tool calls")
 
 
 @dataclass(slots=True)
@@ -233,6 +236,8 @@ class OutputParser:
         self._new_id = id_factory
         self._answer_start = _State.ANSWER_START if config.bare_json_tool_calls else _State.CONTENT
         self._state = _State.REASONING if config.starts_in_reasoning else self._answer_start
+        if config.starts_in_tool_calls:
+            self._state = _State.HELD
         self._finders = _finders(config)
         self._held = ""
         self._out: list[Delta] = []

@@ -46,6 +46,7 @@ from shared.constraints import (
     ToolSpec,
     after_reasoning,
     check,
+    dsml_tool_call_grammar,
     grammar_of,
     lltokenizer,
     schema_is_enforceable,
@@ -535,7 +536,8 @@ def constraint(
     try:
         grammar = _grammar(encoded, field, additional_properties)
         if thinking:
-            grammar = after_reasoning(grammar, THINK.close)
+            token = model.tokenizer.special_tokens.get(THINK.close)
+            grammar = after_reasoning(grammar, THINK.close, token)
         check(grammar, field, lltokenizer(model.tokenizer))
     except ConstraintError as exc:  # named where the client wrote it, or the tool's schema
         param = exc.field if exc.field.startswith("tools[") else field
@@ -568,7 +570,7 @@ def _tool_call_grammar(encoded: Encoded, additional_properties: bool) -> str:
     conversation = encoded.request.conversation
     choice = conversation.tool_choice
     syntax = tool_call_syntax(encoded.model)
-    if syntax is None or syntax == "dsml":
+    if syntax is None:
         raise bad_request(
             f"tool_choice {choice.mode!r}: model {encoded.model.spec.name!r} has no tool-call "
             "syntax to enforce",
@@ -585,11 +587,17 @@ def _tool_call_grammar(encoded: Encoded, additional_properties: bool) -> str:
             parameters = ANY_OBJECT
         specs.append(ToolSpec(tool.name, parameters))
     # A named function is one call (as vLLM forces it); "required" allows several when parallel.
+    parallel = choice.parallel and choice.mode == "required"
+    if syntax == "dsml":
+        return dsml_tool_call_grammar(
+            specs,
+            dsml.MARKUPS[encoded.model.spec.prompt_format],
+            parallel=parallel,
+            opened=_opens_tool_calls(encoded),
+            additional_properties=additional_properties,
+        )
     return tool_call_grammar(
-        specs,
-        syntax,
-        parallel=choice.parallel and choice.mode == "required",
-        additional_properties=additional_properties,
+        specs, syntax, parallel=parallel, additional_properties=additional_properties
     )
 
 
@@ -607,6 +615,13 @@ def tool_call_block(model: ServedModel) -> Delimiters:
     if model.spec.prompt_format in dsml.MARKUPS:
         return Delimiters(*dsml.MARKUPS[model.spec.prompt_format].block_delimiters)
     return HERMES_TOOL_CALL
+
+
+def _opens_tool_calls(encoded: Encoded) -> bool:
+    """Whether the prompt ends inside a tool-call block it opened (a forced DSML call)."""
+    syntax = tool_call_syntax(encoded.model)
+    opening = tool_call_block(encoded.model).open + "\n"
+    return syntax == "dsml" and encoded.rendered.prompt.endswith(opening)
 
 
 def hidden_stops(encoded: Encoded) -> list[str]:
@@ -645,6 +660,7 @@ def parsing_options(encoded: Encoded, thinking: bool) -> ParsingOptions:
         tool_calls=_pair(tool_call_block(encoded.model)) if delimited else None,
         bare_json_tool_calls=syntax == "llama3_json",
         dsml_tool_calls=syntax == "dsml",
+        starts_in_tool_calls=tools and _opens_tool_calls(encoded),
         stop=list(encoded.request.stop),
         single_tool_call=tools and not conversation.tool_choice.parallel,
     )
@@ -658,6 +674,7 @@ def parser_config(options: ParsingOptions) -> ParserConfig:
         tool_calls=Delimiters(*options.tool_calls) if options.tool_calls else None,
         bare_json_tool_calls=options.bare_json_tool_calls,
         dsml_tool_calls=options.dsml_tool_calls,
+        starts_in_tool_calls=options.starts_in_tool_calls,
         stop=options.stop,
         single_tool_call=options.single_tool_call,
     )

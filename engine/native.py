@@ -4,7 +4,9 @@ Each kernel is one C++ source compiled for this machine on first use (about
 9 s) with PyTorch's extension builder and kept under
 ``CACHE_DIR/kernels/<key>``, the key hashing the source, the engine's shared
 headers, the flags and PyTorch's version. Each build runs in a directory of its own and is renamed
-into place, so processes starting together never wait on one another's lock.
+into place, so processes starting together never wait on one another's lock. Within a
+process a library is loaded once: engines starting together on threads of one process (a
+server of several models) wait for the first, since a library's ops register only once.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import logging
 import os
 import shutil
 import tempfile
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -27,6 +30,9 @@ log = logging.getLogger(__name__)
 INCLUDE = Path(__file__).parent
 HEADERS = sorted(INCLUDE.glob("*.h"))
 """What the kernels share (``simd16.h``): part of every kernel's key, so a change rebuilds them."""
+
+_loading = threading.Lock()
+_loaded: set[str] = set()  # the names of the libraries this process has loaded
 
 
 def runs(name: str, source: Path, flags: Sequence[str], needs: Sequence[str], instead: str) -> bool:
@@ -48,6 +54,13 @@ def load(name: str, source: Path, flags: Sequence[str]) -> None:
 
     Raises when it cannot be built (no compiler, no ninja, a full disk).
     """
+    with _loading:
+        if name not in _loaded:
+            _load(name, source, flags)
+            _loaded.add(name)
+
+
+def _load(name: str, source: Path, flags: Sequence[str]) -> None:
     digest = hashlib.blake2b(digest_size=12)
     for code in (source, *HEADERS):
         digest.update(code.read_bytes())

@@ -28,6 +28,7 @@ from typing import Any, Literal
 
 import llguidance
 
+from shared import dsml
 from shared.sampling import StructuredOutputs
 from shared.tokenizer_loader import LoadedTokenizer
 
@@ -177,17 +178,101 @@ def tool_call_grammar(
     return _from_lark("\n".join([start, call, "body: " + " | ".join(names), *rules]))
 
 
-def after_reasoning(grammar: str, reasoning_end: str) -> str:
+def dsml_tool_call_grammar(
+    tools: Iterable[ToolSpec],
+    markup: dsml.Markup,
+    *,
+    parallel: bool,
+    opened: bool,
+    additional_properties: bool = False,
+) -> str:
+    """One DSML invoke (or, with ``parallel``, one or more) in a ``tool_calls`` block, laid
+    out as deepseek-recipe renders calls; ``opened``: the prompt already opened the block.
+
+    A tool's properties come in its schema's order, the required ones always: a string
+    property as the text itself (``string="true"``; an ``enum`` of strings as one of them),
+    any other as JSON matching its schema (``string="false"``). A schema that names no
+    properties, or leaves others open, takes parameters of any name as well.
+    """
+    rules: list[str] = []
+    invokes: list[str] = []
+    for index, tool in enumerate(tools):
+        schema = tool.parameters if additional_properties else closed_objects(tool.parameters)
+        invoke = f"tool_{index}"
+        invokes.append(invoke)
+        parameters = []
+        required = set(schema.get("required", []))
+        for position, (name, subschema) in enumerate(schema.get("properties", {}).items()):
+            rule = f"{invoke}_{position}"
+            parameters.append(rule if name in required else f"({rule})?")
+            rules.append(f"{rule}: {_dsml_parameter(markup, name, subschema, rule, rules)}")
+        if schema.get("additionalProperties", True) is not False:
+            parameters.append("any_parameter*")
+        # V4.1 writes an invoke without parameters with an empty line; either takes one
+        body = " ".join([*parameters, '"\\n"?'])
+        rules.append(
+            f"{invoke}: {_literal(markup.invoke(tool.name) + chr(10))} {body} "
+            f"{_literal(markup.invoke_close + chr(10))}"
+        )
+    open_, close = markup.block_delimiters
+    calls = "(call)+" if parallel else "call"
+    start = f"start: {'' if opened else _literal(open_ + chr(10))} {calls} {_literal(close)}"
+    name_open = _literal("<" + markup.tag + 'parameter name="')
+    as_text, as_json = _literal('" string="true">'), _literal('" string="false">')
+    any_parameter = (
+        f"any_parameter: {name_open} /[A-Za-z0-9_.-]+/ ({as_text} any_text "
+        f"| {as_json} any_json {_literal(markup.parameter_close)}) {_literal(chr(10))}"
+    )
+    lark = [
+        start,
+        "call: " + " | ".join(invokes),
+        *rules,
+        any_parameter,
+        f"any_text[lazy]: {_until(markup.parameter_close)}",
+        f"any_json: %json {json.dumps({'x-guidance': JSON_OPTIONS})}",
+    ]
+    return _from_lark("\n".join(lark))
+
+
+def _dsml_parameter(
+    markup: dsml.Markup, name: str, schema: Any, rule: str, rules: list[str]
+) -> str:
+    """The grammar of one parameter line; a lazy text lexeme goes into ``rules``."""
+    strings = isinstance(schema, dict) and schema.get("type") == "string"
+    head = _literal(markup.parameter(name, string=strings))
+    tail = _literal(markup.parameter_close + chr(10))
+    if not strings:
+        value = json.dumps({**schema, "x-guidance": JSON_OPTIONS}, ensure_ascii=False)
+        return f"{head} %json {value} {tail}"
+    options = schema.get("enum")
+    if isinstance(options, list) and all(isinstance(option, str) for option in options):
+        return f"{head} ({' | '.join(_literal(option) for option in options)}) {tail}"
+    rules.append(f"{rule}_text[lazy]: {_until(markup.parameter_close)}")
+    return f"{head} {rule}_text {_literal(chr(10))}"
+
+
+def _until(end: str) -> str:
+    """A regex for any text up to and including the first ``end``."""
+    return "/(?s:.*)" + re.escape(end).replace("/", "\\/") + "/"
+
+
+def after_reasoning(grammar: str, reasoning_end: str, token: int | None = None) -> str:
     """``grammar`` applied only to what follows the first ``reasoning_end``.
 
     The reasoning before it is free text: a lazy lexeme ends at the first
-    occurrence of the delimiter, and the answer grammar takes over.
+    occurrence of the delimiter, and after at most four spaces or newlines the
+    answer grammar takes over. Where the vocabulary spells the delimiter as one
+    added ``token``, the grammar names that token, as llguidance reads such
+    tokens apart from text: the reasoning is any other tokens.
     """
     answer = json.loads(grammar)["grammars"]
     name = answer[0].get("name") or "answer"
     answer[0]["name"] = name
-    end = re.escape(reasoning_end).replace("/", "\\/")
-    gate = f"start: reasoning GAP? @{name}\nreasoning[lazy]: /(?s:.*){end}/\nGAP: /[ \\n]+/"
+    if token is None:
+        gate = f"start: reasoning GAP? @{name}\nreasoning[lazy]: {_until(reasoning_end)}"
+    else:
+        gate = f"start: reasoning <[{token}]> GAP? @{name}\nreasoning: <[^{token}]>*"
+    gate += "\nGAP: /[ \\n]{1,4}/"  # the template's blank line, not padding without end
     return json.dumps({"grammars": [{"lark_grammar": gate}, *answer]}, ensure_ascii=False)
 
 

@@ -24,7 +24,8 @@ class ParsingOptions:
     markup stays plain content. ``starts_in_reasoning`` is set when the prompt
     itself opened the reasoning block; ``bare_json_tool_calls`` reads Llama 3's
     undelimited JSON calls at the start of the answer; ``dsml_tool_calls`` reads the
-    ``tool_calls`` block as DeepSeek's DSML invokes; ``single_tool_call`` when the client
+    ``tool_calls`` block as DeepSeek's DSML invokes, and ``starts_in_tool_calls`` when the
+    prompt opened that block (a forced call); ``single_tool_call`` when the client
     allowed one tool call per turn (the answer ends after it).
     """
 
@@ -33,6 +34,7 @@ class ParsingOptions:
     tool_calls: tuple[str, str] | None = None
     bare_json_tool_calls: bool = False
     dsml_tool_calls: bool = False
+    starts_in_tool_calls: bool = False
     stop: list[str] = field(default_factory=list)
     single_tool_call: bool = False
 

@@ -67,14 +67,22 @@ def recipe_conversation(conversation: Conversation) -> recipe.Conversation:
         [_message(m, f"messages[{i}]", thinking) for i, m in enumerate(messages)],
         thinking_mode=thinking,
         tools=[_tool(tool) for tool in tools] if choice.mode != "none" else None,
-        tool_choice="required" if choice.mode in ("required", "function") else choice.mode,
+        tool_choice=_tool_choice(choice.mode, thinking),
         reasoning_effort=EFFORTS[effort] if effort is not None else None,
     )
 
 
+def _tool_choice(mode: str, thinking: bool) -> str:
+    """A forced call opens its block in the prompt, as DeepSeek's API does; after reasoning
+    (which DeepSeek's API refuses to combine with a forced call) the grammar opens it."""
+    if mode in ("auto", "none"):
+        return mode
+    return "auto" if thinking else "required"
+
+
 def _message(message: Message, where: str, thinking: bool) -> recipe.Message:
-    """One message; in thinking mode an assistant turn without reasoning has an empty one,
-    as DeepSeek's API fills it."""
+    """One message. As DeepSeek's API has it, an assistant turn without reasoning has an
+    empty one in thinking mode, and outside it no turn has any."""
     if has_images(getattr(message, "content", [])):
         raise ConversationError(f"{where}.content: this model's prompt format takes no images")
     match message:
@@ -84,10 +92,9 @@ def _message(message: Message, where: str, thinking: bool) -> recipe.Message:
             return recipe.UserMessage(text_of(message.content))
         case AssistantMessage():
             calls = [recipe.ToolCall(c.id, c.name, c.arguments) for c in message.tool_calls]
-            reasoning = message.reasoning
             return recipe.AssistantMessage(
                 text_of(message.content),
-                reasoning_content="" if reasoning is None and thinking else reasoning,
+                reasoning_content=(message.reasoning or "") if thinking else None,
                 tool_calls=calls or None,
                 prefix=message.prefix,
             )

@@ -11,11 +11,15 @@ from pathlib import Path
 from typing import Any
 
 import deepseek_recipe as recipe
+import llguidance
 import pytest
 
 from api.backends.base import ServedModel
-from api.preparation import PreparationContext, prepare
+from api.output_parser import OutputParser, ToolCallArgsDelta, ToolCallStart, merge_deltas
+from api.preparation import PreparationContext, parser_config, prepare
 from api.protocols import chat_completions, messages, responses
+from shared import dsml
+from shared.constraints import lltokenizer
 from shared.registry import ModelRegistry, spec_from_entry
 from shared.tokenizer_loader import load_tokenizer
 from tests.deepseek_models import V4_TOKENIZER, v41_tokenizer
@@ -23,6 +27,7 @@ from tests.deepseek_models import V4_TOKENIZER, v41_tokenizer
 PRO, FLASH = "DeepSeek-V4-Pro", "DeepSeek-V4.1-Flash"
 CONTEXT = 1 << 20
 ENCODINGS = {PRO: recipe.DeepseekV4Encoding, FLASH: recipe.DeepseekV41Encoding}
+FORMATS = {PRO: "deepseek_v4", FLASH: "deepseek_v4.1"}
 REQUESTS = {
     chat_completions.PROTOCOL: recipe.ChatCompletionRequest,
     responses.PROTOCOL: recipe.ResponsesRequest,
@@ -87,6 +92,13 @@ def _chat_bodies() -> list[dict[str, Any]]:
         {"thinking": {"type": "enabled"}},
         {"tools": [tool]},
         {"tools": [tool], "reasoning_effort": "low"},
+        {"tools": [tool], "tool_choice": "none"},
+        {"tools": [tool], "tool_choice": "required", "thinking": {"type": "disabled"}},
+        {
+            "tools": [tool],
+            "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+            "reasoning_effort": "none",
+        },
     ]
     return [{"messages": m, **o} for m, o in itertools.product(conversations, options)]
 
@@ -153,6 +165,12 @@ def _messages_bodies() -> list[dict[str, Any]]:
         {"output_config": {"effort": "xhigh"}},
         {"output_config": {"effort": "max"}},
         {"tools": [tool]},
+        {"tools": [tool], "tool_choice": {"type": "none"}},
+        {
+            "tools": [tool],
+            "tool_choice": {"type": "tool", "name": "get_weather"},
+            "thinking": {"type": "disabled"},
+        },
     ]
     pairs = itertools.product(conversations, options)
     return [{"messages": m, "max_tokens": 4096, **o} for m, o in pairs]
@@ -195,3 +213,49 @@ def test_each_protocol_s_prompt_is_the_reference_s(model: str, context: Preparat
         if (wire.prompt_token_ids, wire.sampling.max_tokens) != _reference(protocol, body, path):
             mismatched.append((protocol.path, body))
     assert not mismatched, mismatched[:3]
+
+
+def _rendered_call(model: str, name: str, arguments: dict[str, Any]) -> str:
+    """The tool_calls block deepseek-recipe renders for one call."""
+    turn = recipe.AssistantMessage(
+        "", tool_calls=[recipe.ToolCall("c", name, json.dumps(arguments))]
+    )
+    conversation = recipe.Conversation([recipe.UserMessage("x"), turn], thinking_mode=False)
+    prompt = ENCODINGS[model]().render_conversation(conversation).prompt
+    markup = dsml.MARKUPS[FORMATS[model]]
+    open_, close = markup.block_delimiters
+    return prompt[prompt.index(open_) : prompt.index(close) + len(close)]
+
+
+@pytest.mark.parametrize("model", [PRO, FLASH])
+def test_a_forced_call_is_its_grammar_and_reads_back_as_a_call(
+    model: str, context: PreparationContext
+) -> None:
+    """Outside thinking the prompt opens the block and the grammar takes the invokes; while
+    thinking the grammar opens the block after the reasoning. Either way the output parser
+    reads the call back."""
+    tool = {"type": "function", "function": WEATHER}
+    block = _rendered_call(model, "get_weather", {"city": "Paris", "days": 2})
+    opening = dsml.MARKUPS[FORMATS[model]].block_delimiters[0] + "\n"
+    tokenizer = lltokenizer(context.models[model].tokenizer)
+    for thinking, output in (
+        ({"type": "disabled"}, block.removeprefix(opening)),
+        ({"type": "enabled"}, "Paris, then.</think>\n\n" + block),
+    ):
+        body = {
+            "model": model,
+            "messages": [{"role": "user", "content": "Weather in Paris?"}],
+            "tools": [tool],
+            "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+            "thinking": thinking,
+        }
+        wire = prepare(chat_completions.PROTOCOL, body, context).wire
+        assert wire.parsing.starts_in_tool_calls is (thinking["type"] == "disabled")
+        matcher = llguidance.LLMatcher(tokenizer, wire.sampling.structured_outputs.grammar)
+        assert matcher.consume_tokens(tokenizer.tokenize_str(output)) and matcher.is_accepting()
+        parser = OutputParser(parser_config(wire.parsing))
+        deltas = merge_deltas([*parser.push(output), *parser.finish()])
+        calls = [(d.name, d) for d in deltas if isinstance(d, ToolCallStart)]
+        arguments = "".join(d.text for d in deltas if isinstance(d, ToolCallArgsDelta))
+        assert [name for name, _ in calls] == ["get_weather"]
+        assert json.loads(arguments) == {"city": "Paris", "days": 2}

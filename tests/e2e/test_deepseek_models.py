@@ -48,8 +48,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     flash = tiny_deepseek_checkpoint(root / "flash", v41_tokenizer(root / "v4.1"))
     config = root / "models.toml"
     config.write_text(
-        f'[models.DeepSeek-V4-Pro]\nweights = "{pro}"\ncontext_length = 512\n\n'
-        f'[models."DeepSeek-V4.1-Flash"]\nweights = "{flash}"\ncontext_length = 512\n'
+        f'[models.DeepSeek-V4-Pro]\nweights = "{pro}"\ncontext_length = 1024\n\n'
+        f'[models."DeepSeek-V4.1-Flash"]\nweights = "{flash}"\ncontext_length = 1024\n'
     )
     args = ["--config", str(config), "--max-num-seqs", "2"]
     with running_server(args, tmp_path_factory.mktemp("log"), {"SLUICE_ENFORCE_EAGER": "1"}) as url:
@@ -117,13 +117,32 @@ def test_an_unknown_name_gets_the_list_of_names(client: OpenAI) -> None:
     ) in str(refused.value)
 
 
-def test_a_forced_tool_call_is_refused_until_its_grammar_exists(client: OpenAI) -> None:
-    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
-    with pytest.raises(openai.BadRequestError, match="tool_choice"):
-        client.chat.completions.create(
-            model="deepseek-flash",
-            messages=MESSAGES,
-            tools=[tool],
-            tool_choice="required",
-            max_tokens=4,
-        )
+@pytest.mark.parametrize("name", ["deepseek-v4-pro", "deepseek-flash"])
+@pytest.mark.parametrize("thinking", ["disabled", "enabled"])
+def test_a_forced_call_validates_against_its_schema(
+    name: str, thinking: str, client: OpenAI
+) -> None:
+    """The DSML grammar forces the call (after the reasoning, when thinking) even from random
+    weights; the call comes back as a tool call whose arguments match the schema."""
+    schema = {
+        "type": "object",
+        "properties": {
+            "unit": {"type": "string", "enum": ["C", "F"]},
+            "hourly": {"type": "boolean"},
+        },
+        "required": ["unit", "hourly"],
+    }
+    tool = {"type": "function", "function": {"name": "forecast", "parameters": schema}}
+    answer = client.chat.completions.create(
+        model=name,
+        messages=[{"role": "user", "content": "The forecast, please."}],
+        tools=[tool],
+        tool_choice={"type": "function", "function": {"name": "forecast"}},
+        max_tokens=200,
+        temperature=0,
+        extra_body={"thinking": {"type": thinking}, "logit_bias": {"128822": 8}},
+    )
+    [call] = answer.choices[0].message.tool_calls
+    assert call.function.name == "forecast" and answer.choices[0].finish_reason == "tool_calls"
+    arguments = json.loads(call.function.arguments)
+    assert arguments["unit"] in ("C", "F") and isinstance(arguments["hourly"], bool)

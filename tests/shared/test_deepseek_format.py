@@ -143,9 +143,9 @@ def _reference(format_name: str, conversation: Conversation, path: Path) -> list
                 messages.append(recipe.UserMessage(text))
             case AssistantMessage():
                 calls = [recipe.ToolCall(c.id, c.name, c.arguments) for c in message.tool_calls]
-                reasoning = message.reasoning
-                if reasoning is None and conversation.thinking is not False:
-                    reasoning = ""  # DeepSeek's API fills missing reasoning in thinking mode
+                # DeepSeek's API fills missing reasoning in thinking mode, and drops it outside
+                thinking = conversation.thinking is not False
+                reasoning = (message.reasoning or "") if thinking else None
                 messages.append(
                     recipe.AssistantMessage(text, reasoning, calls or None, message.prefix)
                 )
@@ -162,10 +162,18 @@ def _reference(format_name: str, conversation: Conversation, path: Path) -> list
         messages,
         thinking_mode=conversation.thinking is not False,
         tools=tools if choice.mode != "none" else None,
-        tool_choice={"function": "required"}.get(choice.mode, choice.mode),
+        tool_choice=_forced(choice.mode, conversation.thinking is not False),
         reasoning_effort=effort,
     )
     return _reference_encoding(format_name, path).encode(reference)
+
+
+def _forced(mode: str, thinking: bool) -> str:
+    """DeepSeek's API opens a forced call's block in the prompt, and refuses one while
+    thinking: there Sluice leaves the prompt as for ``auto`` and the grammar opens it."""
+    if mode in ("auto", "none"):
+        return mode
+    return "auto" if thinking else "required"
 
 
 @cache
