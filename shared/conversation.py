@@ -99,7 +99,15 @@ class ToolMessage:
     name: str | None = None
 
 
-Message = SystemMessage | UserMessage | AssistantMessage | ToolMessage
+@dataclass(slots=True)
+class ReminderMessage:
+    """DeepSeek's ``latest_reminder`` turn: instructions placed where the model reads them
+    last. Only the DeepSeek prompt formats lay it out."""
+
+    content: list[ContentPart]
+
+
+Message = SystemMessage | UserMessage | AssistantMessage | ToolMessage | ReminderMessage
 
 
 @dataclass(slots=True)
@@ -224,6 +232,8 @@ def _validate_message(message: object, where: str, is_last: bool) -> None:
             _validate_content(message.content, where, images=True)
         case AssistantMessage():
             _validate_assistant(message, where, is_last)
+        case ReminderMessage():
+            _validate_content(message.content, where, images=False)
         case ToolMessage():
             if not isinstance(message.tool_call_id, str) or not message.tool_call_id:
                 raise ConversationError(f"{where}.tool_call_id is required")
@@ -232,7 +242,7 @@ def _validate_message(message: object, where: str, is_last: bool) -> None:
             _validate_content(message.content, where, images=True)
         case _:
             raise ConversationError(
-                f"{where} must be a system, user, assistant or tool message, "
+                f"{where} must be a system, user, assistant, tool or latest_reminder message, "
                 f"got {type(message).__name__}"
             )
 

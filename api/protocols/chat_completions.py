@@ -78,6 +78,7 @@ from shared.conversation import (
     ImagePart,
     ImageSource,
     Message,
+    ReminderMessage,
     ResponseFormat,
     SystemMessage,
     TextPart,
@@ -87,7 +88,7 @@ from shared.conversation import (
     UserMessage,
 )
 
-ROLES = ("system", "developer", "user", "assistant", "tool")
+ROLES = ("system", "developer", "user", "assistant", "tool", "latest_reminder")
 # Content part types each role may send; a refusal an assistant gave is kept as its text.
 _PART_TYPES: dict[str, tuple[str, ...]] = {
     "system": ("text",),
@@ -95,6 +96,7 @@ _PART_TYPES: dict[str, tuple[str, ...]] = {
     "user": ("text", "image_url"),
     "assistant": ("text", "refusal"),
     "tool": ("text",),
+    "latest_reminder": ("text",),
 }
 FINISH_REASONS: dict[str, str] = {
     "stop": "stop",
@@ -210,6 +212,8 @@ def _message(item: Fields) -> Message:
         return UserMessage(_content(item, role, required=True))
     if role == "assistant":
         return _assistant(item)
+    if role == "latest_reminder":
+        return ReminderMessage(_content(item, role, required=True))
     if role == "tool":
         return ToolMessage(
             tool_call_id=item.string("tool_call_id", required=True, non_empty=True) or "",

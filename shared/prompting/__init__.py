@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from shared.conversation import Conversation
+from shared.conversation import Conversation, ConversationError, ReminderMessage
 from shared.prompting import deepseek
 from shared.prompting.base import (
     ContentFormat,
@@ -67,6 +67,8 @@ def render(
     """
     prompt_format = get_format(format_name)
     conversation.validate()
+    if not isinstance(prompt_format, deepseek.DeepseekFormat):
+        _refuse_reminders(conversation, format_name)
     options = RenderOptions(
         special_tokens=special_tokens,
         chat_template=chat_template,
@@ -77,6 +79,15 @@ def render(
         content_format=content_format,
     )
     return prompt_format.render(conversation, options)
+
+
+def _refuse_reminders(conversation: Conversation, format_name: str) -> None:
+    for index, message in enumerate(conversation.messages):
+        if isinstance(message, ReminderMessage):
+            raise ConversationError(
+                f"messages[{index}].role: 'latest_reminder' is a DeepSeek role; the prompt "
+                f"format {format_name!r} has none"
+            )
 
 
 __all__ = [

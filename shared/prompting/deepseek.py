@@ -23,6 +23,7 @@ from shared.conversation import (
     ConversationError,
     Message,
     ReasoningEffort,
+    ReminderMessage,
     SystemMessage,
     Tool,
     ToolMessage,
@@ -100,6 +101,8 @@ def _message(message: Message, where: str, thinking: bool) -> recipe.Message:
             )
         case ToolMessage():
             return recipe.ToolMessage(text_of(message.content), tool_call_id=message.tool_call_id)
+        case ReminderMessage():
+            return recipe.LatestReminderMessage(text_of(message.content))
     raise ConversationError(f"{where}: not a message this format lays out")
 
 

@@ -13,10 +13,15 @@ import pytest
 
 from bench import corpus
 from bench.prepare import (
+    RECIPE,
+    SLUICE_DEEPSEEK,
     SLUICE_PREPARE,
     SLUICE_RENDER_ENCODE,
     TRANSFORMERS,
     benchmark,
+    deepseek_context,
+    deepseek_report,
+    measure_deepseek,
     percentile,
     preparation_context,
     report,
@@ -70,3 +75,12 @@ def test_the_benchmark_prints_a_row_per_method(baseline_tokenizer: Any):
         assert len(line.split()) >= 5
     assert "p50 µs" in text and "p99 µs" in text
     assert "541 µs" in text and "812 µs" in text  # the quoted reference and the goal
+
+
+def test_the_deepseek_section_compares_with_deepseek_recipe():
+    chats = corpus.chats(CHATS)
+    measured = measure_deepseek(chats, REPEAT, deepseek_context())
+    assert [m.method for m in measured] == [SLUICE_DEEPSEEK, RECIPE]
+    assert measured[0].token_ids == measured[1].token_ids  # the same prompts, id for id
+    text = deepseek_report(chats, measured)
+    assert f"identical token ids on {CHATS}" in text and "÷ ds p50" in text

@@ -78,6 +78,11 @@ def _chat_bodies() -> list[dict[str, Any]]:
             {"role": "assistant", "content": "Hello!", "reasoning_content": "Greet back."},
             {"role": "user", "content": [{"type": "text", "text": "Again"}]},
         ],
+        [
+            {"role": "latest_reminder", "content": "Answer in French."},
+            {"role": "user", "content": "Hello"},
+            {"role": "latest_reminder", "content": f"It is Monday. {INJECTED}"},
+        ],
     ]
     options: list[dict[str, Any]] = [
         {},

@@ -16,6 +16,7 @@ from shared.conversation import (
     ConversationError,
     ImagePart,
     ImageSource,
+    ReminderMessage,
     SystemMessage,
     TextPart,
     Tool,
@@ -239,3 +240,13 @@ def test_an_image_is_refused_by_the_format() -> None:
     image = ImagePart(ImageSource(url="https://example.com/a.png"))
     with pytest.raises(ConversationError, match=r"messages\[0\].content"):
         render(Conversation([UserMessage([image])]), "deepseek_v4", special_tokens={})
+
+
+def test_a_reminder_is_deepseek_s_alone() -> None:
+    """The ``latest_reminder`` turn renders where the reference puts it; any other format
+    refuses it, naming the message, rather than dropping it."""
+    turns = [UserMessage(_text("Hello")), ReminderMessage(_text("Answer in French."))]
+    rendered = render(Conversation(turns, thinking=False), "deepseek_v4", special_tokens={})
+    assert "<｜latest_reminder｜>Answer in French.<｜Assistant｜>" in rendered.prompt
+    with pytest.raises(ConversationError, match=r"messages\[1\]\.role: 'latest_reminder'"):
+        render(Conversation(turns), "chatml", special_tokens={})
