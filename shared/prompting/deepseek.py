@@ -19,17 +19,18 @@ import deepseek_recipe as recipe
 
 from shared.conversation import (
     AssistantMessage,
+    ContentPart,
     Conversation,
     ConversationError,
     Message,
     ReasoningEffort,
     ReminderMessage,
     SystemMessage,
+    TextPart,
     Tool,
     ToolMessage,
     UserMessage,
     has_images,
-    text_of,
 )
 from shared.prompting.base import RenderedPrompt, RenderOptions
 
@@ -88,22 +89,27 @@ def _message(message: Message, where: str, thinking: bool) -> recipe.Message:
         raise ConversationError(f"{where}.content: this model's prompt format takes no images")
     match message:
         case SystemMessage():
-            return recipe.SystemMessage(text_of(message.content))
+            return recipe.SystemMessage(_text(message.content))
         case UserMessage():
-            return recipe.UserMessage(text_of(message.content))
+            return recipe.UserMessage(_text(message.content))
         case AssistantMessage():
             calls = [recipe.ToolCall(c.id, c.name, c.arguments) for c in message.tool_calls]
             return recipe.AssistantMessage(
-                text_of(message.content),
+                _text(message.content),
                 reasoning_content=(message.reasoning or "") if thinking else None,
                 tool_calls=calls or None,
                 prefix=message.prefix,
             )
         case ToolMessage():
-            return recipe.ToolMessage(text_of(message.content), tool_call_id=message.tool_call_id)
+            return recipe.ToolMessage(_text(message.content), tool_call_id=message.tool_call_id)
         case ReminderMessage():
-            return recipe.LatestReminderMessage(text_of(message.content))
+            return recipe.LatestReminderMessage(_text(message.content))
     raise ConversationError(f"{where}: not a message this format lays out")
+
+
+def _text(content: list[ContentPart]) -> str:
+    """A message's parts as one text: DeepSeek's API puts a blank line between parts."""
+    return "\n\n".join(part.text for part in content if isinstance(part, TextPart))
 
 
 def _tool(tool: Tool) -> recipe.ToolDefinition:

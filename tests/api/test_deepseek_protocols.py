@@ -4,6 +4,8 @@ and the resolved ``max_tokens`` equal deepseek-recipe's conversion, prompt encod
 
 from __future__ import annotations
 
+import base64
+import io
 import itertools
 import json
 from functools import cache
@@ -13,8 +15,10 @@ from typing import Any
 import deepseek_recipe as recipe
 import llguidance
 import pytest
+from PIL import Image
 
 from api.backends.base import ServedModel
+from api.errors import ApiError
 from api.output_parser import OutputParser, ToolCallArgsDelta, ToolCallStart, merge_deltas
 from api.preparation import PreparationContext, parser_config, prepare
 from api.protocols import chat_completions, messages, responses
@@ -79,6 +83,16 @@ def _chat_bodies() -> list[dict[str, Any]]:
             {"role": "user", "content": [{"type": "text", "text": "Again"}]},
         ],
         [
+            {
+                "role": "system",
+                "content": [{"type": "text", "text": "A"}, {"type": "text", "text": "B"}],
+            },
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": "C"}, {"type": "text", "text": "D"}],
+            },
+        ],
+        [
             {"role": "latest_reminder", "content": "Answer in French."},
             {"role": "user", "content": "Hello"},
             {"role": "latest_reminder", "content": f"It is Monday. {INJECTED}"},
@@ -114,6 +128,15 @@ def _responses_bodies() -> list[dict[str, Any]]:
         "Hello",
         [{"role": "user", "content": INJECTED}],
         [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "input_text", "text": "A"},
+                    {"type": "input_text", "text": "B"},
+                ],
+            }
+        ],
+        [
             {"role": "user", "content": "Weather in Paris?"},
             {
                 "type": "function_call",
@@ -142,6 +165,12 @@ def _messages_bodies() -> list[dict[str, Any]]:
         [{"role": "user", "content": "Hello"}],
         [{"role": "user", "content": [{"type": "text", "text": INJECTED}]}],
         [
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": "A"}, {"type": "text", "text": "B"}],
+            }
+        ],
+        [
             {"role": "user", "content": "Weather in Paris?"},
             {
                 "role": "assistant",
@@ -164,6 +193,7 @@ def _messages_bodies() -> list[dict[str, Any]]:
     options: list[dict[str, Any]] = [
         {},
         {"system": "Be brief."},
+        {"system": [{"type": "text", "text": "S1"}, {"type": "text", "text": "S2"}]},
         {"thinking": {"type": "disabled"}},
         {"thinking": {"type": "enabled", "budget_tokens": 2048}},
         {"output_config": {"effort": "medium"}},
@@ -264,3 +294,25 @@ def test_a_forced_call_is_its_grammar_and_reads_back_as_a_call(
         arguments = "".join(d.text for d in deltas if isinstance(d, ToolCallArgsDelta))
         assert [name for name, _ in calls] == ["get_weather"]
         assert json.loads(arguments) == {"city": "Paris", "days": 2}
+
+
+def test_v4_puts_unsupported_image_in_an_image_s_place_and_v41_refuses_it(
+    context: PreparationContext,
+) -> None:
+    picture = io.BytesIO()
+    Image.new("RGB", (8, 8), "red").save(picture, "PNG")
+    url = "data:image/png;base64," + base64.b64encode(picture.getvalue()).decode()
+    content = [
+        {"type": "text", "text": "What is this?"},
+        {"type": "image_url", "image_url": {"url": url}},
+        {"type": "text", "text": "Thanks"},
+    ]
+    body = {"model": PRO, "messages": [{"role": "user", "content": content}]}
+    wire = prepare(chat_completions.PROTOCOL, body, context).wire
+    assert (wire.prompt_token_ids, wire.sampling.max_tokens) == _reference(
+        chat_completions.PROTOCOL, body, context.models[PRO].spec.tokenizer
+    )
+    assert not wire.images
+    with pytest.raises(ApiError) as refused:
+        prepare(chat_completions.PROTOCOL, {**body, "model": FLASH}, context)
+    assert refused.value.status == 400

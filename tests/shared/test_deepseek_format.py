@@ -136,7 +136,7 @@ def _reference(format_name: str, conversation: Conversation, path: Path) -> list
     """deepseek-recipe's own prompt encoding of ``conversation``, built from its fields."""
     messages = []
     for message in conversation.messages:
-        text = "".join(part.text for part in getattr(message, "content", []))
+        text = "\n\n".join(part.text for part in getattr(message, "content", []))
         match message:
             case SystemMessage():
                 messages.append(recipe.SystemMessage(text))
