@@ -452,10 +452,11 @@ def test_a_cancelled_message_batch_ends_with_its_requests_canceled(claude: anthr
 
 
 def test_what_is_not_done_when_the_window_closes_expires(claude: anthropic.Anthropic):
-    requests = [
-        {"custom_id": f"e-{n}", "params": messages_params(f"{TOPICS[n % 8]} {n}", 128)}
-        for n in range(128)
-    ]  # far more work than the window allows
+    # far more work than the window allows: long stories (the default model writes hundreds
+    # of tokens for one), several minutes of decoding for four streams at 400 tok/s
+    story = [{"role": "user", "content": "Write a long story about a lighthouse keeper."}]
+    params = {"model": "default", "max_tokens": 400, "messages": story, "temperature": 0}
+    requests = [{"custom_id": f"e-{n}", "params": params} for n in range(128)]
     batch = claude.messages.batches.create(requests=requests)
     done = ended(claude, batch.id, timeout=WINDOW_S + 60)
     counts = done.request_counts
