@@ -144,10 +144,11 @@ def test_a_saturated_preferred_worker_does_not_hold_a_request_back(
     long_runs: list[threading.Thread] = []
 
     def long_run(index: int) -> None:
-        """A long generation, read until the probe is done; closing the stream cancels it."""
+        """A long generation, read until the probe is done; closing the stream cancels it.
+        Its budget outlasts the probe at any speed the engine reaches (the context holds it)."""
         asked = [*messages, {"role": "user", "content": f"Count to a thousand, run {index}."}]
         stream = client.chat.completions.create(
-            model="default", messages=asked, max_tokens=200, temperature=0, stream=True,
+            model="default", messages=asked, max_tokens=1000, temperature=0, stream=True,
             extra_body={"ignore_eos": True},
         )  # fmt: skip
         with stream:

@@ -131,8 +131,8 @@ def test_a_background_response_asked_to_stream_streams_its_events(openai_client:
 
 
 def test_cancelling_a_background_response_stops_its_generation(openai_client: OpenAI):
-    count = "Count to 1000."
-    running = _create(openai_client, background=True, max_output_tokens=LONG, input=count)
+    story = "Write a long story about a lighthouse keeper."  # hundreds of tokens, greedily
+    running = _create(openai_client, background=True, max_output_tokens=LONG, input=story)
     deadline = time.monotonic() + 60
     while openai_client.responses.retrieve(running.id).status == "queued":
         assert time.monotonic() < deadline
