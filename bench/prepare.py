@@ -233,17 +233,18 @@ def deepseek_context() -> PreparationContext:
 
 
 def measure_deepseek(corpus: list[Chat], repeat: int, ctx: PreparationContext) -> list[Measured]:
-    """Sluice ``prepare`` and deepseek-recipe's conversion and encoding of the same bodies."""
+    """Sluice ``prepare`` and deepseek-recipe's conversion and encoding of the same bodies,
+    the chats the recipe refuses left out (``taken``)."""
     import deepseek_recipe as recipe
 
-    bodies = [chat.body(DEEPSEEK) for chat in corpus]
+    options = recipe.ConversionOptions()
+    bodies = [chat.body(DEEPSEEK) for chat in taken(corpus)]
     samples, prepared = timed(lambda body: prepare(PROTOCOL, body, ctx), bodies, repeat)
     ours = Measured(SLUICE_DEEPSEEK, samples, [p.wire.prompt_token_ids for p in prepared])
     vocabulary = ctx.models[DEEPSEEK].spec.tokenizer / "tokenizer.json"
     encoding = recipe.DeepseekV4Encoding().with_tokenizer(
         recipe.Tokenizer.from_file(str(vocabulary))
     )
-    options = recipe.ConversionOptions()
 
     def convert_encode(body: dict[str, Any]) -> list[int]:
         converted = recipe.ChatCompletionRequest(body).convert(options)
@@ -253,15 +254,33 @@ def measure_deepseek(corpus: list[Chat], repeat: int, ctx: PreparationContext) -
     return [ours, Measured(RECIPE, samples, encoded)]
 
 
+def taken(corpus: list[Chat]) -> list[Chat]:
+    """The chats deepseek-recipe converts: it refuses a tool whose parameters are not a
+    ``type: object`` schema, which Sluice takes."""
+    import deepseek_recipe as recipe
+
+    options = recipe.ConversionOptions()
+    kept = []
+    for chat in corpus:
+        try:
+            recipe.ChatCompletionRequest(chat.body(DEEPSEEK)).convert(options)
+        except recipe.ConversionError:
+            continue
+        kept.append(chat)
+    return kept
+
+
 def deepseek_report(corpus: list[Chat], measured: list[Measured]) -> str:
     ours, recipe = measured
-    everything = range(len(corpus))
+    kept = taken(corpus)
+    everything = range(len(kept))
     same = sum(a == b for a, b in zip(ours.token_ids, recipe.token_ids, strict=True))
     rows = [summarize(m, everything) for m in measured]
     ratio = rows[0].p50_us / rows[1].p50_us
     return "\n".join(
         [
-            f"The same {len(corpus)} chats for {DEEPSEEK} (identical token ids on {same}):",
+            f"{len(kept)} of the {len(corpus)} chats for {DEEPSEEK}, the rest having a tool "
+            f"schema deepseek-recipe refuses (identical token ids on {same}):",
             table(rows, baseline=RECIPE).replace("÷ tf p50", "÷ ds p50"),
             f"Sluice prepare p50 is {ratio:.2f}× deepseek-recipe's (goal ≤ {GOAL_FACTOR}×).",
         ]
