@@ -22,7 +22,7 @@ pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 TOPICS = ["the sea", "a forest", "the moon", "a city", "winter", "a river", "bread",
           "a violin", "the desert", "a lighthouse"]  # fmt: skip
-MAX_TOKENS = 24
+MAX_TOKENS = 96  # a burst that lasts past a heartbeat or two at today's speed
 
 
 def messages(topic: str) -> list[dict]:
