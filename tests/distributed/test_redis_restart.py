@@ -84,13 +84,17 @@ def idle_fleet(fleet: Fleet) -> Callable[[], bool]:
     return idle
 
 
+LINES = 24
+
+
 def test_a_batch_running_through_a_redis_restart_still_answers_every_line(
     api: str, fleet: Fleet, redis_server: RedisServer, anthropic_client: Anthropic
 ):
     """Redis forgets the batch, its lines' jobs and their leases: the replica running it
     writes the batch back and runs the lines it lost again, so every line succeeds."""
     params = {"model": "default", "max_tokens": 64, "temperature": 0, "messages": SHORT}
-    requests = [{"custom_id": f"r{n}", "params": params} for n in range(6)]
+    # enough lines that the batch still runs when Redis restarts, at today's speed
+    requests = [{"custom_id": f"r{n}", "params": params} for n in range(LINES)]
     batch = anthropic_client.messages.batches.create(requests=requests)
     wait_until(
         lambda: anthropic_client.messages.batches.retrieve(batch.id).request_counts.succeeded,
@@ -111,7 +115,7 @@ def test_a_batch_running_through_a_redis_restart_still_answers_every_line(
     done = anthropic_client.messages.batches.retrieve(batch.id)
     assert done.request_counts.succeeded == len(requests), done.request_counts
     results = list(anthropic_client.messages.batches.results(batch.id))
-    assert sorted(result.custom_id for result in results) == [f"r{n}" for n in range(6)]
+    assert sorted(result.custom_id for result in results) == sorted(f"r{n}" for n in range(LINES))
     assert {result.result.type for result in results} == {"succeeded"}
     texts = {result.result.message.content[0].text for result in results}
     assert len(texts) == 1  # greedy: every line the same answer, however often it ran
