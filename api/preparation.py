@@ -56,12 +56,13 @@ from shared.conversation import (
     Conversation,
     ConversationError,
     ImagePart,
+    ImageSource,
     has_images,
     images_as_text,
 )
 from shared.events import InferenceEvent
 from shared.generation_config import NO_DEFAULTS, SamplingDefaults
-from shared.images.layout import expand_images, image_tokens_at_most
+from shared.images.layout import ImageProcessing, expand_images, image_tokens_reserved
 from shared.prompting import PromptFormatError, RenderedPrompt, render
 from shared.registry import UNSUPPORTED_IMAGE, ModelRegistry, ModelSpec
 from shared.sampling import SamplingParams, StructuredOutputs
@@ -254,40 +255,56 @@ def encode_request(
 def _with_images(
     encoded: Encoded, ctx: PreparationContext, reserve_from: ImageTokenBudget | None
 ) -> Encoded:
-    """``encoded`` with its images resolved and each image token expanded into its layout.
+    """``encoded`` with its images resolved and each placeholder expanded into its layout.
 
-    The tokens the images take are counted from their headers and reserved
-    before any is decoded.
+    The tokens the images take are reserved from their headers before any is
+    decoded, and settled to their exact count after.
     """
     model, processing = encoded.model, encoded.model.image_processing
     assert processing is not None  # _seen_images kept them: a vision model
-    opened = open_images(encoded.rendered.image_sources, ctx.images)  # 400 the image, 5xx fetch
+    sources = encoded.rendered.image_sources
+    _check_details(sources, model, processing)
+    opened = open_images(sources, ctx.images)  # 400 the image, 5xx fetch
     reserved = _reserve(opened, model, reserve_from)  # 400 never fits, 503 in use
     with released_on_error(reserved):
-        resolved = decode_images(opened, ctx.images)  # 400 undecodable, 503 decoding is full
+        resolved = decode_images(opened, ctx.images, processing)  # 400 undecodable, 503 full
         try:
             encoded.token_ids, encoded.images = expand_images(
                 encoded.token_ids, resolved, processing, model.tokenizer
             )
         except ValueError as exc:  # the model's template or tokenizer, not the client
             raise ApiError(500, f"model {model.spec.name!r}: {exc}", "api_error") from None
-        if reserved is not None:  # decoded: each image's orientation, so its span, is known
-            reserved.shrink_to(sum(image.end - image.start for image in encoded.images))
+        if reserved is not None:  # decoded: each image's layout, so its span, is known
+            reserved.settle(sum(image.end - image.start for image in encoded.images))
     encoded.image_tokens = reserved
     return encoded
+
+
+def _check_details(
+    sources: list[ImageSource], model: ServedModel, processing: ImageProcessing
+) -> None:
+    """A 400 for an image asking for a ``detail`` the model's image processing does not serve."""
+    for index, source in enumerate(sources):
+        if source.detail not in processing.details:
+            served = ", ".join(repr(detail) for detail in processing.details)
+            raise bad_request(
+                f"image {index}: detail {source.detail!r} is not supported by model "
+                f"{model.spec.name!r}, which serves {served}",
+                "detail",
+            )
 
 
 def _reserve(
     opened: list[OpenedImage], model: ServedModel, budget: ImageTokenBudget | None
 ) -> ImageTokens | None:
-    """The most tokens the images may take in the prompt, as their headers say, reserved
-    from ``budget``; None without a budget."""
+    """The tokens the images are expected to take in the prompt, as their headers say,
+    reserved from ``budget``; None without a budget."""
     if budget is None:
         return None
     processing, tokenizer = model.image_processing, model.tokenizer
     assert processing is not None
     return budget.reserve(
-        sum(image_tokens_at_most(image.size, processing, tokenizer) for image in opened)
+        sum(image_tokens_reserved(image.size, processing, tokenizer) for image in opened)
     )
 
 

@@ -18,7 +18,7 @@ from engine.config import EngineArgs
 from engine.llm_engine import LLMEngine
 from shared.events import Finish, FinishReason, Ready, Text, TokenLogprob
 from shared.images.decoding import MAX_DECODED_PIXELS, DecodedImage, open_image
-from shared.images.layout import expand_images
+from shared.images.layout import ImageProcessing, expand_images
 from shared.sampling import SamplingParams
 from shared.tokenization import encode_text
 from shared.wire import WireImage
@@ -88,7 +88,7 @@ class LLM:
         processing = self.engine.image_processing
         if processing is None:
             raise ValueError(f"model {self.engine.args.model!r} does not accept images")
-        decoded = [_decoded(picture) for picture in pictures]
+        decoded = [_decoded(picture, processing) for picture in pictures]
         return expand_images(ids, decoded, processing, self.tokenizer)
 
     @staticmethod
@@ -107,15 +107,15 @@ class LLM:
         return list(sampling_params)
 
 
-def _decoded(picture: Picture) -> DecodedImage:
-    """A picture as the server would have it: encoded bytes, upright size, pixel digest."""
+def _decoded(picture: Picture, processing: ImageProcessing) -> DecodedImage:
+    """A picture decoded as the server decodes it for the model."""
     if isinstance(picture, bytes):
         data = picture
     else:
         buffer = io.BytesIO()
         picture.save(buffer, "PNG")
         data = buffer.getvalue()
-    return DecodedImage.of(open_image(data, MAX_DECODED_PIXELS), data)
+    return processing.decode(open_image(data, MAX_DECODED_PIXELS), data, "auto")
 
 
 def _apply(output: RequestOutput, event: object) -> None:

@@ -27,6 +27,7 @@ from engine.sequence import Sequence, SequenceStatus
 from engine.setup import LoadedModel, load_engine_model
 from engine.vision import SequenceVision, sequence_vision
 from shared.events import Finish, FinishReason, InferenceEvent, Ready, Text, TokenLogprob
+from shared.images.idefics3 import Idefics3Processing
 from shared.sampling import SamplingParams
 from shared.wire import WireImage
 
@@ -144,8 +145,12 @@ class LLMEngine:
 
     def _vision(self, images: SequenceABC[WireImage], prompt: list[int]) -> SequenceVision:
         model, processing = self.runner.model, self.image_processing
-        if processing is None or not isinstance(model, Idefics3ForConditionalGeneration):
-            raise ValueError(f"model {self.args.model!r} does not accept images")
+        if not isinstance(model, Idefics3ForConditionalGeneration):
+            raise ValueError(
+                f"model {self.args.model!r} does not accept images: this engine runs no vision "
+                "encoder for it"
+            )
+        assert isinstance(processing, Idefics3Processing)  # loaded with the Idefics3 checkpoint
         assert self.model_config.image_token_id is not None
         image_token_id, tokens_per_tile = (
             self.model_config.image_token_id,

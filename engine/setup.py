@@ -24,7 +24,7 @@ from engine.model.llama import LlamaForCausalLM
 from engine.model.quantized import quantize_linears
 from engine.precision import Precision, precision_for, stored_methods
 from shared.heap import return_free_memory
-from shared.images.idefics3 import Idefics3Processing
+from shared.images.layout import ImageProcessing
 from shared.images.loading import image_processing_for
 from shared.registry import ModelRegistry, default_registry
 from shared.tokenizer_loader import LoadedTokenizer, load_tokenizer
@@ -39,7 +39,7 @@ class LoadedModel:
     precision: Precision
     max_model_len: int
     num_blocks: int
-    image_processing: Idefics3Processing | None = None  # a vision model's; None for text
+    image_processing: ImageProcessing | None = None  # a vision model's; None for text
     quantized: dict[str, str] = field(default_factory=dict)  # the method of each quantized layer
 
     @property

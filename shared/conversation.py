@@ -18,10 +18,12 @@ SystemRole = Literal["system", "developer"]
 ToolChoiceMode = Literal["none", "auto", "required", "function"]
 ReasoningEffort = Literal["low", "medium", "high", "xhigh", "max"]
 ResponseFormatType = Literal["text", "json_object", "json_schema"]
+ImageDetail = Literal["auto", "low", "high", "original"]
 
 REASONING_EFFORTS: tuple[str, ...] = ("low", "medium", "high", "xhigh", "max")
 TOOL_CHOICE_MODES: tuple[str, ...] = ("none", "auto", "required", "function")
 RESPONSE_FORMAT_TYPES: tuple[str, ...] = ("text", "json_object", "json_schema")
+IMAGE_DETAILS: tuple[str, ...] = ("auto", "low", "high", "original")
 
 
 class ConversationError(ValueError):
@@ -35,7 +37,8 @@ class TextPart:
 
 @dataclass(slots=True)
 class ImageSource:
-    """Where an image comes from: a URL, or base64 ``data`` with its media type.
+    """Where an image comes from: a URL, or base64 ``data`` with its media type, and the
+    ``detail`` it is read at (OpenAI's: ``low`` asks for fewer image tokens).
 
     Prompt formats only place a placeholder for it; fetching and decoding is
     the preparation step's job, which is why the source travels unchanged.
@@ -44,6 +47,7 @@ class ImageSource:
     url: str | None = None
     data: str | None = None
     media_type: str | None = None
+    detail: ImageDetail = "auto"
 
 
 @dataclass(slots=True)

@@ -45,7 +45,7 @@ DEEPSEEK_ENTRIES: dict[str, dict[str, Any]] = {
     "DeepSeek-V4.1-Flash": {
         "aliases": ["deepseek-flash"],
         "prompt_format": "deepseek_v4.1",
-        "capabilities": ["thinking"],
+        "capabilities": ["thinking", "images"],
     },
 }
 """The DeepSeek models a ``[models.<name>]`` table of that name needs only ``weights`` for;

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from shared.events import InferenceEvent
 from shared.generation_config import NO_DEFAULTS, SamplingDefaults
-from shared.images.idefics3 import Idefics3Processing
+from shared.images.layout import ImageProcessing
 from shared.registry import ModelSpec
 from shared.tokenizer_loader import LoadedTokenizer
 from shared.wire import PreparedRequest
@@ -48,7 +48,7 @@ class ServedModel:
     spec: ModelSpec
     tokenizer: LoadedTokenizer
     context_length: int
-    image_processing: Idefics3Processing | None = None  # a vision model's; it sees images
+    image_processing: ImageProcessing | None = None  # a vision model's; it sees images
     sampling_defaults: SamplingDefaults = NO_DEFAULTS  # its generation_config.json's
 
 

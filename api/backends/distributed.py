@@ -28,7 +28,7 @@ from shared import keys
 from shared.events import InferenceEvent
 from shared.generation_config import NO_DEFAULTS, sampling_defaults
 from shared.heap import freeze_startup_heap
-from shared.images.idefics3 import Idefics3Processing
+from shared.images.layout import ImageProcessing
 from shared.images.loading import image_processing_for
 from shared.registry import ModelSpec
 from shared.tokenizer_loader import LoadedTokenizer, load_tokenizer
@@ -68,7 +68,7 @@ class DistributedBackend(Backend):
         )
         self._tokenizer: LoadedTokenizer | None = None
         self._sampling_defaults = NO_DEFAULTS
-        self._image_processing: Idefics3Processing | None = None
+        self._image_processing: ImageProcessing | None = None
         self._served: ServedModel | None = None
         self._load_error: str | None = None
 

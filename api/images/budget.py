@@ -50,9 +50,14 @@ class ImageTokenBudget:
     def reserve(self, tokens: int) -> ImageTokens:
         """``tokens`` held until the reservation is released; an ``ApiError`` instead: 400 when
         they exceed the whole budget, 503 while other requests hold too much of it."""
-        if tokens > self.limit:
+        self._take(tokens, tokens)
+        return ImageTokens(self, tokens)
+
+    def _take(self, tokens: int, total: int) -> None:
+        """``tokens`` more for a request whose images then take ``total``; ``reserve``'s errors."""
+        if total > self.limit:
             raise bad_request(
-                f"the request's images take {tokens} image tokens, more than the server's "
+                f"the request's images take {total} image tokens, more than the server's "
                 f"budget of {self.limit} (--image-token-budget); send fewer or smaller images",
                 "messages",
                 "limit_exceeded",
@@ -66,7 +71,6 @@ class ImageTokenBudget:
                 f"the server's image token budget ({self.limit}, --image-token-budget) is in "
                 "use by other requests; retry later"
             )
-        return ImageTokens(self, tokens)
 
     def _give_back(self, tokens: int) -> None:
         with self._lock:
@@ -87,12 +91,15 @@ class ImageTokens:
     def tokens(self) -> int:
         return self._held[0]
 
-    def shrink_to(self, tokens: int) -> None:
-        """Keep ``tokens`` of the reservation (the images' exact count, once they are decoded)."""
-        if not 0 <= tokens <= self._held[0]:
-            raise ValueError(f"cannot shrink a reservation of {self._held[0]} tokens to {tokens}")
-        extra, self._held[0] = self._held[0] - tokens, tokens
-        self._budget._give_back(extra)
+    def settle(self, tokens: int) -> None:
+        """Hold exactly ``tokens`` (the images' count, once they are decoded): what is over is
+        given back, what is missing taken, with ``reserve``'s errors."""
+        held = self._held[0]
+        if tokens > held:
+            self._budget._take(tokens - held, tokens)
+        else:
+            self._budget._give_back(held - tokens)
+        self._held[0] = tokens
 
     def release(self) -> None:
         """Give the tokens back; later calls do nothing."""

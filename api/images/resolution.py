@@ -6,8 +6,9 @@ decoded, http(s) URLs fetched through the destination policy, and every
 image's header read and counted against the request's quota (images, bytes,
 pixels); no pixel is decoded yet, so preparation can reserve what the images
 will cost from their sizes alone. ``decode_images``: each image decoded in
-turn, within the process's decoding budget, to its upright size and pixel
-digest; its pixels are not kept.
+turn, within the process's decoding budget, as the model's image processing
+decodes it (Idefics3: to its upright size and pixel digest, its pixels not
+kept; DeepSeek V4.1: fitted and re-encoded).
 
 Whose fault a failure is decides its status, as in the reference servers: an
 image that is itself unusable (not decodable, not an image, too large, too
@@ -30,7 +31,7 @@ from PIL import Image
 from api.errors import ApiError, bad_request
 from api.images.budget import DecodingBudget
 from api.images.destinations import DestinationPolicy
-from shared.conversation import ImageSource
+from shared.conversation import ImageDetail, ImageSource
 from shared.images.decoding import (
     DecodedImage,
     InvalidImage,
@@ -38,6 +39,7 @@ from shared.images.decoding import (
     decoding_bytes,
     open_image,
 )
+from shared.images.layout import ImageProcessing
 
 if TYPE_CHECKING:
     from api.images.fetching import ImageFetchError
@@ -75,6 +77,7 @@ class OpenedImage:
     index: int  # its position in the prompt, which every error names
     data: bytes
     image: Image.Image  # opened, not loaded
+    detail: ImageDetail = "auto"
 
     @property
     def size(self) -> tuple[int, int]:
@@ -82,9 +85,11 @@ class OpenedImage:
         return self.image.size
 
 
-def resolve_images(sources: list[ImageSource], options: ImageOptions) -> list[DecodedImage]:
+def resolve_images(
+    sources: list[ImageSource], options: ImageOptions, processing: ImageProcessing | None = None
+) -> list[DecodedImage]:
     """Every source decoded, in prompt order; an ``ApiError`` naming the first that fails."""
-    return decode_images(open_images(sources, options), options)
+    return decode_images(open_images(sources, options), options, processing)
 
 
 def open_images(sources: list[ImageSource], options: ImageOptions) -> list[OpenedImage]:
@@ -102,19 +107,22 @@ def open_images(sources: list[ImageSource], options: ImageOptions) -> list[Opene
             raise _over_bytes(index, quota)
         image = _open(index, data, quota.pixels - used_pixels)
         used_pixels += image.width * image.height
-        opened.append(OpenedImage(index, data, image))
+        opened.append(OpenedImage(index, data, image, source.detail))
     return opened
 
 
-def decode_images(opened: list[OpenedImage], options: ImageOptions) -> list[DecodedImage]:
-    """Each image decoded in turn to its upright size and pixel digest, its pixels freed after.
+def decode_images(
+    opened: list[OpenedImage], options: ImageOptions, processing: ImageProcessing | None = None
+) -> list[DecodedImage]:
+    """Each image decoded in turn as ``processing`` decodes it (by default to its upright size
+    and pixel digest), its pixels freed after.
 
     An image waits for room in the decoding budget, up to the budget's wait
     for the whole request; then it is a 503.
     """
     budget = options.decoding
     deadline = time.monotonic() + budget.wait_s
-    return [_decode(image, budget, deadline) for image in opened]
+    return [_decode(image, budget, deadline, processing) for image in opened]
 
 
 def _open(index: int, data: bytes, max_pixels: int) -> Image.Image:
@@ -128,10 +136,17 @@ def _open(index: int, data: bytes, max_pixels: int) -> Image.Image:
         raise _invalid(index, str(exc)) from None
 
 
-def _decode(opened: OpenedImage, budget: DecodingBudget, deadline: float) -> DecodedImage:
+def _decode(
+    opened: OpenedImage,
+    budget: DecodingBudget,
+    deadline: float,
+    processing: ImageProcessing | None,
+) -> DecodedImage:
     try:
         with budget.holding(decoding_bytes(opened.image), deadline):
-            return DecodedImage.of(opened.image, opened.data)
+            if processing is None:
+                return DecodedImage.of(opened.image, opened.data)
+            return processing.decode(opened.image, opened.data, opened.detail)
     except InvalidImage as exc:
         raise _invalid(opened.index, str(exc)) from None
     finally:

@@ -293,8 +293,7 @@ def _image(part: Fields) -> ImageSource:
     if isinstance(value, str):
         return image_source(value, part.where("image_url"))
     image = Fields(value, part.where("image_url"))
-    image_detail(image)
-    return image_source(image.required("url"), image.where("url"))
+    return image_source(image.required("url"), image.where("url"), image_detail(image))
 
 
 def _tools(fields: Fields) -> list[Tool]:

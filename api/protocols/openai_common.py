@@ -20,8 +20,10 @@ from typing import Any
 from api.errors import ApiError, bad_request
 from api.protocols.base import LogprobEntry, Usage
 from shared.conversation import (
+    IMAGE_DETAILS,
     Conversation,
     ConversationError,
+    ImageDetail,
     ImageSource,
     ResponseFormat,
     Tool,
@@ -263,22 +265,23 @@ def apply_effort(conversation: Conversation, effort: str | None) -> None:
     conversation.reasoning_effort = REASONING_EFFORTS[effort]  # type: ignore[assignment]
 
 
-def image_detail(part: Fields) -> None:
-    """``detail``: images are always read at the model's full resolution, which is what
-    ``auto`` and ``high`` ask for; ``low`` (fewer image tokens) is not served."""
-    if part.get("detail") not in (None, "auto", "high"):
-        raise part.error(
-            "detail",
-            "'auto' or 'high': images are read at full resolution ('low' is not supported)",
-        )
+def image_detail(part: Fields) -> ImageDetail:
+    """``detail``: how closely the model reads the image; preparation refuses a level the
+    model's image processing does not serve."""
+    detail = part.get("detail")
+    if detail is None:
+        return "auto"
+    if detail not in IMAGE_DETAILS:
+        raise part.error("detail", "one of " + ", ".join(repr(d) for d in IMAGE_DETAILS))
+    return detail
 
 
-def image_source(url: Any, where: str) -> ImageSource:
+def image_source(url: Any, where: str, detail: ImageDetail = "auto") -> ImageSource:
     """An ``http(s)`` URL is passed on for preparation to fetch; a data URL is split here."""
     if not isinstance(url, str):
         raise bad_request(f"{where} must be a URL string, got {show(url)}", where)
     if url.startswith(("http://", "https://")):
-        return ImageSource(url=url)
+        return ImageSource(url=url, detail=detail)
     match = _DATA_URL.fullmatch(url)
     if match is None:
         raise bad_request(
@@ -291,7 +294,7 @@ def image_source(url: Any, where: str) -> ImageSource:
             f"{where} must be a base64 image data URL (data:image/png;base64,...), got {show(url)}",
             where,
         )
-    return ImageSource(data=match["data"], media_type=media_type)
+    return ImageSource(data=match["data"], media_type=media_type, detail=detail)
 
 
 def validated(conversation: Conversation, *, param_from_message: bool = True) -> Conversation:

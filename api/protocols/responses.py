@@ -285,8 +285,7 @@ def _part(part: Fields, role: str) -> ContentPart:
 def _input_image(part: Fields) -> ImageSource:
     if part.has("file_id") and not part.has("image_url"):
         raise part.error("file_id", "absent: files are not stored here; send image_url instead")
-    image_detail(part)
-    return image_source(part.required("image_url"), part.where("image_url"))
+    return image_source(part.required("image_url"), part.where("image_url"), image_detail(part))
 
 
 def _input_file(part: Fields) -> ImageSource:

@@ -14,10 +14,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 from PIL import Image
+
+from shared.conversation import ImageDetail
+from shared.images.decoding import DecodedImage
 
 MAX_IMAGE_SIZE = 4096  # the longest edge a picture is ever resized to
 
@@ -44,6 +47,10 @@ class Idefics3Processing:
     std: tuple[float, float, float] | None
     image_seq_len: int  # image tokens per tile
 
+    placeholder: ClassVar[str] = IMAGE
+    # Every picture is read at full resolution: ``low`` (fewer tokens) is not served.
+    details: ClassVar[tuple[ImageDetail, ...]] = ("auto", "high", "original")
+
     @classmethod
     def from_hf(cls, config: dict[str, Any], image_seq_len: int) -> Idefics3Processing:
         """From ``preprocessor_config.json`` and the encoder's tokens per tile."""
@@ -64,6 +71,15 @@ class Idefics3Processing:
             std=tuple(config.get("image_std", (0.5, 0.5, 0.5))) if normalize else None,
             image_seq_len=image_seq_len,
         )
+
+    def decode(self, image: Image.Image, data: bytes, detail: ImageDetail) -> DecodedImage:
+        """``image`` (``data``, opened) decoded to its upright size and pixel digest; the
+        engine's host preprocesses ``data`` again."""
+        return DecodedImage.of(image, data)
+
+    def layout(self, size: tuple[int, int]) -> str:
+        """The prompt text an upright picture of ``size`` (width, height) becomes."""
+        return prompt_string(*self.grid(*size), self.image_seq_len)
 
     def grid(self, width: int, height: int) -> tuple[int, int]:
         """The ``(rows, cols)`` of tiles a ``width x height`` picture becomes; (0, 0): one."""

@@ -1,12 +1,13 @@
 """An image's one placeholder token, expanded into the tokens the vision encoder fills.
 
-The chat template (or an offline prompt) writes one image token per image, a
+The chat template (or an offline prompt) writes one placeholder per image, a
 control token no user text can produce. Each becomes the model's layout for
 that image (Idefics3: a row of tiles after another, then the whole picture,
-each a run of image tokens between markers), so the prompt's length counts
-what the model reads, and each image travels with the span it fills. The
-layout follows from the picture's size alone, so its length is known from the
-image's header, before a pixel is decoded.
+each a run of image tokens between markers; DeepSeek V4.1: a run of image
+tokens), so the prompt's length counts what the model reads, and each image
+travels with the span it fills. The layout follows from the decoded picture's
+size alone. Idefics3's is known from the image's header, before a pixel is
+decoded; V4.1's only once the picture is fitted.
 """
 
 from __future__ import annotations
@@ -15,25 +16,30 @@ import base64
 from collections.abc import Sequence
 
 from shared.images.decoding import DecodedImage
-from shared.images.idefics3 import IMAGE, Idefics3Processing, prompt_string
+from shared.images.deepseek import EXPECTED_TOKENS, DeepseekImages
+from shared.images.idefics3 import Idefics3Processing
 from shared.tokenizer_loader import LoadedTokenizer
 from shared.wire import WireImage
+
+ImageProcessing = Idefics3Processing | DeepseekImages
+"""How a model's pictures are decoded and laid out in its prompt."""
 
 
 def expand_images(
     ids: list[int],
     images: Sequence[DecodedImage],
-    processing: Idefics3Processing,
+    processing: ImageProcessing,
     tokenizer: LoadedTokenizer,
 ) -> tuple[list[int], list[WireImage]]:
-    """The prompt with each image token expanded, and each image with its span in it.
+    """The prompt with each placeholder expanded, and each image with its span in it.
 
-    ``ValueError`` when the prompt's image tokens and ``images`` differ in number.
+    ``ValueError`` when the prompt's placeholders and ``images`` differ in number.
     """
-    image_id = tokenizer.special_tokens.get(IMAGE)
+    placeholder = processing.placeholder
+    image_id = tokenizer.special_tokens.get(placeholder)
     at = [index for index, token in enumerate(ids) if token == image_id]
     if image_id is None or len(at) != len(images):
-        raise ValueError(f"the prompt has {len(at)} {IMAGE} tokens for {len(images)} images")
+        raise ValueError(f"the prompt has {len(at)} {placeholder} tokens for {len(images)} images")
     expanded: list[int] = []
     wire: list[WireImage] = []
     previous = 0
@@ -49,19 +55,24 @@ def expand_images(
 
 
 def image_ids(
-    size: tuple[int, int], processing: Idefics3Processing, tokenizer: LoadedTokenizer
+    size: tuple[int, int], processing: ImageProcessing, tokenizer: LoadedTokenizer
 ) -> list[int]:
-    """The ids a picture of ``size`` (width, height) becomes in the prompt: its layout's markup."""
-    text = prompt_string(*processing.grid(*size), processing.image_seq_len)
-    return tokenizer.tokenizer.encode(text, add_special_tokens=False).ids
+    """The ids a decoded picture of ``size`` (width, height) becomes in the prompt: its
+    layout's markup."""
+    return tokenizer.tokenizer.encode(processing.layout(size), add_special_tokens=False).ids
 
 
-def image_tokens_at_most(
-    size: tuple[int, int], processing: Idefics3Processing, tokenizer: LoadedTokenizer
+def image_tokens_reserved(
+    size: tuple[int, int], processing: ImageProcessing, tokenizer: LoadedTokenizer
 ) -> int:
-    """The most tokens a picture stored at ``size`` takes in the prompt, whichever way up its
-    EXIF orientation turns out to be: a count from the header alone, before decoding reads
-    the orientation (a PNG may carry it after its pixels)."""
+    """The tokens to hold for a picture stored at ``size`` before it is decoded.
+
+    Idefics3: the most it takes in the prompt, whichever way up its EXIF
+    orientation turns out to be (a PNG may carry it after its pixels). V4.1:
+    the token budget pictures are fitted to; the exact count follows fitting.
+    """
+    if isinstance(processing, DeepseekImages):
+        return EXPECTED_TOKENS
     width, height = size
     turned = {(width, height), (height, width)}
     return max(len(image_ids(each, processing, tokenizer)) for each in turned)

@@ -1,4 +1,4 @@
-"""A checkpoint's image processing, read from its directory, for the API and the engine alike.
+"""A model's image processing, for the API and the engine alike.
 
 A vision-language checkpoint is an HF directory: ``config.json`` names the
 architecture and the encoder's geometry, the image processor's settings how
@@ -6,6 +6,10 @@ pictures become tiles: ``preprocessor_config.json``, or the
 ``image_processor`` table of ``processor_config.json`` as transformers 5
 saves it. Both sides read the same files, so the API expands an
 image into exactly as many tokens as the engine's encoder produces.
+
+A DeepSeek V4.1 model's processing comes with its prompt format, not from its
+checkpoint: the format writes ``<｜image｜>`` and the specification fits every
+picture the same way.
 """
 
 from __future__ import annotations
@@ -13,7 +17,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from shared.images.deepseek import DeepseekImages
 from shared.images.idefics3 import Idefics3Processing
+from shared.images.layout import ImageProcessing
 from shared.registry import ModelSpec
 
 # Vision-language models: an encoder whose features stand in for a Llama text model's image
@@ -58,12 +64,14 @@ def _image_processor(weights: Path) -> dict:
     )
 
 
-def image_processing_for(spec: ModelSpec) -> Idefics3Processing | None:
+def image_processing_for(spec: ModelSpec) -> ImageProcessing | None:
     """The model's image processing: it sees images exactly when it has one.
 
     A registry entry that declares ``images`` for a text-only checkpoint is
     refused here, at load, rather than dropping every image it is sent.
     """
+    if spec.prompt_format == "deepseek_v4.1":
+        return DeepseekImages()
     processing = load_image_processing(spec.weights)
     if processing is None and "images" in spec.capabilities:
         raise InvalidImageProcessing(

@@ -9,8 +9,12 @@ one stays text. V4.1 opens its system block with ``<｜System｜>``; V4 has no s
 
 Thinking is on unless the conversation turns it off, as DeepSeek's API has it. The
 efforts a client can ask for map onto DeepSeek's as its API maps them (``medium`` is
-``high``). Images do not reach these formats: a V4 model puts ``[Unsupported Image]`` in
-their place before rendering.
+``high``). Images do not reach V4: a V4 model puts ``[Unsupported Image]`` in their place
+before rendering. V4.1 puts ``<｜image｜>`` where each image is, among its message's parts,
+which preparation then expands. The recipe takes a message's first occurrences of its image
+token as the placeholders, so each message's images are spelled by a marker its text does not
+hold, and the marker is put back as the image token in the rendered prompt: a user who types
+``<｜image｜>`` gets text.
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ from shared.conversation import (
     ContentPart,
     Conversation,
     ConversationError,
+    ImagePart,
+    ImageSource,
     Message,
     ReasoningEffort,
     ReminderMessage,
@@ -32,6 +38,7 @@ from shared.conversation import (
     UserMessage,
     has_images,
 )
+from shared.images.deepseek import IMAGE
 from shared.prompting.base import RenderedPrompt, RenderOptions
 
 EFFORTS: dict[ReasoningEffort, str] = {
@@ -44,20 +51,73 @@ EFFORTS: dict[ReasoningEffort, str] = {
 """Each reasoning effort as DeepSeek names it."""
 
 
-class DeepseekFormat:
-    """One DeepSeek encoding (``recipe.DeepseekV4Encoding`` or ``DeepseekV41Encoding``)."""
+# Spellings as long as the image token that a message's text is checked not to hold: the
+# marker keeps every offset of the rendered prompt where the image token puts it back.
+_MARKERS = tuple(chr(0xE000 + i) * len(IMAGE) for i in range(64))
 
-    def __init__(self, name: str, encoding: recipe.DeepseekV4Encoding | recipe.DeepseekV41Encoding):
+
+class DeepseekFormat:
+    """One DeepSeek encoding (``recipe.DeepseekV4Encoding`` or ``DeepseekV41Encoding``);
+    ``images`` when it lays images out (V4.1)."""
+
+    def __init__(
+        self,
+        name: str,
+        encoding: recipe.DeepseekV4Encoding | recipe.DeepseekV41Encoding,
+        images: bool = False,
+    ):
         self.name = name
         self._encoding = encoding
+        self._images = images
 
     def render(self, conversation: Conversation, options: RenderOptions) -> RenderedPrompt:
-        rendered = self._encoding.render_conversation(recipe_conversation(conversation))
-        return RenderedPrompt(rendered.prompt, list(rendered.special_ranges))
+        images = _Images() if self._images else None
+        rendered = self._encoding.render_conversation(recipe_conversation(conversation, images))
+        prompt, ranges = rendered.prompt, list(rendered.special_ranges)
+        if images is None or not images.sources:
+            return RenderedPrompt(prompt, ranges)
+        return images.rendered(prompt, ranges, rendered.image_sources)
 
 
-def recipe_conversation(conversation: Conversation) -> recipe.Conversation:
-    """``conversation`` in deepseek-recipe's types."""
+class _Images:
+    """The images of one conversation as it is converted: each message's marker, and the
+    sources in the order the recipe is given them."""
+
+    def __init__(self) -> None:
+        self.sources: list[ImageSource] = []
+        self.markers: set[str] = set()
+
+    def text(self, content: list[ContentPart]) -> tuple[str, list[recipe.ImageSource], str]:
+        """A message's parts as one text, each image its marker; its sources; its marker."""
+        texts = [part.text for part in content if isinstance(part, TextPart)]
+        marker = next(m for m in _MARKERS if not any(m in text for text in texts))
+        self.markers.add(marker)
+        given: list[recipe.ImageSource] = []
+        for part in content:
+            if isinstance(part, ImagePart):
+                given.append(recipe.BytesImageSource(b"", path=str(len(self.sources))))
+                self.sources.append(part.source)
+        return _text(content, marker), given, marker
+
+    def rendered(
+        self, prompt: str, ranges: list[tuple[int, int]], placed: list[recipe.ImageSource]
+    ) -> RenderedPrompt:
+        """The prompt with each placeholder's marker spelled as the image token, and the
+        images in the order their placeholders appear."""
+        pieces, end = [], 0
+        for start, stop in ranges:
+            if prompt[start:stop] in self.markers:
+                pieces += [prompt[end:start], IMAGE]
+                end = stop
+        pieces.append(prompt[end:])
+        sources = [self.sources[int(source.path)] for source in placed]
+        return RenderedPrompt("".join(pieces), ranges, sources)
+
+
+def recipe_conversation(
+    conversation: Conversation, images: _Images | None = None
+) -> recipe.Conversation:
+    """``conversation`` in deepseek-recipe's types; with ``images``, its images are placed."""
     choice = conversation.tool_choice
     tools = conversation.tools
     if choice.mode == "function":  # one named tool, called: the only tool offered
@@ -66,7 +126,7 @@ def recipe_conversation(conversation: Conversation) -> recipe.Conversation:
     thinking = conversation.thinking is not False
     messages = conversation.messages
     return recipe.Conversation(
-        [_message(m, f"messages[{i}]", thinking) for i, m in enumerate(messages)],
+        [_message(m, f"messages[{i}]", thinking, images) for i, m in enumerate(messages)],
         thinking_mode=thinking,
         tools=[_tool(tool) for tool in tools] if choice.mode != "none" else None,
         tool_choice=_tool_choice(choice.mode, thinking),
@@ -82,12 +142,17 @@ def _tool_choice(mode: str, thinking: bool) -> str:
     return "auto" if thinking else "required"
 
 
-def _message(message: Message, where: str, thinking: bool) -> recipe.Message:
+def _message(
+    message: Message, where: str, thinking: bool, images: _Images | None
+) -> recipe.Message:
     """One message. As DeepSeek's API has it, an assistant turn without reasoning has an
     empty one in thinking mode, and outside it no turn has any."""
-    if has_images(getattr(message, "content", [])):
+    seen = has_images(getattr(message, "content", []))
+    if seen and images is None:
         raise ConversationError(f"{where}.content: this model's prompt format takes no images")
     match message:
+        case SystemMessage() | UserMessage() | ToolMessage() if seen and images is not None:
+            return _with_images(message, images)
         case SystemMessage():
             return recipe.SystemMessage(_text(message.content))
         case UserMessage():
@@ -107,9 +172,27 @@ def _message(message: Message, where: str, thinking: bool) -> recipe.Message:
     raise ConversationError(f"{where}: not a message this format lays out")
 
 
-def _text(content: list[ContentPart]) -> str:
-    """A message's parts as one text: DeepSeek's API puts a blank line between parts."""
-    return "\n\n".join(part.text for part in content if isinstance(part, TextPart))
+def _with_images(
+    message: SystemMessage | UserMessage | ToolMessage, images: _Images
+) -> recipe.Message:
+    """A message that may hold images, each a placeholder among its parts."""
+    text, sources, marker = images.text(message.content)
+    match message:
+        case SystemMessage():
+            return recipe.SystemMessage(text, sources, image_token=marker)
+        case UserMessage():
+            return recipe.UserMessage(text, sources, image_token=marker)
+    return recipe.ToolMessage(text, message.tool_call_id, sources, image_token=marker)
+
+
+def _text(content: list[ContentPart], image: str = "") -> str:
+    """A message's parts as one text: DeepSeek's API puts a blank line between parts. With
+    ``image``, each image part is that text; else images are left out."""
+    return "\n\n".join(
+        part.text if isinstance(part, TextPart) else image
+        for part in content
+        if isinstance(part, TextPart) or image
+    )
 
 
 def _tool(tool: Tool) -> recipe.ToolDefinition:
@@ -117,4 +200,4 @@ def _tool(tool: Tool) -> recipe.ToolDefinition:
 
 
 V4 = DeepseekFormat("deepseek_v4", recipe.DeepseekV4Encoding())
-V41 = DeepseekFormat("deepseek_v4.1", recipe.DeepseekV41Encoding())
+V41 = DeepseekFormat("deepseek_v4.1", recipe.DeepseekV41Encoding(), images=True)

@@ -117,7 +117,7 @@ def test_every_role_and_content_shape() -> None:
             [
                 TextPart("look"),
                 ImagePart(ImageSource(url="https://x.test/a.jpg")),
-                ImagePart(ImageSource(data="iVBORw0KGgo=", media_type="image/png")),
+                ImagePart(ImageSource(data="iVBORw0KGgo=", media_type="image/png", detail="high")),
             ]
         ),
         AssistantMessage(

@@ -4,8 +4,6 @@ and the resolved ``max_tokens`` equal deepseek-recipe's conversion, prompt encod
 
 from __future__ import annotations
 
-import base64
-import io
 import itertools
 import json
 from functools import cache
@@ -15,10 +13,8 @@ from typing import Any
 import deepseek_recipe as recipe
 import llguidance
 import pytest
-from PIL import Image
 
 from api.backends.base import ServedModel
-from api.errors import ApiError
 from api.output_parser import OutputParser, ToolCallArgsDelta, ToolCallStart, merge_deltas
 from api.preparation import PreparationContext, parser_config, prepare
 from api.protocols import chat_completions, messages, responses
@@ -294,25 +290,3 @@ def test_a_forced_call_is_its_grammar_and_reads_back_as_a_call(
         arguments = "".join(d.text for d in deltas if isinstance(d, ToolCallArgsDelta))
         assert [name for name, _ in calls] == ["get_weather"]
         assert json.loads(arguments) == {"city": "Paris", "days": 2}
-
-
-def test_v4_puts_unsupported_image_in_an_image_s_place_and_v41_refuses_it(
-    context: PreparationContext,
-) -> None:
-    picture = io.BytesIO()
-    Image.new("RGB", (8, 8), "red").save(picture, "PNG")
-    url = "data:image/png;base64," + base64.b64encode(picture.getvalue()).decode()
-    content = [
-        {"type": "text", "text": "What is this?"},
-        {"type": "image_url", "image_url": {"url": url}},
-        {"type": "text", "text": "Thanks"},
-    ]
-    body = {"model": PRO, "messages": [{"role": "user", "content": content}]}
-    wire = prepare(chat_completions.PROTOCOL, body, context).wire
-    assert (wire.prompt_token_ids, wire.sampling.max_tokens) == _reference(
-        chat_completions.PROTOCOL, body, context.models[PRO].spec.tokenizer
-    )
-    assert not wire.images
-    with pytest.raises(ApiError) as refused:
-        prepare(chat_completions.PROTOCOL, {**body, "model": FLASH}, context)
-    assert refused.value.status == 400

@@ -82,13 +82,29 @@ def test_a_closed_stream_gives_its_tokens_back():
     assert asyncio.run(scenario()) == 0
 
 
+def test_a_reservation_settles_to_its_exact_count_up_or_down():
+    budget = ImageTokenBudget(100)
+    tokens, other = budget.reserve(50), budget.reserve(30)
+    tokens.settle(65)  # images that took more than expected take the rest, while it is free
+    assert (tokens.tokens, budget.used) == (65, 95)
+    with pytest.raises(ApiError) as busy:
+        tokens.settle(75)
+    assert busy.value.status == 503 and (tokens.tokens, budget.used) == (65, 95)
+    other.release()
+    with pytest.raises(ApiError) as never:
+        tokens.settle(101)
+    assert never.value.status == 400 and "101 image tokens" in never.value.message
+    tokens.settle(10)
+    assert budget.used == 10
+    tokens.release()
+    assert budget.used == 0
+
+
 def test_a_reservation_is_given_back_once_however_it_ends():
     budget = ImageTokenBudget(100)
     tokens = budget.reserve(60)
-    tokens.shrink_to(45)
+    tokens.settle(45)
     assert (tokens.tokens, budget.used) == (45, 45)
-    with pytest.raises(ValueError, match="45 tokens to 50"):
-        tokens.shrink_to(50)
     tokens.release()
     tokens.release()
     assert budget.used == 0
@@ -186,6 +202,19 @@ def test_a_turned_image_reserves_either_way_up_then_keeps_what_it_takes(seer: Se
     (image,) = prepared.wire.images
     assert image.end - image.start == span(seer, (40, 300)) == budget.used
     prepared.release()
+
+
+def test_low_detail_is_refused_by_a_model_that_reads_images_at_full_resolution(
+    seer: ServedModel, no_decoding: list[bytes]
+):
+    budget = ImageTokenBudget(1000)
+    request = body(png_bytes(48, 40))
+    request["messages"][0]["content"][1]["image_url"]["detail"] = "low"
+    with pytest.raises(ApiError) as refused:
+        prepare(chat_completions.PROTOCOL, request, context(seer, budget))
+    assert refused.value.status == 400 and refused.value.param == "detail"
+    assert "detail 'low' is not supported by model 'seer'" in refused.value.message
+    assert no_decoding == [] and budget.used == 0
 
 
 def test_images_over_the_budget_left_are_a_503_before_any_is_decoded(

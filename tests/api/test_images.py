@@ -429,11 +429,11 @@ def test_equal_pixels_have_equal_digests_whatever_their_encoding():
     assert other.digest != png.digest
 
 
-def test_detail_low_is_refused_where_images_are_read_at_full_resolution():
+def test_detail_travels_with_the_image_and_an_unknown_level_is_refused():
     from api.protocols import chat_completions, responses
 
     url = "data:image/png;base64," + base64.b64encode(png_bytes()).decode()
-    for detail, accepted in (("auto", True), ("high", True), ("low", False)):
+    for detail in ("auto", "low", "high", "original", "medium"):
         chat = {"type": "image_url", "image_url": {"url": url, "detail": detail}}
         answer = {"type": "input_image", "image_url": url, "detail": detail}
         bodies = [
@@ -441,10 +441,11 @@ def test_detail_low_is_refused_where_images_are_read_at_full_resolution():
             (responses, {"model": "m", "input": [{"role": "user", "content": [answer]}]}),
         ]
         for protocol, body in bodies:
-            if accepted:
-                protocol.PROTOCOL.parse(body)
+            if detail != "medium":
+                [message] = protocol.PROTOCOL.parse(body).conversation.messages
+                assert message.content[0].source.detail == detail
                 continue
             with pytest.raises(ApiError) as refused:
                 protocol.PROTOCOL.parse(body)
-            assert refused.value.status == 400 and "'low' is not supported" in refused.value.message
+            assert refused.value.status == 400 and "'original'" in refused.value.message
             assert refused.value.param.endswith("detail")

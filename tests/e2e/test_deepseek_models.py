@@ -7,6 +7,8 @@ is read) and ``DeepSeek-V4.1-Flash``; each name renders with its own encoding.
 
 from __future__ import annotations
 
+import base64
+import io
 import json
 from collections.abc import Iterator
 
@@ -16,6 +18,7 @@ import httpx
 import openai
 import pytest
 from openai import OpenAI
+from PIL import Image
 
 from tests.deepseek_models import V4_TOKENIZER, tiny_deepseek_checkpoint, v41_tokenizer
 from tests.servers import running_server
@@ -146,3 +149,39 @@ def test_a_forced_call_validates_against_its_schema(
     assert call.function.name == "forecast" and answer.choices[0].finish_reason == "tool_calls"
     arguments = json.loads(call.function.arguments)
     assert arguments["unit"] in ("C", "F") and isinstance(arguments["hourly"], bool)
+
+
+def test_a_v41_image_is_counted_in_its_image_tokens_and_v4_reads_its_placeholder(
+    server: str, client: OpenAI, tokenizers: dict[str, recipe.Tokenizer]
+) -> None:
+    """count_tokens counts each V4.1 image at the tokens deepseek-recipe's resolution gives
+    it. This engine runs no vision encoder for a V4.1 model, so a generation with an image is
+    refused by name rather than answered blind; V4 answers, its image a placeholder."""
+    picture = io.BytesIO()
+    Image.linear_gradient("L").resize((320, 200)).save(picture, "PNG")
+    data = base64.b64encode(picture.getvalue()).decode()
+    source = {"type": "base64", "media_type": "image/png", "data": data}
+    content = [{"type": "image", "source": source}, {"type": "text", "text": "What is it?"}]
+    anthropic_client = anthropic.Anthropic(base_url=server, api_key="sk-local", max_retries=0)
+    counted = anthropic_client.messages.count_tokens(
+        model="deepseek-flash", messages=[{"role": "user", "content": content}]
+    )
+    body = {"model": "DeepSeek-V4.1-Flash", "max_tokens": 8, "messages": [
+        {"role": "user", "content": content}]}  # fmt: skip
+    converted = recipe.MessagesRequest(json.dumps(body)).convert(recipe.ConversionOptions())
+    encoding = recipe.DeepseekV41Encoding()
+    ids = encoding.with_tokenizer(tokenizers["DeepSeek-V4.1-Flash"]).encode(converted.conversation)
+    resolver = recipe.ImageResolver(recipe.ReqwestImageFetcher(), recipe.OpenCvImagePreprocessor())
+    sources = encoding.render_conversation(converted.conversation).image_sources
+    adjustment = resolver.resolve(sources, recipe.ImageQuota()).image_token_adjustment()
+    assert counted.input_tokens == len(ids) + adjustment and adjustment > 100
+
+    image = {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{data}"}}
+    messages = [{"role": "user", "content": [image, {"type": "text", "text": "What is it?"}]}]
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model="deepseek-flash", messages=messages, max_tokens=4)
+    assert "does not accept images" in str(refused.value)
+    answer = client.chat.completions.create(
+        model="deepseek-v4-pro", messages=messages, max_tokens=4, temperature=0
+    )
+    assert answer.usage.completion_tokens > 0
