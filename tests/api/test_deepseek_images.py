@@ -15,16 +15,12 @@ import deepseek_recipe as recipe
 import pytest
 from PIL import Image
 
-from api.backends.base import ServedModel
 from api.errors import ApiError
 from api.images.budget import ImageTokenBudget
 from api.preparation import PreparationContext, encode_request, prepare
 from api.protocols import chat_completions, messages, responses
 from shared.images.deepseek import image_tokens
-from shared.images.loading import image_processing_for
-from shared.registry import ModelRegistry, spec_from_entry
-from shared.tokenizer_loader import load_tokenizer
-from tests.deepseek_models import V4_TOKENIZER, v41_tokenizer
+from tests.deepseek_models import V4_TOKENIZER, preparation_context
 
 PRO, FLASH = "DeepSeek-V4-Pro", "DeepSeek-V4.1-Flash"
 IMAGE_ID = 129264
@@ -136,16 +132,7 @@ CORPUS = [
 
 @pytest.fixture(scope="module")
 def context(tmp_path_factory: pytest.TempPathFactory) -> PreparationContext:
-    root = tmp_path_factory.mktemp("deepseek")
-    tokenizers = {PRO: V4_TOKENIZER, FLASH: v41_tokenizer(root / "v4.1")}
-    specs = [spec_from_entry(name, {"weights": str(p)}, root) for name, p in tokenizers.items()]
-    models = {
-        spec.name: ServedModel(
-            spec, load_tokenizer(tokenizers[spec.name]), CONTEXT, image_processing_for(spec)
-        )
-        for spec in specs
-    }
-    return PreparationContext(ModelRegistry(specs), models)
+    return preparation_context(tmp_path_factory.mktemp("deepseek"), CONTEXT)
 
 
 def _reference(

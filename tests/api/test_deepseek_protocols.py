@@ -14,15 +14,12 @@ import deepseek_recipe as recipe
 import llguidance
 import pytest
 
-from api.backends.base import ServedModel
 from api.output_parser import OutputParser, ToolCallArgsDelta, ToolCallStart, merge_deltas
 from api.preparation import PreparationContext, parser_config, prepare
 from api.protocols import chat_completions, messages, responses
 from shared import dsml
 from shared.constraints import lltokenizer
-from shared.registry import ModelRegistry, spec_from_entry
-from shared.tokenizer_loader import load_tokenizer
-from tests.deepseek_models import V4_TOKENIZER, v41_tokenizer
+from tests.deepseek_models import preparation_context
 
 PRO, FLASH = "DeepSeek-V4-Pro", "DeepSeek-V4.1-Flash"
 CONTEXT = 1 << 20
@@ -47,14 +44,7 @@ WEATHER = {
 
 @pytest.fixture(scope="module")
 def context(tmp_path_factory: pytest.TempPathFactory) -> PreparationContext:
-    root = tmp_path_factory.mktemp("deepseek")
-    tokenizers = {PRO: V4_TOKENIZER, FLASH: v41_tokenizer(root / "v4.1")}
-    specs = [spec_from_entry(name, {"weights": str(p)}, root) for name, p in tokenizers.items()]
-    models = {
-        spec.name: ServedModel(spec, load_tokenizer(tokenizers[spec.name]), CONTEXT)
-        for spec in specs
-    }
-    return PreparationContext(ModelRegistry(specs), models)
+    return preparation_context(tmp_path_factory.mktemp("deepseek"), CONTEXT)
 
 
 def _chat_bodies() -> list[dict[str, Any]]:
