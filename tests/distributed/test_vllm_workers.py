@@ -264,6 +264,37 @@ def test_greedy_answers_equal_vllm_s_own_server(
     assert ours == theirs and all(ours)
 
 
+def test_sampling_fields_reach_vllm(client: OpenAI):
+    """A seed repeats its draw; a stop string ends the text where it starts."""
+    seeded = [
+        client.chat.completions.create(
+            model=MODEL, messages=MESSAGES, max_tokens=16, temperature=1.5, seed=7,
+        ).choices[0].message.content
+        for _ in range(2)
+    ]  # fmt: skip
+    assert seeded[0] == seeded[1]
+    free = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=24, temperature=0,
+        extra_body={"ignore_eos": True},
+    ).choices[0]  # fmt: skip
+    text = free.message.content
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    cut = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=24, temperature=0, stop=[stop],
+        extra_body={"ignore_eos": True},
+    ).choices[0]  # fmt: skip
+    assert cut.finish_reason == "stop" and cut.message.content == text[: text.index(stop)]
+
+
+def test_a_drained_worker_hands_its_stream_to_the_other(fleet: VllmFleet, client: OpenAI):
+    """SIGTERM with no grace mid-stream: the run goes back to the queue and the other worker
+    finishes it, every token once; a replacement starts for the tests after."""
+    text, attempts, tokens = _interrupted_stream(fleet, client, signal.SIGTERM, max_tokens=300)
+    assert attempts == {1, 2} and tokens == 300 and text
+    fleet.start_worker("v3", cpu="0")
+    fleet.wait_live(2)
+
+
 def test_a_cancelled_stream_stops_the_engine(fleet: VllmFleet, client: OpenAI):
     stream = client.chat.completions.create(
         model=MODEL, messages=MESSAGES, max_tokens=900, stream=True,
@@ -284,9 +315,17 @@ def test_a_cancelled_stream_stops_the_engine(fleet: VllmFleet, client: OpenAI):
 
 
 def test_a_killed_worker_s_stream_resumes_on_the_other(fleet: VllmFleet, client: OpenAI):
-    """``kill -9`` mid-stream: the survivor resumes; every token arrives once, and the
-    client's text is the text the stream's events carry, in order."""
-    max_tokens = 400
+    """``kill -9`` mid-stream: the survivor resumes, every token arrives once."""
+    text, attempts, tokens = _interrupted_stream(fleet, client, signal.SIGKILL, max_tokens=400)
+    assert attempts == {1, 2} and tokens == 400 and text
+
+
+def _interrupted_stream(
+    fleet: VllmFleet, client: OpenAI, sig: int, max_tokens: int
+) -> tuple[str, set[int], int]:
+    """Stream a greedy answer, send ``sig`` to the worker serving it, read the rest: the
+    client's text (checked to be the text the stream's events carry, in order), the
+    attempts that wrote them, and how many tokens they carry."""
     stream = client.chat.completions.create(
         model=MODEL, messages=MESSAGES, max_tokens=max_tokens, temperature=0, stream=True,
         stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
@@ -301,18 +340,17 @@ def test_a_killed_worker_s_stream_resumes_on_the_other(fleet: VllmFleet, client:
         return busy[0] if len(fresh) == 2 and len(busy) == 1 else None
 
     victim = wait_until(serving, 10, "the serving worker")
-    os.kill(fleet.workers[victim].process.pid, signal.SIGKILL)
+    os.kill(fleet.workers[victim].process.pid, sig)
     rest = list(chunks)
+    fleet.workers.pop(victim).stop(signal.SIGKILL)
     text = "".join(c.choices[0].delta.content or "" for c in [first, *rest] if c.choices)
-    usage = rest[-1].usage
-    assert usage.completion_tokens == max_tokens
+    assert rest[-1].usage.completion_tokens == max_tokens
     assert [c.choices[0].finish_reason for c in rest if c.choices][-1] == "length"
-
     entries = [
         decode_entry(first.id, fields)
         for _, fields in fleet.redis.client.xrange(keys.event_stream(first.id))
     ]
     texts = [entry for entry in entries if isinstance(entry.event, Text)]
-    assert {entry.attempt for entry in texts} == {1, 2}, "the stream was not resumed"
-    assert sum(len(entry.event.token_ids) for entry in texts) == max_tokens
     assert "".join(entry.event.text for entry in texts) == text
+    tokens = sum(len(entry.event.token_ids) for entry in texts)
+    return text, {entry.attempt for entry in texts}, tokens
