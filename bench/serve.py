@@ -1,7 +1,7 @@
 """What ``sluice serve`` delivers over HTTP, beside llama.cpp and transformers in the same run.
 
     python -m bench.serve [--variants auto,float32] [--new-tokens 128] [--streams 32]
-                          [--skip-transformers] [--skip-llama-cpp]
+                          [--skip-transformers] [--skip-llama-cpp] [--skip-vllm]
 
 For each variant (engine flags, ``auto`` being the default configuration) it
 starts ``sluice serve`` on the default model, reads its resident memory once
@@ -17,7 +17,9 @@ With every server stopped, the baselines run on the same machine: llama.cpp
 (``llama-cpp-python``, when installed) on the same GGUF with the same prompt
 and thread count, one stream, and its resident memory at the server's
 context length; transformers ``generate`` in float32 as a static
-batch of ``--streams`` (``bench.engine``'s prompts and token count).
+batch of ``--streams`` (``bench.engine``'s prompts and token count); and vLLM's
+CPU build (``vllm serve`` from ``.venv-vllm``, when built) on the same model as an
+HF checkpoint in bfloat16, measured as ``bench.vllm`` measures it.
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ from pathlib import Path
 
 from bench.engine import chosen_variants
 from bench.queue import Processes, free_port, run_streams, wait_ready
+from bench.vllm import VLLM_PYTHON, Measured, default_checkpoint, vllm_serve
+from workers.vllm_engine import VLLM_VERSION
 
 VARIANTS = {  # name -> sluice serve flags
     "auto": [],
@@ -234,6 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--streams", type=int, default=32)
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--skip-llama-cpp", action="store_true")
+    parser.add_argument("--skip-vllm", action="store_true")
     args = parser.parse_args(argv)
     variants = chosen_variants(parser, args.variants, VARIANTS)
     with tempfile.TemporaryDirectory(prefix="sluice-bench-serve-") as directory:
@@ -243,6 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     threads = torch.get_num_threads()
     cpp = None if args.skip_llama_cpp else llama_cpp_baseline(args.new_tokens, threads)
     hf = None if args.skip_transformers else transformers_baseline(args.new_tokens, args.streams)
+    vllm = None if args.skip_vllm else vllm_baseline(args)
 
     print(
         f"sluice serve over HTTP, default model, greedy, {args.new_tokens} new tokens, "
@@ -253,9 +259,13 @@ def main(argv: list[str] | None = None) -> int:
               f"resident peak {cpp[2]:.0f} MiB at n_ctx {CONTEXT}")  # fmt: skip
     if hf:
         print(f"transformers float32, static batch of {args.streams}: {hf:.1f} tok/s")
+    if vllm:
+        print(f"vLLM {VLLM_VERSION} (vllm serve, bfloat16 HF checkpoint): one stream "
+              f"{vllm.single_tokens_per_s:.1f} tok/s, {args.streams} streams "
+              f"{vllm.burst_tokens_per_s:.1f} tok/s")  # fmt: skip
     print(f"{'variant':<10}{'1 stream tok/s':>15}{'÷ llama.cpp':>12}{'TTFT ms':>9}"
           f"{'long prompt TTFT ms':>21}{f'{args.streams} streams tok/s':>18}{'÷ hf':>7}"
-          f"{'idle MiB':>10}{'served MiB':>12}"
+          f"{'÷ vLLM':>8}{'idle MiB':>10}{'served MiB':>12}"
           f"{'÷ llama.cpp':>12}{'peak MiB':>10}"
           f"{'API CPU ms/tok':>16}{'engine CPU ms/tok':>19}")  # fmt: skip
     for name, s in served.items():
@@ -265,12 +275,24 @@ def main(argv: list[str] | None = None) -> int:
             f"{s.single_ttft_ms:>9.1f}"
             f"{f'{s.long_ttft_ms:.0f} ({s.long_prompt_tokens} tok)':>21}"
             f"{s.concurrent_tokens_per_s:>18.1f}"
-            f"{_ratio(s.concurrent_tokens_per_s, hf):>7}{s.idle_rss_mib:>10.0f}"
+            f"{_ratio(s.concurrent_tokens_per_s, hf):>7}"
+            f"{_ratio(s.concurrent_tokens_per_s, vllm and vllm.burst_tokens_per_s):>8}"
+            f"{s.idle_rss_mib:>10.0f}"
             f"{s.served_rss_mib:>12.0f}{_ratio(s.served_rss_mib, cpp and cpp[2]):>12}"
             f"{s.peak_rss_mib:>10.0f}"
             f"{s.api_cpu_ms_per_token:>16.3f}{s.engine_cpu_ms_per_token:>19.2f}"
         )
     return 0
+
+
+def vllm_baseline(args: argparse.Namespace) -> Measured | None:
+    """``vllm serve`` on the default model, one burst of ``--streams``; None without vLLM."""
+    if not VLLM_PYTHON.is_file():
+        return None
+    with tempfile.TemporaryDirectory(prefix="sluice-bench-vllm-") as directory:
+        workdir = Path(directory)
+        settings = argparse.Namespace(new_tokens=args.new_tokens, streams=args.streams, rounds=1)
+        return vllm_serve(default_checkpoint(workdir), settings, workdir)
 
 
 def _ratio(ours: float, reference: float | None) -> str:

@@ -94,9 +94,11 @@ class VllmEngine:
     def __init__(self, args: VllmArgs) -> None:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # its core in process
         from vllm import EngineArgs
+        from vllm.exceptions import VLLMClientError
         from vllm.v1.engine.llm_engine import LLMEngine
 
         self.args = args
+        self._client_errors = (VLLMClientError,)
         settings: dict[str, Any] = {
             "model": args.model,
             "tokenizer": args.tokenizer,
@@ -148,12 +150,15 @@ class VllmEngine:
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already running")
         prompt = list(prompt_token_ids) + generated
-        self._vllm.add_request(
-            request_id,
-            {"prompt_token_ids": prompt},
-            _vllm_params(params, len(generated)),
-            priority=priority,
-        )
+        try:
+            self._vllm.add_request(
+                request_id,
+                {"prompt_token_ids": prompt},
+                _vllm_params(params, len(generated)),
+                priority=priority,
+            )
+        except self._client_errors as exc:  # the request's fault: a 400, as Sluice's engine
+            raise ValueError(str(exc)) from exc
         tokenizer = self.tokenizer
         self._requests[request_id] = _Request(
             params,
