@@ -65,8 +65,9 @@ class OutputText:
             output.emitted = min(emitted, len(output.text))
         return output
 
-    def append(self, token_id: int) -> bool:
-        """Decode one token; True when a stop string now ends the output."""
+    def append(self, token_id: int, stops: bool = True) -> bool:
+        """Decode one token; True when a stop string now ends the output. Without ``stops``
+        (before ``min_tokens``) nothing is searched and the text keeps every stop string."""
         piece = self.stream.step(self.tokenizer, token_id)
         if not piece:
             return False
@@ -74,7 +75,7 @@ class OutputText:
             piece, self.echo = piece.removeprefix(self.echo), ""
         searched_from = max(0, len(self.text) - self._hold)
         self.text += piece
-        return self._find_stop(searched_from)
+        return stops and self._find_stop(searched_from)
 
     def take(self, final: bool) -> str:
         """The text that is now safe to emit; everything once finished."""

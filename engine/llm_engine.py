@@ -280,7 +280,7 @@ class LLMEngine:
         self, seq: Sequence, token: int
     ) -> tuple[FinishReason | None, str | int | None]:
         if seq.num_output_tokens <= seq.params.min_tokens:  # no stop of any kind before min_tokens
-            seq.output.append(token)
+            seq.output.append(token, stops=False)
             return self._grammar_reason(seq) or self._length_reason(seq), None
         if token in seq.stop_token_ids:
             return FinishReason.STOP, token

@@ -235,7 +235,7 @@ class VllmEngine:
         stops = request.generated > request.params.min_tokens
         if stops and token in request.stop_token_ids:
             return FinishReason.STOP, token
-        if request.output.append(token) and stops:
+        if request.output.append(token, stops):
             return FinishReason.STOP, request.output.matched_stop
         if index < len(completion.token_ids) - 1 or completion.finish_reason is None:
             return None, None

@@ -363,6 +363,18 @@ def test_stop_string_ends_generation_right_before_it(make_engine: EngineFactory)
     assert_no_leak(engine)
 
 
+def test_a_stop_string_before_min_tokens_stays_in_the_text(make_engine: EngineFactory) -> None:
+    """Before ``min_tokens`` nothing stops the output, and a stop string it writes is text."""
+    engine = make_engine()
+    prompt = chat(engine, "Tell me a story about a dragon.")
+    full = run_one(engine, prompt, greedy(24, ignore_eos=True))
+    stop = full.text[4:7]
+    assert full.text.index(stop) == 4  # the first occurrence: the premise of this test
+    kept = run_one(engine, prompt, greedy(24, ignore_eos=True, stop=[stop], min_tokens=24))
+    assert kept.finish.reason is FinishReason.LENGTH and kept.text == full.text
+    assert_no_leak(engine)
+
+
 def test_stop_tokens_min_tokens_ignore_eos_and_max_tokens(make_engine: EngineFactory) -> None:
     engine = make_engine()
     eos_ids = set(engine.tokenizer.stop_token_ids)
