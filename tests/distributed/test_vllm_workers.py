@@ -221,13 +221,7 @@ def test_greedy_answers_equal_vllm_s_own_server(
 ):
     """Token ids in, the same completion out, for prompts of several lengths."""
     prompts = [[1, 504, 2681, 30, 11], list(range(200, 260)), [1, *range(4000, 4300, 3)]]
-    ours = [
-        client.completions.create(
-            model=MODEL, prompt=ids, max_tokens=24, temperature=0,
-            extra_body={"ignore_eos": True},
-        ).choices[0].text
-        for ids in prompts
-    ]  # fmt: skip
+    ours = _greedy_completions(client, prompts)
     port = free_port()
     weights = fleet.directory / "tiny-vllm"
     command = [
@@ -252,16 +246,21 @@ def test_greedy_answers_equal_vllm_s_own_server(
 
         wait_until(ready, STARTUP_TIMEOUT_S, "vLLM's own server", interval=0.5)
         reference = OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=120)
-        theirs = [
-            reference.completions.create(
-                model=MODEL, prompt=ids, max_tokens=24, temperature=0,
-                extra_body={"ignore_eos": True},
-            ).choices[0].text
-            for ids in prompts
-        ]  # fmt: skip
+        theirs = _greedy_completions(reference, prompts)
     finally:
         server.stop(signal.SIGKILL)
     assert ours == theirs and all(ours)
+
+
+def _greedy_completions(client: OpenAI, prompts: list[list[int]]) -> list[str]:
+    """Each prompt's 24 greedy tokens, end of sequence ignored, as text."""
+    return [
+        client.completions.create(
+            model=MODEL, prompt=ids, max_tokens=24, temperature=0,
+            extra_body={"ignore_eos": True},
+        ).choices[0].text
+        for ids in prompts
+    ]  # fmt: skip
 
 
 def test_sampling_fields_reach_vllm(client: OpenAI):
