@@ -200,18 +200,26 @@ def model_options(model: str, workdir: Path) -> list[str]:
     return ["--model", model]
 
 
-def wait_ready(base_url: str, api: subprocess.Popen, log: Path) -> None:
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+def wait_ready(
+    base_url: str,
+    api: subprocess.Popen,
+    log: Path,
+    path: str = "/ready",
+    timeout_s: float = STARTUP_TIMEOUT_S,
+) -> None:
+    """Wait until ``path`` answers 200; a ``RuntimeError`` with the log's tail if the server
+    exits or ``timeout_s`` passes first."""
+    deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if api.poll() is not None:
-            raise RuntimeError(f"the API exited:\n{log.read_text()[-3000:]}")
+            raise RuntimeError(f"the server exited:\n{log.read_text()[-3000:]}")
         try:
-            if httpx.get(f"{base_url}/ready", timeout=2).status_code == 200:
+            if httpx.get(f"{base_url}{path}", timeout=2).status_code == 200:
                 return
         except httpx.TransportError:
             pass
         time.sleep(0.3)
-    raise RuntimeError(f"the API was not ready after {STARTUP_TIMEOUT_S}s")
+    raise RuntimeError(f"{base_url}{path} was not ready after {timeout_s:g}s")
 
 
 @dataclass(frozen=True, slots=True)

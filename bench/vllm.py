@@ -30,8 +30,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
-
 from bench.queue import (
     ROOT,
     Processes,
@@ -40,6 +38,7 @@ from bench.queue import (
     percentile,
     run_streams,
     start_redis,
+    wait_ready,
 )
 from workers.vllm_engine import VLLM_VERSION
 
@@ -99,7 +98,7 @@ def vllm_serve(weights: Path, args: argparse.Namespace, workdir: Path) -> Measur
     try:
         server = processes.spawn(command, workdir / "vllm-serve.log", _env())
         base_url = f"http://127.0.0.1:{port}"
-        _wait(f"{base_url}/health", server, workdir / "vllm-serve.log")
+        wait_ready(base_url, server, workdir / "vllm-serve.log", "/health", STARTUP_TIMEOUT_S)
         return measure(base_url, args)
     finally:
         processes.stop()
@@ -122,7 +121,7 @@ def sluice(weights: Path, args: argparse.Namespace, workdir: Path) -> Measured:
                        redis_url, *models, "--queue-timeout", "600"]  # fmt: skip
         api = processes.spawn(api_command, workdir / "api.log", _env())
         base_url = f"http://127.0.0.1:{port}"
-        _wait(f"{base_url}/ready", api, workdir / "api.log")
+        wait_ready(base_url, api, workdir / "api.log", timeout_s=STARTUP_TIMEOUT_S)
         asyncio.run(run_streams(base_url, MODEL, 1, 4))  # waits for the worker
         return measure(base_url, args, api.pid)
     finally:
@@ -160,20 +159,6 @@ def _env() -> dict[str, str]:
     for name in ("SLUICE_DTYPE", "SLUICE_ENFORCE_EAGER"):
         env.pop(name, None)  # both servers run their defaults
     return env
-
-
-def _wait(url: str, process: object, log: Path) -> None:
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if process.poll() is not None:  # type: ignore[attr-defined]
-            raise RuntimeError(f"{log.name}: exited\n{log.read_text()[-3000:]}")
-        try:
-            if httpx.get(url, timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError(f"{url} was not ready after {STARTUP_TIMEOUT_S}s")
 
 
 def main(argv: list[str] | None = None) -> int:

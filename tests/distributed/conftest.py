@@ -70,10 +70,10 @@ class Child:
     log_path: Path
 
     @classmethod
-    def spawn(cls, command: list[str], log_path: Path) -> Child:
+    def spawn(cls, command: list[str], log_path: Path, env: dict[str, str] = CHILD_ENV) -> Child:
         with log_path.open("w") as log:
             process = subprocess.Popen(
-                command, cwd=ROOT, env=CHILD_ENV, stdout=log, stderr=subprocess.STDOUT
+                command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT
             )
         return cls(process, log_path)
 

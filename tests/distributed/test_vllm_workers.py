@@ -110,10 +110,7 @@ class VllmFleet:
             "--engine-arg", f"kv_cache_memory_bytes={KV_CACHE_BYTES}",
         ]  # fmt: skip
         env = {**CHILD_ENV, "VLLM_CPU_OMP_THREADS_BIND": cpu}
-        log_path = self.directory / f"{worker_id}.log"
-        with log_path.open("w") as log:
-            process = _popen(command, env, log)
-        self.workers[worker_id] = Child(process, log_path)
+        self.workers[worker_id] = Child.spawn(command, self.directory / f"{worker_id}.log", env)
 
     def wait_live(self, count: int = 2) -> None:
         def live() -> bool:
@@ -142,12 +139,6 @@ class VllmFleet:
         for child in [*self.workers.values(), self.api]:
             child.stop(signal.SIGKILL, timeout=10)
         self.redis.kill()
-
-
-def _popen(command: list[str], env: dict[str, str], log: object) -> object:
-    import subprocess
-
-    return subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
 
 
 @pytest.fixture(scope="module")
@@ -229,10 +220,8 @@ def test_greedy_answers_equal_vllm_s_own_server(
         "--served-model-name", MODEL, "--port", str(port), "--enforce-eager",
         "--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-memory-bytes", str(KV_CACHE_BYTES),
     ]  # fmt: skip
-    log_dir = tmp_path_factory.mktemp("vllm-server")
-    with (log_dir / "server.log").open("w") as log:
-        server = Child(_popen(command, {**CHILD_ENV, "VLLM_CPU_OMP_THREADS_BIND": "0-1"}, log),
-                       log_dir / "server.log")  # fmt: skip
+    log_path = tmp_path_factory.mktemp("vllm-server") / "server.log"
+    server = Child.spawn(command, log_path, {**CHILD_ENV, "VLLM_CPU_OMP_THREADS_BIND": "0-1"})
     try:
         base = f"http://127.0.0.1:{port}"
 
