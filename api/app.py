@@ -34,12 +34,13 @@ from api.batches.files import Files, files_router
 from api.batches.objects import MemoryObjects, ObjectStore
 from api.batches.service import Batches
 from api.errors import ApiError, bad_request
+from api.info_routes import info_router
 from api.jobs.manager import JobManager
 from api.jobs.responses import StoredResponses, responses_router
 from api.jobs.routes import jobs_router
 from api.jobs.store import JobStore, MemoryJobStore
 from api.preparation import Prepared, encode_request, new_request_id
-from api.protocols import chat_completions, completions, messages, responses
+from api.protocols import completions, messages, responses
 from api.protocols.base import Protocol
 from api.protocols.table import BY_PATH, PROTOCOLS, error_shape
 from api.rate_limits import MemoryRateLimiter, RateLimiter, RedisRateLimiter
@@ -89,8 +90,7 @@ def create_app(settings: Settings | None = None, backend: Backend | None = None)
         app.add_api_route(protocol.path, route, methods=["POST"])
     app.include_router(responses_router(stored))
     app.add_api_route(messages.COUNT_TOKENS_PATH, _count_tokens_route(serving), methods=["POST"])
-    app.add_api_route("/v1/tokenize", _tokenize_route(serving), methods=["POST"])
-    app.add_api_route("/v1/models", _models_route(serving), methods=["GET"])
+    app.include_router(info_router(serving))
     app.add_api_route("/health", _health_route(serving), methods=["GET"])
     app.add_api_route("/ready", _ready_route(serving), methods=["GET"])
     app.add_api_route("/metrics", _metrics_route(serving), methods=["GET"])
@@ -328,48 +328,6 @@ def _count_tokens_route(serving: Serving) -> Callable[..., Awaitable[Response]]:
         return JSONResponse(messages.count_tokens_body(len(encoded.token_ids)))
 
     return count_tokens
-
-
-def _tokenize_route(serving: Serving) -> Callable[..., Awaitable[Response]]:
-    async def tokenize(request: Request) -> Response:
-        """A Chat Completions body → the exact prompt and token ids the model would get."""
-        parsed = chat_completions.PROTOCOL.parse(await serving.read_json(request))
-        encoded = await serving.off_loop(encode_request, parsed, serving.context())
-        return JSONResponse(
-            {
-                "model": parsed.model,
-                "prompt": encoded.rendered.prompt,
-                "special_ranges": [list(span) for span in encoded.rendered.special_ranges],
-                "token_ids": encoded.token_ids,
-                "count": len(encoded.token_ids),
-            }
-        )
-
-    return tokenize
-
-
-def _models_route(serving: Serving) -> Callable[..., Awaitable[Response]]:
-    created = int(time.time())
-
-    async def list_models() -> Response:
-        """OpenAI's list shape, each served model once, with its aliases (names it also
-        answers to) and, once loaded, vLLM's ``max_model_len``."""
-        loaded = {model.spec.name: model.context_length for model in serving.backend.models()}
-        data = [
-            {
-                "id": spec.name,
-                "object": "model",
-                "created": created,
-                "owned_by": "sluice",
-                "root": spec.name,
-                "aliases": list(spec.aliases),
-                "max_model_len": loaded.get(spec.name) or spec.context_length or None,
-            }
-            for spec in serving.registry.specs()
-        ]
-        return JSONResponse({"object": "list", "data": data})
-
-    return list_models
 
 
 def _health_route(serving: Serving) -> Callable[..., Awaitable[Response]]:

@@ -1,0 +1,161 @@
+"""The routes that answer about the server rather than generate: its models, its version,
+and the token ids a prompt becomes.
+
+``/tokenize`` and ``/detokenize`` have vLLM's shapes: a ``prompt`` (read as
+Completions reads it) or ``messages`` (read as Chat Completions reads them) in,
+``tokens``, ``count`` and ``max_model_len`` out; ``model`` may be left out when one
+model is served. ``/v1/tokenize`` keeps Sluice's own shape: a Chat Completions
+body in, the rendered prompt with its special-token ranges out.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any
+
+from fastapi import APIRouter, Request, Response
+from fastapi.responses import JSONResponse
+
+from api.errors import bad_request, not_found
+from api.preparation import encode_request, resolve_model
+from api.protocols import chat_completions, completions
+from api.protocols.openai_common import Fields
+from api.serving import Serving
+from shared.registry import ModelSpec
+
+# What vLLM's two forms of /tokenize take; ``return_token_strs`` is read here, the rest by the
+# reader of the protocol whose body the form is.
+PROMPT_FORM = frozenset({"model", "prompt", "add_special_tokens", "return_token_strs"})
+MESSAGES_FORM = frozenset(
+    {
+        "model", "messages", "add_generation_prompt", "continue_final_message",
+        "add_special_tokens", "chat_template_kwargs", "tools", "return_token_strs",
+    }
+)  # fmt: skip
+
+
+def info_router(serving: Serving) -> APIRouter:
+    router = APIRouter()
+    created = int(time.time())
+
+    def model_object(spec: ModelSpec) -> dict[str, Any]:
+        """OpenAI's model object, with its aliases (names it also answers to) and, once
+        loaded, vLLM's ``max_model_len``."""
+        loaded = {model.spec.name: model.context_length for model in serving.backend.models()}
+        return {
+            "id": spec.name,
+            "object": "model",
+            "created": created,
+            "owned_by": "sluice",
+            "root": spec.name,
+            "aliases": list(spec.aliases),
+            "max_model_len": loaded.get(spec.name) or spec.context_length or None,
+        }
+
+    @router.get("/v1/models")
+    async def list_models() -> Response:
+        """OpenAI's list shape, each served model once."""
+        data = [model_object(spec) for spec in serving.registry.specs()]
+        return JSONResponse({"object": "list", "data": data})
+
+    @router.get("/v1/models/{model:path}")
+    async def retrieve_model(model: str) -> Response:
+        """One served model, by its name or an alias; 404 in OpenAI's shape otherwise."""
+        if model not in serving.registry.names():
+            raise not_found(f"The model '{model}' does not exist", "model")
+        return JSONResponse(model_object(serving.registry.resolve(model)))
+
+    @router.get("/version")
+    async def server_version() -> Response:
+        return JSONResponse({"version": package_version()})
+
+    router.add_api_route("/v1/tokenize", _chat_tokenize(serving), methods=["POST"])
+    router.add_api_route("/tokenize", _tokenize(serving), methods=["POST"])
+    router.add_api_route("/detokenize", _detokenize(serving), methods=["POST"])
+    return router
+
+
+def package_version() -> str:
+    try:
+        return version("sluice")
+    except PackageNotFoundError:  # run from a checkout that is not installed
+        return "0+unknown"
+
+
+def _chat_tokenize(serving: Serving) -> Callable[..., Awaitable[Response]]:
+    async def chat_tokenize(request: Request) -> Response:
+        """A Chat Completions body → the exact prompt and token ids the model would get."""
+        parsed = chat_completions.PROTOCOL.parse(await serving.read_json(request))
+        encoded = await serving.off_loop(encode_request, parsed, serving.context())
+        return JSONResponse(
+            {
+                "model": parsed.model,
+                "prompt": encoded.rendered.prompt,
+                "special_ranges": [list(span) for span in encoded.rendered.special_ranges],
+                "token_ids": encoded.token_ids,
+                "count": len(encoded.token_ids),
+            }
+        )
+
+    return chat_tokenize
+
+
+def _tokenize(serving: Serving) -> Callable[..., Awaitable[Response]]:
+    async def tokenize(request: Request) -> Response:
+        """vLLM's ``/tokenize``: a ``prompt`` or ``messages`` → their token ids, as a
+        generation would get them."""
+        body = _with_model(serving, await serving.read_json(request))
+        if ("prompt" in body) == ("messages" in body):
+            raise bad_request("/tokenize takes either prompt or messages", "prompt")
+        form = PROMPT_FORM if "prompt" in body else MESSAGES_FORM
+        if extra := [name for name in body if name not in form]:
+            raise bad_request(f"/tokenize does not take {', '.join(extra)}", extra[0])
+        token_strs = Fields(body).boolean("return_token_strs")
+        body.pop("return_token_strs", None)
+        protocol = completions.PROTOCOL if "prompt" in body else chat_completions.PROTOCOL
+        parsed = protocol.parse(body)
+        encoded = await serving.off_loop(encode_request, parsed, serving.context())
+        ids, model = encoded.token_ids, encoded.model
+        return JSONResponse(
+            {
+                "count": len(ids),
+                "max_model_len": model.context_length,
+                "tokens": ids,
+                "token_strs": [model.tokenizer.tokenizer.id_to_token(i) for i in ids]
+                if token_strs
+                else None,
+            }
+        )
+
+    return tokenize
+
+
+def _detokenize(serving: Serving) -> Callable[..., Awaitable[Response]]:
+    async def detokenize(request: Request) -> Response:
+        """vLLM's ``/detokenize``: ``tokens`` → the text they decode to, special tokens
+        included."""
+        fields = Fields(_with_model(serving, await serving.read_json(request)))
+        name = fields.string("model", required=True, non_empty=True) or ""
+        tokens = fields.array("tokens", required=True) or []
+        if unread := fields.unread():
+            raise bad_request(f"/detokenize does not take {', '.join(unread)}", unread[0])
+        tokenizer = resolve_model(name, serving.context()).tokenizer.tokenizer
+        size = tokenizer.get_vocab_size()
+        if not all(type(token) is int and 0 <= token < size for token in tokens):
+            raise bad_request(f"tokens must be token ids between 0 and {size - 1}", "tokens")
+        text = await serving.off_loop(tokenizer.decode, tokens, False)
+        return JSONResponse({"prompt": text})
+
+    return detokenize
+
+
+def _with_model(serving: Serving, body: dict[str, Any]) -> dict[str, Any]:
+    """``body``, naming the served model when it names none and only one is served."""
+    if "model" in body:
+        return body
+    specs = serving.registry.specs()
+    if len(specs) != 1:
+        raise bad_request("model is required when several models are served", "model")
+    return {"model": specs[0].name, **body}
