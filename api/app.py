@@ -40,8 +40,9 @@ from api.jobs.responses import StoredResponses, responses_router
 from api.jobs.routes import jobs_router
 from api.jobs.store import JobStore, MemoryJobStore
 from api.preparation import Prepared, encode_request, new_request_id
-from api.protocols import completions, messages, responses
+from api.protocols import messages, responses
 from api.protocols.base import Protocol
+from api.protocols.openai_common import choices_per_prompt
 from api.protocols.table import BY_PATH, PROTOCOLS, error_shape
 from api.rate_limits import MemoryRateLimiter, RateLimiter, RedisRateLimiter
 from api.serving import Serving
@@ -83,8 +84,8 @@ def create_app(settings: Settings | None = None, backend: Backend | None = None)
     for protocol in PROTOCOLS:
         if protocol is responses.PROTOCOL:
             route = _responses_route(serving, stored)
-        elif protocol is completions.PROTOCOL:
-            route = _completions_route(serving)
+        elif protocol.choice_bodies is not None:
+            route = _choices_route(protocol, serving)
         else:
             route = _generation_route(protocol, serving)
         app.add_api_route(protocol.path, route, methods=["POST"])
@@ -221,25 +222,26 @@ def _generation_route(protocol: Protocol, serving: Serving) -> Callable[..., Awa
     return generate
 
 
-def _completions_route(serving: Serving) -> Callable[..., Awaitable[Response]]:
-    """Completions: the generation route, or one choice per prompt when a body lists several."""
+def _choices_route(protocol: Protocol, serving: Serving) -> Callable[..., Awaitable[Response]]:
+    """The generation route, or ``api.choices`` when a body asks for several choices."""
 
-    async def create_completion(request: Request) -> Response:
+    async def create(request: Request) -> Response:
         arrived = time.monotonic()
-        bodies = completions.split(await serving.read_json(request))
+        body = await serving.read_json(request)
+        bodies = choices.choice_bodies(protocol, body)
         if len(bodies) == 1:
-            response, _ = await _generate(
-                serving, completions.PROTOCOL, request, bodies[0], arrived
-            )
+            response, _ = await _generate(serving, protocol, request, bodies[0], arrived)
             return response
-        answer = await choices.start(serving, request, bodies, arrived)
+        per_prompt = choices_per_prompt(body)
+        answer = await choices.start(serving, protocol, request, bodies, arrived, per_prompt)
         response = await _unless_client_leaves(request, answer) or Response(status_code=499)
         rate_limits = request.state.access.rate_limits
         if rate_limits is not None:
             response.headers.update(rate_limits.headers)
         return response
 
-    return create_completion
+    create.__name__ = f"create_{protocol.name.replace('.', '_')}"
+    return create
 
 
 def _responses_route(

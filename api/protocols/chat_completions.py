@@ -51,6 +51,7 @@ from api.protocols.openai_common import (
     Fields,
     apply_effort,
     chat_usage,
+    copies,
     error_body,
     image_detail,
     image_source,
@@ -60,6 +61,7 @@ from api.protocols.openai_common import (
     read_metadata,
     read_stop,
     read_tool_choice,
+    refuse_several_choices,
     show,
     token_logprob,
     validated,
@@ -178,9 +180,7 @@ def read_sampling(fields: Fields) -> dict[str, Any]:
 def _reject_unsupported(fields: Fields) -> None:
     """Fields whose meaning we cannot honour get a 400 rather than being ignored."""
     fields.read.update(refuse(fields.body, unsupported.CHAT_COMPLETIONS))
-    n = fields.integer("n", low=1)
-    if n is not None and n > 1:
-        raise bad_request(f"n > 1 is not supported, got {n}", "n")
+    refuse_several_choices(fields)
     if fields.has("functions"):
         raise bad_request(
             "functions is not supported: send the functions as tools "
@@ -437,7 +437,7 @@ class ChatCompletionBuilder(ResponseBuilder):
         if self._calls:
             message["tool_calls"] = [self._calls[index] for index in sorted(self._calls)]
         choice = {
-            "index": 0,
+            "index": self.context.choice,
             "message": message,
             "logprobs": self._choice_logprobs(self._logprobs),
             "finish_reason": self._finish_reason,
@@ -471,7 +471,7 @@ class ChatCompletionBuilder(ResponseBuilder):
         finish_reason: str | None = None,
     ) -> SSEChunk:
         choice: dict[str, Any] = {
-            "index": 0,
+            "index": self.context.choice,
             "delta": delta,
             "logprobs": None if logprobs is None else self._choice_logprobs(logprobs),
             "finish_reason": finish_reason,
@@ -501,4 +501,6 @@ PROTOCOL = Protocol(
     builder=ChatCompletionBuilder,
     error_body=error_body,
     done_marker="[DONE]",
+    choice_bodies=copies,
+    chunk_object="chat.completion.chunk",
 )

@@ -42,8 +42,10 @@ from api.protocols.openai_common import (
     MAX_TOP_LOGPROBS,
     Fields,
     chat_usage,
+    copies,
     error_body,
     finite,
+    refuse_several_choices,
     show,
 )
 from api.protocols.unsupported import refuse
@@ -87,12 +89,12 @@ def _if_zero(max_tokens: int | None) -> int | None:
 
 def _reject_unsupported(fields: Fields) -> None:
     fields.read.update(refuse(fields.body, unsupported.COMPLETIONS))
-    for name in ("n", "best_of"):
-        value = fields.integer(name, low=1)
-        if value is not None and value > 1:
-            raise bad_request(
-                f"{name} > 1 is not supported, got {value}", name, "unsupported_parameter"
-            )
+    refuse_several_choices(fields)
+    best_of = fields.integer("best_of", low=1)
+    if best_of is not None and best_of > 1:
+        raise bad_request(
+            f"best_of > 1 is not supported, got {best_of}", "best_of", "unsupported_parameter"
+        )
     if fields.string("suffix"):
         raise bad_request(
             "suffix is not supported by this server", "suffix", "unsupported_parameter"
@@ -102,9 +104,14 @@ def _reject_unsupported(fields: Fields) -> None:
 MAX_PROMPTS = 64
 
 
-def split(body: Any) -> list[Any]:
+def choice_bodies(body: dict[str, Any]) -> list[dict[str, Any]]:
+    """One body per choice: per prompt of a ``prompt`` that lists several, ``n`` each."""
+    return [each for prompt in split(body) for each in copies(prompt)]
+
+
+def split(body: dict[str, Any]) -> list[dict[str, Any]]:
     """One body per prompt of a body whose ``prompt`` lists several, else ``[body]``."""
-    prompts = body.get("prompt") if isinstance(body, dict) else None
+    prompts = body.get("prompt")
     if not _several(prompts):
         return [body]
     if len(prompts) > MAX_PROMPTS:
@@ -272,4 +279,6 @@ PROTOCOL = Protocol(
     builder=CompletionBuilder,
     error_body=error_body,
     done_marker="[DONE]",
+    choice_bodies=choice_bodies,
+    chunk_object="text_completion",
 )

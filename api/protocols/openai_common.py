@@ -49,6 +49,7 @@ REASONING_EFFORTS: dict[str, str | None] = {
 }
 MAX_STOP_SEQUENCES = 16
 MAX_TOP_LOGPROBS = 20
+MAX_CHOICES = 64  # generations one request may ask for: prompts times n
 
 
 def show(value: Any) -> str:
@@ -182,6 +183,38 @@ def _number_range(low: float, high: float | None, low_open: bool) -> str:
     if low_open:
         return f"a number in ({low_text}, {high_text}]"
     return f"a number between {low_text} and {high_text}"
+
+
+def copies(body: dict[str, Any]) -> list[dict[str, Any]]:
+    """One body per choice of a body asking for ``n`` of them, each without ``n`` and, when
+    the body has a seed, seeded ``seed + i``, as vLLM seeds a request's samples; ``[body]``
+    when ``n`` is absent, 1, or not a count (its reader then names it)."""
+    n = choices_per_prompt(body)
+    if n == 1:
+        return [body]
+    if n > MAX_CHOICES:
+        raise bad_request(f"n must be at most {MAX_CHOICES}, got {n}", "n", "limit_exceeded")
+    seed = body.get("seed")
+    one = {name: value for name, value in body.items() if name != "n"}
+    return [one | ({"seed": seed + index} if _is_int(seed) else {}) for index in range(n)]
+
+
+def choices_per_prompt(body: dict[str, Any]) -> int:
+    """``n``, or 1 where it is absent or not a count."""
+    n = body.get("n")
+    return n if _is_int(n) and n > 1 else 1
+
+
+def refuse_several_choices(fields: Fields) -> None:
+    """``n`` > 1 reaches a body's reader only where no route split it into choices (``copies``):
+    in a job or a batch line."""
+    n = fields.integer("n", low=1)
+    if n is not None and n > 1:
+        raise bad_request(
+            f"n > 1 is only accepted by a synchronous request, not in a job or batch; got {n}",
+            "n",
+            "unsupported_parameter",
+        )
 
 
 def read_metadata(fields: Fields) -> dict[str, str]:

@@ -369,7 +369,7 @@ def test_reasoning_controls(
         ),
         ({"stream_options": []}, "stream_options", "JSON object"),
         ({"reasoning_effort": "extreme"}, "reasoning_effort", "'high'"),
-        ({"n": 2}, "n", "n > 1 is not supported"),
+        ({"n": 2}, "n", "n > 1 is only accepted by a synchronous request"),
         ({"n": 0}, "n", ">= 1"),
         ({"top_k": -2}, "top_k", ">= -1"),
         ({"min_p": 1.5}, "min_p", "between 0 and 1"),
@@ -408,10 +408,11 @@ def test_error_body_has_the_openai_shape() -> None:
     error = rejected(body(n=3))
     assert PROTOCOL.error_body(error) == {
         "error": {
-            "message": "n > 1 is not supported, got 3",
+            "message": "n > 1 is only accepted by a synchronous request, not in a job or "
+            "batch; got 3",
             "type": "invalid_request_error",
             "param": "n",
-            "code": None,
+            "code": "unsupported_parameter",
         }
     }
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import sys
 import time
@@ -27,6 +28,7 @@ from bench.queue import tiny_model
 from shared import keys
 from shared.event_codec import decode_entry
 from shared.events import Text
+from shared.prefix_hash import digest, prefix_hashes
 from tests.distributed.conftest import (
     CHILD_ENV,
     ROOT,
@@ -272,6 +274,55 @@ def test_sampling_fields_reach_vllm(client: OpenAI):
         extra_body={"ignore_eos": True},
     ).choices[0]  # fmt: skip
     assert cut.finish_reason == "stop" and cut.message.content == text[: text.index(stop)]
+
+
+def test_each_later_turn_lands_where_vllm_caches_its_prefix(fleet: VllmFleet, client: OpenAI):
+    """vLLM's KV-cache events name its cached blocks in Sluice's digests: the summary holds
+    each turn's prompt on the worker that ran it, and the next turn is placed there."""
+    words = " ".join(f"rule {index}: answer briefly." for index in range(60))
+    messages = [{"role": "system", "content": f"Conversation {time.time_ns()}. {words}"}]
+    before = _placements(fleet.url)
+    holder = None
+    for turn in range(3):
+        messages.append({"role": "user", "content": f"Question {turn}: name a colour."})
+        prompt_ids = _tokenize(fleet.url, messages)
+        reply = client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=4, temperature=0
+        )
+        cached = reply.usage.prompt_tokens_details.cached_tokens
+        found = wait_until(lambda ids=prompt_ids: _holders(fleet, ids), 5, "a holder")
+        assert len(found) == 1 and (holder is None or found == {holder}), (turn, holder, found)
+        holder = found.pop()
+        block = fleet.reports()[holder]["block_size"]
+        assert turn == 0 or cached >= block, (turn, cached)
+        messages.append({"role": "assistant", "content": reply.choices[0].message.content})
+    assert _placements(fleet.url).get("prefix", 0) - before.get("prefix", 0) >= 2
+
+
+def _tokenize(base_url: str, messages: list[dict]) -> list[int]:
+    body = {"model": MODEL, "messages": messages}
+    response = httpx.post(f"{base_url}/v1/tokenize", json=body, timeout=30)
+    response.raise_for_status()
+    return response.json()["token_ids"]
+
+
+def _holders(fleet: VllmFleet, prompt_ids: list[int]) -> set[str]:
+    """The workers whose cache summary names every full block of ``prompt_ids`` but the last."""
+    found = set()
+    for worker_id, report in fleet.reports().items():
+        block = report["block_size"]
+        usable = (len(prompt_ids) - 1) // block * block
+        digests = [digest(h) for h in prefix_hashes(prompt_ids[:usable], block)]
+        summary = keys.cache_summary(worker_id)
+        if digests and all(fleet.redis.client.smismember(summary, digests)):
+            found.add(worker_id)
+    return found
+
+
+def _placements(base_url: str) -> dict[str, float]:
+    text = httpx.get(f"{base_url}/metrics", timeout=10).text
+    pattern = r'^sluice_placements_total\{model="[^"]+",placement="(\w+)"\} (\S+)$'
+    return {kind: float(value) for kind, value in re.findall(pattern, text, re.MULTILINE)}
 
 
 def test_a_drained_worker_hands_its_stream_to_the_other(fleet: VllmFleet, client: OpenAI):

@@ -137,10 +137,29 @@ def test_several_prompts_are_one_choice_each(openai_client: OpenAI):
     assert len(usages) == 1 and usages[0].total_tokens == joined.usage.total_tokens
 
 
+def test_n_seeded_choices_are_each_seed_s_own_draw(openai_client: OpenAI):
+    """``n`` with a seed: choice ``i`` is what the seed ``seed + i`` draws alone, every time;
+    the prompt's tokens count once, each choice's completion tokens count."""
+    sampled = {"max_tokens": 8, "temperature": 1.0, "seed": 11}
+    joined = _complete(openai_client, n=3, **sampled)
+    again = _complete(openai_client, n=3, **sampled)
+    alone = [_complete(openai_client, **{**sampled, "seed": 11 + i}) for i in range(3)]
+    texts = [choice.text for choice in joined.choices]
+    assert [choice.index for choice in joined.choices] == [0, 1, 2]
+    assert texts == [choice.text for choice in again.choices]
+    assert texts == [reply.choices[0].text for reply in alone]
+    assert joined.usage.prompt_tokens == alone[0].usage.prompt_tokens
+    assert joined.usage.completion_tokens == sum(r.usage.completion_tokens for r in alone)
+    several = _complete(openai_client, prompt=[PROMPT, "Once upon a time"], n=2, **sampled)
+    assert [choice.index for choice in several.choices] == [0, 1, 2, 3]
+    assert [c.text for c in several.choices[:2]] == texts[:2]
+
+
 @pytest.mark.parametrize(
     ("overrides", "named"),
     [
-        ({"n": 2}, "n"),
+        ({"n": 65}, "n"),
+        ({"prompt": ["one"] * 33, "n": 2}, "n"),
         ({"best_of": 3}, "best_of"),
         ({"suffix": "end"}, "suffix"),
         ({"prompt": ["one", [10**9]]}, "prompt"),

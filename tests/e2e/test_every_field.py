@@ -767,7 +767,7 @@ CHAT: list[Entry] = [
     Case(
         "moderation", {"model": "omni-moderation-latest"}, may_refuse=True, honoured=has_moderation
     ),
-    Case("n", 2, may_refuse=True, honoured=lambda reply, _: len(reply.body["choices"]) == 2),
+    Case("n", 2, honoured=lambda reply, _: len(reply.body["choices"]) == 2),
     Case("parallel_tool_calls", False, CHAT_TOOL_CALL, one_call_then_ends),
     Case("prediction", the_answer, may_refuse=True, honoured=prediction_accepted),
     Case("presence_penalty", 2.0, REPEATS),
@@ -1155,7 +1155,7 @@ COMPLETIONS: list[Entry] = [
     Case("logit_bias", first_token_banned),
     Case("logprobs", 2, honoured=legacy_logprobs(2)),
     Case("max_tokens", 3, honoured=tokens(3)),
-    Case("n", 2, may_refuse=True, honoured=lambda reply, _: len(reply.body["choices"]) == 2),
+    Case("n", 2, honoured=lambda reply, _: len(reply.body["choices"]) == 2),
     Case("presence_penalty", 2.0, RAW_REPEATS),
     Case("seed", 2, SEEDED),
     Case("stop", fourth_word, honoured=shorter),

@@ -107,6 +107,29 @@ def test_chat_and_responses_say_the_same(openai_client: OpenAI):
     assert response.output_text == chat
 
 
+def test_chat_n_choices_stream_as_they_answer_whole(openai_client: OpenAI):
+    """``n=3`` seeded: three choices, each its own seed's draw, streamed as answered whole."""
+    sampled = {"max_tokens": MAX_TOKENS, "temperature": 1.0, "seed": 5}
+    whole = _chat(openai_client, n=3, **sampled)
+    alone = [_chat(openai_client, **{**sampled, "seed": 5 + i}) for i in range(3)]
+    texts = [choice.message.content for choice in whole.choices]
+    assert [choice.index for choice in whole.choices] == [0, 1, 2]
+    assert texts == [reply.choices[0].message.content for reply in alone]
+    assert whole.usage.prompt_tokens == alone[0].usage.prompt_tokens
+    assert whole.usage.completion_tokens == sum(r.usage.completion_tokens for r in alone)
+    chunks = list(
+        _chat(openai_client, n=3, stream=True, stream_options={"include_usage": True}, **sampled)
+    )
+    streamed: dict[int, str] = {}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            streamed[choice.index] = streamed.get(choice.index, "") + (choice.delta.content or "")
+    assert streamed == dict(enumerate(texts))
+    assert {chunk.id for chunk in chunks} == {chunks[0].id}
+    assert chunks[-1].object == "chat.completion.chunk"
+    assert chunks[-1].usage.total_tokens == whole.usage.total_tokens
+
+
 def test_models_lists_the_model_once_with_its_aliases(openai_client: OpenAI):
     (model,) = openai_client.models.list()
     assert model.id == "smollm2-135m-instruct"
