@@ -114,14 +114,17 @@ class VllmFleet:
         env = {**CHILD_ENV, "VLLM_CPU_OMP_THREADS_BIND": cpu}
         self.workers[worker_id] = Child.spawn(command, self.directory / f"{worker_id}.log", env)
 
-    def wait_live(self, count: int = 2) -> None:
+    def wait_live(self) -> None:
+        """Until every worker started reports itself live (a killed one's last report may
+        linger) and the API is ready."""
+
         def live() -> bool:
             for worker_id, child in self.workers.items():
                 if not child.alive:
                     pytest.fail(f"worker {worker_id} exited:\n{child.log()}")
-            return len(self.reports()) >= count and self._api_ready()
+            return set(self.workers) <= set(self.reports()) and self._api_ready()
 
-        wait_until(live, STARTUP_TIMEOUT_S, f"{count} live vLLM worker(s)", interval=0.5)
+        wait_until(live, STARTUP_TIMEOUT_S, f"workers {sorted(self.workers)} live", interval=0.5)
 
     def reports(self) -> dict[str, dict]:
         try:
@@ -238,9 +241,30 @@ def test_greedy_answers_equal_vllm_s_own_server(
         wait_until(ready, STARTUP_TIMEOUT_S, "vLLM's own server", interval=0.5)
         reference = OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=120)
         theirs = _greedy_completions(reference, prompts)
+        tokenized = [_tokenization(url) for url in (fleet.url, base)]
     finally:
         server.stop(signal.SIGKILL)
     assert ours == theirs and all(ours)
+    assert tokenized[0] == tokenized[1]
+
+
+def _tokenization(base_url: str) -> list[dict]:
+    """A server's answers to vLLM's ``/tokenize`` (a prompt, messages) and ``/detokenize``.
+
+    The messages carry a system message: the checkpoint's own chat template writes a
+    default one where the registry's ``chatml`` writes none. The prompt spells no special
+    token: Sluice tokenizes such text as text, where vLLM reads the token."""
+    asked = [
+        ("/tokenize", {"prompt": "Hello world, lighthouses.", "return_token_strs": True}),
+        ("/tokenize", {"messages": [{"role": "system", "content": "Be brief."}, *MESSAGES]}),
+        ("/detokenize", {"tokens": [1, 504, 2681, 30, 11, 2]}),
+    ]
+    answers = []
+    for path, body in asked:
+        response = httpx.post(f"{base_url}{path}", json={"model": MODEL, **body}, timeout=30)
+        assert response.status_code == 200, (base_url, path, response.text)
+        answers.append(response.json())
+    return answers
 
 
 def _greedy_completions(client: OpenAI, prompts: list[list[int]]) -> list[str]:
@@ -331,7 +355,7 @@ def test_a_drained_worker_hands_its_stream_to_the_other(fleet: VllmFleet, client
     text, attempts, tokens = _interrupted_stream(fleet, client, signal.SIGTERM, max_tokens=300)
     assert attempts == {1, 2} and tokens == 300 and text
     fleet.start_worker("v3", cpu="0")
-    fleet.wait_live(2)
+    fleet.wait_live()
 
 
 def test_a_cancelled_stream_stops_the_engine(fleet: VllmFleet, client: OpenAI):
