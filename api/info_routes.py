@@ -5,9 +5,9 @@ and the token ids a prompt becomes.
 Completions reads it) or ``messages`` (read as Chat Completions reads them) in,
 ``tokens``, ``count`` and ``max_model_len`` out; ``model`` may be left out when one
 model is served. Text that spells a special token stays text, as in every prompt
-Sluice tokenizes, where vLLM's ``/tokenize`` reads the token. ``/v1/tokenize``
-keeps Sluice's own shape: a Chat Completions
-body in, the rendered prompt with its special-token ranges out.
+Sluice tokenizes, where vLLM's ``/tokenize`` reads the token. ``/v1/tokenize`` keeps
+Sluice's own shape: a Chat Completions body in, the rendered prompt with its
+special-token ranges out.
 """
 
 from __future__ import annotations
