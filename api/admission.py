@@ -139,6 +139,7 @@ class WorkerLoad:
     steps: int = 0
     generated_tokens: int = 0
     aborted: int = 0
+    preemptions: int = 0
     draining: bool = False
     block_size: int = 0  # of its KV cache: the blocks its cache summary names
     intake_open: bool = True  # False while its engine waits for KV blocks

@@ -1,9 +1,15 @@
 """Prometheus metrics: what the API sees per request, and what the engine reports.
 
+The series a vLLM dashboard or autoscaling rule reads have vLLM's names and
+``model_name`` label: per request (``ServingMetrics.track``, observed by the
+replica that served it, so summing replicas counts each request once) and per
+engine (``engine_families``: running, waiting, KV cache usage, preemptions;
+read at scrape time from the embedded engine, or from the fleet in
+distributed mode, where every replica reports the same fleet and a query
+takes the ``max``). What vLLM has no name for keeps a ``sluice_`` one.
+
 Each app gets its own ``CollectorRegistry``, so several apps in one process
-(tests) do not collide. Request metrics are observed by wrapping the
-backend's event iterator (``ServingMetrics.track``); engine gauges are read
-from the backend's health snapshot at scrape time.
+(tests) do not collide.
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from api.backends.base import BackendHealth
+from api.backends.base import BackendHealth, EngineLoad
 from shared.events import Finish, InferenceEvent, Ready, Text
 
 if TYPE_CHECKING:
@@ -34,30 +40,47 @@ class ServingMetrics:
             ["protocol", "status"],
             registry=self.registry,
         )
-        self.time_to_first_token = Histogram(
-            "sluice_time_to_first_token_seconds",
-            "From the request's arrival to its first generated token.",
-            ["protocol"],
-            buckets=_LATENCY_BUCKETS,
+        self.time_to_first_token = self._histogram(
+            "time_to_first_token_seconds", "From the request's arrival to its first token."
+        )
+        self.inter_token_latency = self._histogram(
+            "inter_token_latency_seconds", "Between consecutive tokens of one request."
+        )
+        self.e2e_latency = self._histogram(
+            "e2e_request_latency_seconds", "From the request's arrival to its last event."
+        )
+        self.queue_time = self._histogram(
+            "request_queue_time_seconds",
+            "From the request's arrival to the end of the engine step that first scheduled "
+            "it (preparation and, in distributed mode, the queue included).",
+        )
+        self.prompt_tokens = self._counter("prompt_tokens", "Prompt tokens processed.")
+        self.generation_tokens = self._counter("generation_tokens", "Tokens generated.")
+        self.prefix_cache_queries = self._counter(
+            "prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
+        )
+        self.prefix_cache_hits = self._counter(
+            "prefix_cache_hits", "Prompt tokens served from the prefix cache."
+        )
+        self.request_success = Counter(
+            "vllm:request_success",
+            "Requests finished, by why they finished (stop, length, abort).",
+            ["model_name", "finished_reason"],
             registry=self.registry,
         )
-        self.inter_token_latency = Histogram(
-            "sluice_inter_token_latency_seconds",
-            "Between consecutive generated tokens of one request.",
-            ["protocol"],
-            buckets=_LATENCY_BUCKETS,
-            registry=self.registry,
-        )
-        self.prompt_tokens = self._token_counter("prompt", "Prompt tokens processed.")
-        self.cached_prompt_tokens = self._token_counter(
-            "cached_prompt", "Prompt tokens served from the prefix cache (the workers' caches)."
-        )
-        self.completion_tokens = self._token_counter("completion", "Completion tokens generated.")
         self.registry.register(_EngineCollector(health))
 
-    def _token_counter(self, kind: str, documentation: str) -> Counter:
-        labels = ["model", "protocol"]
-        return Counter(f"sluice_{kind}_tokens", documentation, labels, registry=self.registry)
+    def _histogram(self, name: str, documentation: str) -> Histogram:
+        return Histogram(
+            f"vllm:{name}",
+            documentation,
+            ["model_name"],
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+
+    def _counter(self, name: str, documentation: str) -> Counter:
+        return Counter(f"vllm:{name}", documentation, ["model_name"], registry=self.registry)
 
     def count_request(self, protocol: str, status: int) -> None:
         self.requests.labels(protocol, str(status)).inc()
@@ -69,25 +92,27 @@ class ServingMetrics:
 
         Closing this iterator closes ``events`` (which cancels the request).
         """
-        protocol, model = prepared.protocol.name, prepared.model.spec.name
+        model = prepared.model.spec.name
         last_token: float | None = None
-        inter_token = self.inter_token_latency.labels(protocol)  # looked up once, not per token
+        inter_token = self.inter_token_latency.labels(model)  # looked up once, not per token
         try:
             async for event in events:
                 now = time.monotonic()
                 if isinstance(event, Text) and event.token_ids:
                     if last_token is None:
-                        self.time_to_first_token.labels(protocol).observe(now - arrived)
+                        self.time_to_first_token.labels(model).observe(now - arrived)
                     else:
                         inter_token.observe(now - last_token)
                     last_token = now
                 elif isinstance(event, Ready):
-                    self.prompt_tokens.labels(model, protocol).inc(event.prompt_tokens)
-                    cached = self.cached_prompt_tokens.labels(model, protocol)
-                    cached.inc(event.cached_tokens)
+                    self.queue_time.labels(model).observe(now - arrived)
+                    self.prompt_tokens.labels(model).inc(event.prompt_tokens)
+                    self.prefix_cache_queries.labels(model).inc(event.prompt_tokens)
+                    self.prefix_cache_hits.labels(model).inc(event.cached_tokens)
                 elif isinstance(event, Finish):
-                    completion = self.completion_tokens.labels(model, protocol)
-                    completion.inc(event.completion_tokens)
+                    self.generation_tokens.labels(model).inc(event.completion_tokens)
+                    self.request_success.labels(model, str(event.reason)).inc()
+                    self.e2e_latency.labels(model).observe(now - arrived)
                 yield event
         finally:
             close = getattr(events, "aclose", None)
@@ -96,6 +121,31 @@ class ServingMetrics:
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def engine_families(model: str, load: EngineLoad) -> list[Metric]:
+    """vLLM's engine series for one model's engine, or the sum of its workers' engines."""
+    running = GaugeMetricFamily(
+        "vllm:num_requests_running", "Requests in the running batch.", labels=["model_name"]
+    )
+    running.add_metric([model], load.running)
+    waiting = GaugeMetricFamily(
+        "vllm:num_requests_waiting",
+        "Requests waiting to be scheduled (distributed: every outstanding request not running).",
+        labels=["model_name"],
+    )
+    waiting.add_metric([model], load.waiting)
+    usage = GaugeMetricFamily(
+        "vllm:kv_cache_usage_perc", "KV cache blocks in use (1 = full).", labels=["model_name"]
+    )
+    usage.add_metric(
+        [model], load.kv_blocks_used / load.kv_blocks_total if load.kv_blocks_total else 0.0
+    )
+    preemptions = CounterMetricFamily(
+        "vllm:num_preemptions", "Requests preempted for KV blocks.", labels=["model_name"]
+    )
+    preemptions.add_metric([model], load.preemptions)
+    return [running, waiting, usage, preemptions]
 
 
 class _EngineCollector(Collector):
@@ -108,16 +158,6 @@ class _EngineCollector(Collector):
         health = self._health()
         yield GaugeMetricFamily(
             "sluice_engine_ready", "1 once the model is loaded.", value=int(health.ready)
-        )
-        yield GaugeMetricFamily(
-            "sluice_engine_running_requests",
-            "Sequences in the running batch.",
-            value=health.running,
-        )
-        yield GaugeMetricFamily(
-            "sluice_engine_waiting_requests",
-            "Requests waiting to be scheduled.",
-            value=health.waiting,
         )
         yield CounterMetricFamily(
             "sluice_engine_aborted_requests",

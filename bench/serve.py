@@ -41,7 +41,7 @@ from pathlib import Path
 
 from bench.engine import chosen_variants
 from bench.queue import Processes, free_port, run_streams, wait_ready
-from bench.vllm import VLLM_PYTHON, Measured, default_checkpoint, vllm_serve
+from bench.vllm import VLLM_PYTHON, Measured, vllm_serve_alone
 from workers.vllm_engine import VLLM_VERSION
 
 VARIANTS = {  # name -> sluice serve flags
@@ -292,7 +292,7 @@ def vllm_baseline(args: argparse.Namespace) -> Measured | None:
     with tempfile.TemporaryDirectory(prefix="sluice-bench-vllm-") as directory:
         workdir = Path(directory)
         settings = argparse.Namespace(new_tokens=args.new_tokens, streams=args.streams, rounds=1)
-        return vllm_serve(default_checkpoint(workdir), settings, workdir)
+        return vllm_serve_alone(settings, workdir)
 
 
 def _ratio(ours: float, reference: float | None) -> str:

@@ -119,6 +119,18 @@ def vllm_serve(
     return Served("vllm serve", base_url)
 
 
+def vllm_serve_alone(args: argparse.Namespace, workdir: Path) -> Measured:
+    """``vllm serve`` on the default model, started, measured and stopped (``bench.serve``'s
+    baseline)."""
+    processes = Processes()
+    try:
+        served = vllm_serve(processes, default_checkpoint(workdir), args, workdir)
+        measure_alternately([served], args)
+    finally:
+        processes.stop()
+    return summary(served)
+
+
 def sluice(processes: Processes, weights: Path, args: argparse.Namespace, workdir: Path) -> Served:
     """Redis, ``sluice serve --redis`` and one vLLM worker on ``weights``."""
     registry = workdir / "registry.toml"

@@ -16,16 +16,16 @@ import pytest
 
 yaml = pytest.importorskip("yaml")
 
-from api.backends.base import BackendHealth  # noqa: E402
+from api.backends.base import BackendHealth, EngineLoad  # noqa: E402
 from api.backends.fleet import FLEET_GAUGES  # noqa: E402
 from api.cli import build_parser as build_cli_parser  # noqa: E402
-from api.metrics import ServingMetrics  # noqa: E402
+from api.metrics import ServingMetrics, engine_families  # noqa: E402
 from shared.registry import default_registry  # noqa: E402
 from workers.main import build_parser as build_worker_parser  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 INFRA = ROOT / "infra"
-METRIC = re.compile(r"\bsluice_[a-z0-9_]+\b")
+METRIC = re.compile(r"\b(?:sluice_|vllm:)[a-z0-9_]+\b")
 
 
 def _yaml_docs(path: Path) -> list[dict]:
@@ -102,7 +102,7 @@ def _exported_metrics() -> set[str]:
     names = set(FLEET_GAUGES)
     suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count")}
     metrics = ServingMetrics(lambda: BackendHealth(ready=True))
-    for family in metrics.registry.collect():
+    for family in [*metrics.registry.collect(), *engine_families("m", EngineLoad())]:
         names.update(family.name + suffix for suffix in suffixes.get(family.type, ("",)))
     return names
 
@@ -121,7 +121,7 @@ def test_queried_metrics_are_exported() -> None:
     exported = _exported_metrics()
     queries = [_keda_query(), *_dashboard_exprs()]
     referenced = {name for query in queries for name in METRIC.findall(query)}
-    assert {"sluice_desired_workers", "sluice_time_to_first_token_seconds_bucket"} <= referenced
+    assert {"vllm:num_requests_waiting", "vllm:time_to_first_token_seconds_bucket"} <= referenced
     assert referenced - exported == set()
 
 
@@ -130,10 +130,12 @@ def test_autoscaler_targets_the_worker_and_its_model() -> None:
     assert scaled["scaleTargetRef"]["name"] == "sluice-worker"
     assert 1 <= scaled["minReplicaCount"] < scaled["maxReplicaCount"]
     query = _keda_query()
-    assert query.startswith("max(sluice_desired_workers{")
     worker = _parse(_container("sluice-worker")["args"])
     model = default_registry().resolve(worker.model).name
-    assert f'model="{model}"' in query
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting"):
+        assert f'max({name}{{model_name="{model}"}})' in query
+    (trigger,) = scaled["triggers"]
+    assert int(trigger["metadata"]["threshold"]) == worker.max_num_seqs
 
 
 def test_autoscaler_fails_safe() -> None:

@@ -127,6 +127,7 @@ class Heartbeat:
             "steps": snapshot.steps,
             "generated_tokens": snapshot.generated_tokens,
             "aborted": snapshot.aborted,
+            "preemptions": snapshot.preemptions,
             "draining": self._draining(),
             "block_size": snapshot.block_size,
             "intake_open": snapshot.intake_open,

@@ -137,6 +137,7 @@ class HostSnapshot:
     steps: int = 0
     generated_tokens: int = 0
     aborted: int = 0
+    preemptions: int = 0
     runs: int = 0
 
 
@@ -443,5 +444,6 @@ class WorkerHost:
             steps=stats.steps,
             generated_tokens=stats.tokens,
             aborted=stats.aborted,
+            preemptions=stats.preemptions,
             runs=len(self._runs),
         )

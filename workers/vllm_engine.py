@@ -122,6 +122,7 @@ class VllmEngine:
         self.scheduler = _SchedulerView(core_scheduler)
         self.block_manager = _BlocksView(core_scheduler)
         self.stats = _Stats()
+        self._count_preemptions(core_scheduler)
         self._requests: dict[str, _Request] = {}
         self._pending: list[InferenceEvent] = []
         self.description = (
@@ -131,6 +132,16 @@ class VllmEngine:
             f"of {self.block_manager.block_size}"
         )
         log.info("engine ready: %s", self.description)
+
+    def _count_preemptions(self, scheduler: Any) -> None:
+        """Count each request vLLM's scheduler preempts for KV blocks, as Sluice's engine does."""
+        preempt = scheduler._preempt_request
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            self.stats.preemptions += 1
+            return preempt(*args, **kwargs)
+
+        scheduler._preempt_request = counted
 
     def add_request(
         self,
@@ -440,3 +451,4 @@ class _Stats:
     steps: int = 0
     tokens: int = 0
     aborted: int = 0
+    preemptions: int = 0

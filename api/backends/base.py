@@ -59,11 +59,21 @@ class BackendHealth:
     ready: bool
     detail: str = ""
     failed: bool = False  # it can serve no more (the model failed to load, the engine died)
-    running: int = 0  # sequences in the running batch
-    waiting: int = 0  # admitted but not yet scheduled
     aborted: int = 0  # requests the engine stopped early (client gone, shutdown)
     steps: int = 0
     generated_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class EngineLoad:
+    """One model's engine load for ``/metrics`` (``api.metrics.engine_families``): its engine's,
+    or the sum of its workers' engines."""
+
+    running: int = 0  # sequences in the running batch
+    waiting: int = 0  # admitted but not yet scheduled (distributed: queued ones included)
+    kv_blocks_used: int = 0
+    kv_blocks_total: int = 0
+    preemptions: int = 0  # since start
 
 
 class Backend(Protocol):

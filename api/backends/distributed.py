@@ -118,8 +118,6 @@ class DistributedBackend(Backend):
         return BackendHealth(
             ready=detail is None,
             detail=detail or f"{len(snapshot.live)} live worker(s)",
-            running=sum(worker.running for worker in workers),
-            waiting=sum(worker.waiting for worker in workers),
             aborted=sum(worker.aborted for worker in workers),
             steps=sum(worker.steps for worker in workers),
             generated_tokens=sum(worker.generated_tokens for worker in workers),

@@ -25,12 +25,16 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from prometheus_client.core import Metric
+from prometheus_client.registry import Collector
+
 from api.admission import Limits, api_error, rate_limited_message
-from api.backends.base import Backend, BackendHealth, Place, ServedModel
+from api.backends.base import Backend, BackendHealth, EngineLoad, Place, ServedModel
+from api.metrics import engine_families
 from engine.config import EngineArgs
 from shared.events import Error, Finish, InferenceEvent, Ready, Text
 from shared.execution import default_enforce_eager
@@ -107,6 +111,7 @@ class EmbeddedBackend(Backend):
         self._streams: dict[str, asyncio.Queue[InferenceEvent | _Expired]] = {}
         self._served: ServedModel | None = None
         self._health = BackendHealth(ready=False, detail="loading the model")
+        self._engine_load = EngineLoad()
         self._failed: asyncio.Future[str] | None = None
 
     async def start(self) -> None:
@@ -140,6 +145,9 @@ class EmbeddedBackend(Backend):
 
     def models(self) -> list[ServedModel]:
         return [self._served] if self._served is not None else []
+
+    def metrics_collector(self) -> Collector:
+        return _EngineLoadCollector(self._spec.name, lambda: self._engine_load)
 
     async def admit(self, model: str | None = None) -> Place:
         """A place among the ``max_inflight`` requests admitted and not ended, or a 429."""
@@ -262,15 +270,17 @@ class EmbeddedBackend(Backend):
             loop.call_soon_threadsafe(self._deliver, events)
 
     def _publish(self, engine: LLMEngine) -> None:
-        """Refresh the health snapshot the event loop reads (one assignment)."""
-        scheduler, stats = engine.scheduler, engine.stats
-        self._health = BackendHealth(
-            ready=True,
+        """Refresh the snapshots the event loop reads (one assignment each)."""
+        scheduler, stats, blocks = engine.scheduler, engine.stats, engine.block_manager
+        self._engine_load = EngineLoad(
             running=len(scheduler.running),
             waiting=len(scheduler.waiting),
-            aborted=stats.aborted,
-            steps=stats.steps,
-            generated_tokens=stats.tokens,
+            kv_blocks_used=blocks.num_blocks - blocks.num_free_blocks,
+            kv_blocks_total=blocks.num_blocks,
+            preemptions=stats.preemptions,
+        )
+        self._health = BackendHealth(
+            ready=True, aborted=stats.aborted, steps=stats.steps, generated_tokens=stats.tokens
         )
 
 
@@ -343,3 +353,14 @@ def _next_deadline(deadlines: Deadlines, started: bool, first_token: bool) -> tu
     if not started:
         waiting.append(("queue_timeout", deadlines.queue))
     return min(((kind, at) for kind, at in waiting if at is not None), key=lambda item: item[1])
+
+
+class _EngineLoadCollector(Collector):
+    """vLLM's engine series for the embedded engine, read at scrape time."""
+
+    def __init__(self, model: str, load: Callable[[], EngineLoad]) -> None:
+        self._model = model
+        self._load = load
+
+    def collect(self) -> Iterator[Metric]:
+        yield from engine_families(self._model, self._load())

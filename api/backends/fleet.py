@@ -21,7 +21,9 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from api.admission import FleetSnapshot, WorkerLoad
+from api.backends.base import EngineLoad
 from api.backends.placement import KINDS
+from api.metrics import engine_families
 from shared import keys
 from shared.task_message import queue_lists
 
@@ -138,6 +140,21 @@ def fleet_gauges(snapshot: FleetSnapshot, default_capacity: int) -> dict[str, in
     }
 
 
+def fleet_load(snapshot: FleetSnapshot) -> EngineLoad:
+    """The live workers' engines as one. Every outstanding request not running counts as
+    waiting (queued, reserved by a worker, or waiting in its engine), so running + waiting is
+    the model's outstanding work, what autoscaling divides by a worker's capacity."""
+    workers = snapshot.workers
+    running = sum(worker.running for worker in workers)
+    return EngineLoad(
+        running=running,
+        waiting=max(0, snapshot.outstanding - running),
+        kv_blocks_used=sum(worker.kv_blocks_used for worker in workers),
+        kv_blocks_total=sum(worker.kv_blocks_total for worker in workers),
+        preemptions=sum(worker.preemptions for worker in workers),
+    )
+
+
 class FleetCollector(Collector):
     """Per-model gauges for ``/metrics``, read from the fleet snapshot at scrape time, and the
     placements by kind."""
@@ -155,7 +172,9 @@ class FleetCollector(Collector):
         self._placed = placed if placed is not None else Counter()
 
     def collect(self) -> Iterator[Metric]:
-        for name, value in fleet_gauges(self._snapshot(), self._capacity).items():
+        snapshot = self._snapshot()
+        yield from engine_families(self._model, fleet_load(snapshot))
+        for name, value in fleet_gauges(snapshot, self._capacity).items():
             family = GaugeMetricFamily(name, FLEET_GAUGES[name], labels=["model"])
             family.add_metric([self._model], value)
             yield family

@@ -44,8 +44,6 @@ class SeveralModels(Backend):
             ready=all(health.ready for health in values),
             detail="; ".join(waiting_for),
             failed=any(health.failed for health in values),
-            running=sum(health.running for health in values),
-            waiting=sum(health.waiting for health in values),
             aborted=sum(health.aborted for health in values),
             steps=sum(health.steps for health in values),
             generated_tokens=sum(health.generated_tokens for health in values),

@@ -22,6 +22,7 @@ import pytest
 from api.admission import ERROR_STATUSES, api_error
 from api.backends.channel import RENEW_S
 from api.backends.distributed import DistributedBackend
+from api.backends.fleet import fleet_load
 from api.errors import ApiError
 from api.settings import Settings
 from shared import keys
@@ -344,7 +345,7 @@ def test_admission_waits_for_a_worker_then_refuses(server: RedisServer):
     assert 0.5 <= waited < 2
 
 
-def test_context_length_and_health_follow_the_heartbeats(server: RedisServer):
+def test_context_length_and_load_follow_the_heartbeats(server: RedisServer):
     fake_worker(server, "other", max_model_len=256, running=2, kv_blocks_used=7)
 
     async def scenario() -> tuple[int, int, int]:
@@ -352,8 +353,8 @@ def test_context_length_and_health_follow_the_heartbeats(server: RedisServer):
         try:
             while len(backend.snapshot.workers) < 2:
                 await asyncio.sleep(0.05)
-            health = backend.health()
-            return backend.models()[0].context_length, health.running, len(backend.snapshot.live)
+            running = fleet_load(backend.snapshot).running
+            return backend.models()[0].context_length, running, len(backend.snapshot.live)
         finally:
             await backend.stop()
 

@@ -81,13 +81,14 @@ def take(server: RedisServer, worker_id: str, count: int) -> None:
 
 
 def fleet_gauges(text: str) -> Gauges:
-    """The ``sluice_*`` gauges of the served model, by name."""
+    """The gauges of the served model, by name: ``sluice_*`` (label ``model``) and vLLM's
+    (label ``model_name``)."""
     return {
         sample.name: sample.value
         for family in text_string_to_metric_families(text)
         if family.type == "gauge"
         for sample in family.samples
-        if sample.labels.get("model") == DEFAULT_MODEL
+        if DEFAULT_MODEL in (sample.labels.get("model"), sample.labels.get("model_name"))
     }
 
 
@@ -113,7 +114,8 @@ def fleet(gauges: Gauges) -> dict[str, float]:
         "requests_queued", "requests_in_flight", "requests_outstanding", "workers_live",
         "workers_running_requests", "desired_workers",
     )  # fmt: skip
-    return {name: gauges[f"sluice_{name}"] for name in names}
+    vllm = {name: gauges[f"vllm:num_requests_{name}"] for name in ("running", "waiting")}
+    return {name: gauges[f"sluice_{name}"] for name in names} | vllm
 
 
 async def submit(client: httpx.AsyncClient) -> httpx.Response:
@@ -168,17 +170,21 @@ def test_taken_jobs_count_as_in_flight_and_keep_the_desired_workers(
     assert queued == {
         "requests_queued": 3, "requests_in_flight": 0, "requests_outstanding": 3,
         "workers_live": 1, "workers_running_requests": 0, "desired_workers": 2,
+        "running": 0, "waiting": 3,
     }  # fmt: skip
-    # The list holds 1 job, but 3 still need a worker: ceil(3 / 2), not ceil(1 / 2).
+    # The list holds 1 job, but 3 still need a worker: ceil(3 / 2), not ceil(1 / 2); vLLM's
+    # running + waiting is the same 3, the one reserved but not running counted as waiting.
     assert taken == {
         "requests_queued": 1, "requests_in_flight": 2, "requests_outstanding": 3,
         "workers_live": 1, "workers_running_requests": 1, "desired_workers": 2,
+        "running": 1, "waiting": 2,
     }  # fmt: skip
     assert second_worker == {**taken, "workers_live": 2}
     # The untaken job was withdrawn from the list: nothing is left to scale for.
     assert cancelled == {
         "requests_queued": 0, "requests_in_flight": 0, "requests_outstanding": 0,
         "workers_live": 2, "workers_running_requests": 1, "desired_workers": 0,
+        "running": 1, "waiting": 0,
     }  # fmt: skip
 
 
@@ -211,4 +217,5 @@ def test_jobs_on_every_priority_list_count_as_queued(metrics_api: str, server: R
     assert fleet(gauges) == {
         "requests_queued": 5, "requests_in_flight": 0, "requests_outstanding": 5,
         "workers_live": 1, "workers_running_requests": 0, "desired_workers": 3,
+        "running": 0, "waiting": 5,
     }  # fmt: skip

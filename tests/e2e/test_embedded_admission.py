@@ -9,6 +9,7 @@ deadline's 504, and both leave the engine.
 from __future__ import annotations
 
 import asyncio
+import re
 import statistics
 import time
 from collections.abc import Iterator
@@ -129,7 +130,7 @@ RUNNING_TOKENS = 100  # long enough to queue others behind, short of the queue d
 async def _until_waiting(client: httpx.AsyncClient, count: int) -> None:
     for _ in range(200):
         metrics = (await client.get("/metrics")).text
-        if f"sluice_engine_waiting_requests {count}.0" in metrics:
+        if re.search(rf"^vllm:num_requests_waiting{{[^}}]*}} {count}\.0$", metrics, re.M):
             return
         await asyncio.sleep(0.02)
     pytest.fail(f"{count} requests never waited together")

@@ -9,10 +9,13 @@ import anthropic
 import httpx
 import openai
 import pytest
+from openai import OpenAI
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.e2e.conftest import CONTEXT
 
 MODEL = "default"
+SERVED = "smollm2-135m-instruct"  # the name "default" resolves to: the metrics' model_name
 MESSAGES = [{"role": "user", "content": "Write a long story about a dragon who learns to fly."}]
 UNKNOWN_MODEL_MESSAGE = (
     "The supported API model names are default, smollm2-135m-instruct, but you passed nope."
@@ -109,21 +112,66 @@ def test_unknown_route_and_method(http: httpx.Client):
     assert wrong_method.json()["type"] == "error"
 
 
-def test_health_ready_and_metrics(http: httpx.Client):
+def test_health_ready_and_metrics(http: httpx.Client, openai_client: OpenAI):
+    """After one known request, vLLM's series moved by what that request did."""
     assert http.get("/health").json() == {"status": "ok"}
     assert http.get("/ready").status_code == 200
-    metrics = http.get("/metrics").text
-    for name in (
-        "sluice_requests_total",
-        "sluice_time_to_first_token_seconds",
-        "sluice_inter_token_latency_seconds",
-        "sluice_prompt_tokens_total",
-        "sluice_completion_tokens_total",
-        "sluice_cached_prompt_tokens_total",
-        "sluice_engine_aborted_requests_total",
-        "sluice_engine_running_requests",
-    ):
-        assert name in metrics
+    before = samples(http)
+    reply = openai_client.chat.completions.create(
+        model="default", messages=[{"role": "user", "content": "Hi"}], max_tokens=5,
+        temperature=0, extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    after = samples(http)
+
+    def moved(name: str, **labels: str) -> float:
+        key = (name, frozenset({"model_name": SERVED, **labels}.items()))
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    usage = reply.usage
+    assert moved("vllm:prompt_tokens_total") == usage.prompt_tokens
+    assert moved("vllm:generation_tokens_total") == usage.completion_tokens == 5
+    assert moved("vllm:prefix_cache_queries_total") == usage.prompt_tokens
+    cached = usage.prompt_tokens_details.cached_tokens
+    assert moved("vllm:prefix_cache_hits_total") == cached
+    assert moved("vllm:request_success_total", finished_reason="length") == 1
+    for name in ("time_to_first_token", "e2e_request_latency", "request_queue_time"):
+        assert moved(f"vllm:{name}_seconds_count") == 1, name
+    assert moved("vllm:inter_token_latency_seconds_count") == 4
+    assert ("vllm:num_preemptions_total", frozenset({"model_name": SERVED}.items())) in after
+    assert engine_gauges(after) == (0, 0, 0)  # cached blocks no request holds count as free
+    stream = openai_client.chat.completions.create(
+        model="default", messages=MESSAGES, max_tokens=500, stream=True,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    with stream:
+        next(iter(stream))
+        running, waiting, usage = engine_gauges(samples(http))
+    assert (running, waiting) == (1, 0) and 0 < usage < 1
+    deadline = time.monotonic() + 20
+    while engine_gauges(samples(http)) != (
+        0,
+        0,
+        0,
+    ):  # the closed stream's abort, for the tests after
+        assert time.monotonic() < deadline, "the closed stream was not aborted"
+        time.sleep(0.05)
+
+
+def engine_gauges(values: dict[tuple[str, frozenset], float]) -> tuple[float, ...]:
+    """vLLM's running, waiting and KV cache usage gauges for the served model."""
+    labels = frozenset({"model_name": SERVED}.items())
+    names = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc")
+    return tuple(values[(name, labels)] for name in names)
+
+
+def samples(http: httpx.Client) -> dict[tuple[str, frozenset], float]:
+    """Every sample of ``/metrics``, by name and labels."""
+    text = http.get("/metrics").text
+    return {
+        (sample.name, frozenset(sample.labels.items())): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
 
 
 # --- a client that leaves ------------------------------------------------------------
@@ -131,7 +179,7 @@ def test_health_ready_and_metrics(http: httpx.Client):
 
 def _metric(http: httpx.Client, name: str) -> float:
     text = http.get("/metrics").text
-    match = re.search(rf"^{name} (\S+)$", text, re.MULTILINE)
+    match = re.search(rf"^{re.escape(name)} (\S+)$", text, re.MULTILINE)
     assert match, f"{name} not in /metrics"
     return float(match.group(1))
 
@@ -145,7 +193,7 @@ def _wait_for_abort(http: httpx.Client, aborted_before: float) -> None:
 
 def _assert_engine_idle(http: httpx.Client, tokens_before: float, budget: int) -> None:
     """Nothing runs, nothing more is generated, and far less than the budget was spent."""
-    assert _metric(http, "sluice_engine_running_requests") == 0
+    assert _metric(http, f'vllm:num_requests_running{{model_name="{SERVED}"}}') == 0
     generated = _metric(http, "sluice_engine_generated_tokens_total")
     time.sleep(0.5)
     assert _metric(http, "sluice_engine_generated_tokens_total") == generated

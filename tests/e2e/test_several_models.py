@@ -78,10 +78,7 @@ def test_the_model_field_chooses_the_engine(server: str, client: OpenAI) -> None
         assert answer.usage is not None and answer.usage.completion_tokens == 6
     metrics = httpx.get(f"{server}/metrics").text
     for model in ("smollm2-135m-instruct", "tiny-llama"):
-        assert (
-            f'sluice_completion_tokens_total{{model="{model}",protocol="chat.completions"}}'
-            in metrics
-        )
+        assert f'vllm:generation_tokens_total{{model_name="{model}"}}' in metrics
 
 
 def test_an_unknown_model_names_every_served_one(client: OpenAI) -> None:
