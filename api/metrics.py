@@ -3,7 +3,7 @@
 The series a vLLM dashboard or autoscaling rule reads have vLLM's names and
 ``model_name`` label: per request (``ServingMetrics.track``, observed by the
 replica that served it, so summing replicas counts each request once) and per
-engine (``engine_families``: running, waiting, KV cache usage, preemptions;
+engine (``shared.engine_metrics``: running, waiting, KV cache usage, preemptions;
 read at scrape time from the embedded engine, or from the fleet in
 distributed mode, where every replica reports the same fleet and a query
 takes the ``max``). What vLLM has no name for keeps a ``sluice_`` one.
@@ -22,7 +22,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from api.backends.base import BackendHealth, EngineLoad
+from api.backends.base import BackendHealth
 from shared.events import Finish, InferenceEvent, Ready, Text
 
 if TYPE_CHECKING:
@@ -121,31 +121,6 @@ class ServingMetrics:
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
-
-
-def engine_families(model: str, load: EngineLoad) -> list[Metric]:
-    """vLLM's engine series for one model's engine, or the sum of its workers' engines."""
-    running = GaugeMetricFamily(
-        "vllm:num_requests_running", "Requests in the running batch.", labels=["model_name"]
-    )
-    running.add_metric([model], load.running)
-    waiting = GaugeMetricFamily(
-        "vllm:num_requests_waiting",
-        "Requests waiting to be scheduled (distributed: every outstanding request not running).",
-        labels=["model_name"],
-    )
-    waiting.add_metric([model], load.waiting)
-    usage = GaugeMetricFamily(
-        "vllm:kv_cache_usage_perc", "KV cache blocks in use (1 = full).", labels=["model_name"]
-    )
-    usage.add_metric(
-        [model], load.kv_blocks_used / load.kv_blocks_total if load.kv_blocks_total else 0.0
-    )
-    preemptions = CounterMetricFamily(
-        "vllm:num_preemptions", "Requests preempted for KV blocks.", labels=["model_name"]
-    )
-    preemptions.add_metric([model], load.preemptions)
-    return [running, waiting, usage, preemptions]
 
 
 class _EngineCollector(Collector):

@@ -16,10 +16,11 @@ import pytest
 
 yaml = pytest.importorskip("yaml")
 
-from api.backends.base import BackendHealth, EngineLoad  # noqa: E402
+from api.backends.base import BackendHealth  # noqa: E402
 from api.backends.fleet import FLEET_GAUGES  # noqa: E402
 from api.cli import build_parser as build_cli_parser  # noqa: E402
-from api.metrics import ServingMetrics, engine_families  # noqa: E402
+from api.metrics import ServingMetrics  # noqa: E402
+from shared.engine_metrics import EngineLoad, engine_families  # noqa: E402
 from shared.registry import default_registry  # noqa: E402
 from workers.main import build_parser as build_worker_parser  # noqa: E402
 

@@ -132,6 +132,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=DEFAULT_DRAIN_GRACE_S,
         help="on SIGTERM, seconds running generations get to finish before being handed back",
     )
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="serve this worker's engine load on http://0.0.0.0:PORT/metrics, under vLLM's "
+        "names (default: none)",
+    )
     parser.add_argument("--loglevel", default="INFO")
     parser.add_argument("--log-format", default="text", choices=logs.LOG_FORMATS)
     return parser
@@ -166,6 +173,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         queues,
         drain_grace_s=args.drain_grace,
         loglevel=args.loglevel.upper(),
+        metrics_port=args.metrics_port,
     )
 
 
@@ -238,6 +246,7 @@ def serve(
     *,
     drain_grace_s: float = DEFAULT_DRAIN_GRACE_S,
     loglevel: str = "INFO",
+    metrics_port: int | None = None,
 ) -> int:
     """Run the Celery worker in this (main) thread until a shutdown signal; the exit code.
 
@@ -252,6 +261,8 @@ def serve(
 
     queues = [queues[0], identity.own_queue, *queues[1:]]
     runtime = WorkerRuntime.start(redis_url, identity, engine)
+    if metrics_port is not None:
+        runtime.serve_metrics(metrics_port)
     app = create_app(redis_url, queues, engine.args.max_num_seqs, runtime.link)
     register_task(app, runtime.context)
 

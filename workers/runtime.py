@@ -23,10 +23,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import redis
+from prometheus_client import CollectorRegistry, start_http_server
 from redis.backoff import ExponentialWithJitterBackoff
 from redis.retry import Retry
 
 from shared import keys
+from shared.engine_metrics import EngineLoad, EngineLoadCollector
 from workers.broker import BrokerLink
 from workers.cache_summary import CacheSummary
 from workers.cancellation import CancellationWatcher
@@ -126,6 +128,24 @@ class WorkerRuntime:
         """Whether the engine thread died (also when a shutdown began between the death and
         the watchdog's next look)."""
         return self.host.engine_died()
+
+    def serve_metrics(self, port: int) -> None:
+        """This worker's engine load on ``http://0.0.0.0:port/metrics`` (a thread of
+        prometheus_client's), under vLLM's names (``shared.engine_metrics``)."""
+        registry = CollectorRegistry(auto_describe=True)
+        registry.register(EngineLoadCollector(self.identity.model, self._engine_load))
+        start_http_server(port, registry=registry)
+        log.info("engine metrics on http://0.0.0.0:%d/metrics", port)
+
+    def _engine_load(self) -> EngineLoad:
+        snapshot = self.host.snapshot
+        return EngineLoad(
+            running=snapshot.running,
+            waiting=snapshot.waiting,
+            kv_blocks_used=snapshot.kv_blocks_used,
+            kv_blocks_total=snapshot.kv_blocks_total,
+            preemptions=snapshot.preemptions,
+        )
 
     def drain_in_background(self, grace_s: float) -> threading.Thread:
         """Start the drain without blocking (it is begun from a signal handler)."""

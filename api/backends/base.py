@@ -64,18 +64,6 @@ class BackendHealth:
     generated_tokens: int = 0
 
 
-@dataclass(frozen=True, slots=True)
-class EngineLoad:
-    """One model's engine load for ``/metrics`` (``api.metrics.engine_families``): its engine's,
-    or the sum of its workers' engines."""
-
-    running: int = 0  # sequences in the running batch
-    waiting: int = 0  # admitted but not yet scheduled (distributed: queued ones included)
-    kv_blocks_used: int = 0
-    kv_blocks_total: int = 0
-    preemptions: int = 0  # since start
-
-
 class Backend(Protocol):
     """Runs prepared requests: every capability the API calls, with no-op defaults.
 

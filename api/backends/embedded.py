@@ -25,17 +25,16 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
 from api.admission import Limits, api_error, rate_limited_message
-from api.backends.base import Backend, BackendHealth, EngineLoad, Place, ServedModel
-from api.metrics import engine_families
+from api.backends.base import Backend, BackendHealth, Place, ServedModel
 from engine.config import EngineArgs
+from shared.engine_metrics import EngineLoad, EngineLoadCollector
 from shared.events import Error, Finish, InferenceEvent, Ready, Text
 from shared.execution import default_enforce_eager
 from shared.generation_config import sampling_defaults
@@ -147,7 +146,7 @@ class EmbeddedBackend(Backend):
         return [self._served] if self._served is not None else []
 
     def metrics_collector(self) -> Collector:
-        return _EngineLoadCollector(self._spec.name, lambda: self._engine_load)
+        return EngineLoadCollector(self._spec.name, lambda: self._engine_load)
 
     async def admit(self, model: str | None = None) -> Place:
         """A place among the ``max_inflight`` requests admitted and not ended, or a 429."""
@@ -353,14 +352,3 @@ def _next_deadline(deadlines: Deadlines, started: bool, first_token: bool) -> tu
     if not started:
         waiting.append(("queue_timeout", deadlines.queue))
     return min(((kind, at) for kind, at in waiting if at is not None), key=lambda item: item[1])
-
-
-class _EngineLoadCollector(Collector):
-    """vLLM's engine series for the embedded engine, read at scrape time."""
-
-    def __init__(self, model: str, load: Callable[[], EngineLoad]) -> None:
-        self._model = model
-        self._load = load
-
-    def collect(self) -> Iterator[Metric]:
-        yield from engine_families(self._model, self._load())

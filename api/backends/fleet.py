@@ -21,10 +21,9 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from api.admission import FleetSnapshot, WorkerLoad
-from api.backends.base import EngineLoad
 from api.backends.placement import KINDS
-from api.metrics import engine_families
 from shared import keys
+from shared.engine_metrics import EngineLoad, engine_families
 from shared.task_message import queue_lists
 
 log = logging.getLogger(__name__)

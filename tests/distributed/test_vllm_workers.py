@@ -23,6 +23,7 @@ import jsonschema
 import pytest
 import redis
 from openai import OpenAI
+from prometheus_client.parser import text_string_to_metric_families
 
 from bench.queue import tiny_model
 from shared import keys
@@ -90,6 +91,7 @@ class VllmFleet:
         self.redis = RedisServer(directory)
         self.redis.start()
         self.workers: dict[str, Child] = {}
+        self.metrics_ports: dict[str, int] = {}
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
         self.api = Child.spawn(
@@ -104,12 +106,14 @@ class VllmFleet:
             self.start_worker(f"v{index}", cpu=str(index - 1))
 
     def start_worker(self, worker_id: str, cpu: str) -> None:
+        self.metrics_ports[worker_id] = free_port()
         command = [
             str(VLLM_PYTHON), "-m", "workers.main", "--engine", "vllm",
             "--redis", self.redis.url, "--config", str(self.registry), "--model", MODEL,
             "--worker-id", worker_id, "--max-num-seqs", "4", "--enforce-eager",
             "--drain-grace", "0", "--loglevel", "WARNING",
             "--engine-arg", f"kv_cache_memory_bytes={KV_CACHE_BYTES}",
+            "--metrics-port", str(self.metrics_ports[worker_id]),
         ]  # fmt: skip
         env = {**CHILD_ENV, "VLLM_CPU_OMP_THREADS_BIND": cpu}
         self.workers[worker_id] = Child.spawn(command, self.directory / f"{worker_id}.log", env)
@@ -347,6 +351,46 @@ def _placements(base_url: str) -> dict[str, float]:
     text = httpx.get(f"{base_url}/metrics", timeout=10).text
     pattern = r'^sluice_placements_total\{model="[^"]+",placement="(\w+)"\} (\S+)$'
     return {kind: float(value) for kind, value in re.findall(pattern, text, re.MULTILINE)}
+
+
+def test_workers_and_the_api_report_vllm_s_engine_series(fleet: VllmFleet, client: OpenAI):
+    """Mid-stream, the serving worker's own /metrics and the API's fleet view say one request
+    runs and KV blocks are in use; after it, none runs."""
+    stream = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=300, stream=True,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    chunks = iter(stream)
+    next(chunks)
+
+    def during() -> tuple[dict, dict] | None:
+        workers = [_engine_series(f"http://127.0.0.1:{port}") for port in _ports(fleet)]
+        api = _engine_series(fleet.url)
+        busy = [series for series in workers if series["vllm:num_requests_running"] == 1]
+        return (busy[0], api) if len(busy) == 1 and api["vllm:num_requests_running"] == 1 else None
+
+    worker, api = wait_until(during, 10, "one running request in the series")
+    assert worker["vllm:num_requests_waiting"] == api["vllm:num_requests_waiting"] == 0
+    assert 0 < worker["vllm:kv_cache_usage_perc"] < 1 and 0 < api["vllm:kv_cache_usage_perc"] < 1
+    assert worker["vllm:num_preemptions_total"] == 0
+    list(chunks)
+    wait_until(lambda: _engine_series(fleet.url)["vllm:num_requests_running"] == 0, 10, "the end")
+
+
+def _ports(fleet: VllmFleet) -> list[int]:
+    return [fleet.metrics_ports[worker_id] for worker_id in fleet.workers]
+
+
+def _engine_series(base_url: str) -> dict[str, float]:
+    """The model's vLLM engine series at ``base_url``/metrics."""
+    text = httpx.get(f"{base_url}/metrics", timeout=10).text
+    return {
+        sample.name: sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name.startswith("vllm:num_") or sample.name == "vllm:kv_cache_usage_perc"
+        if sample.labels.get("model_name") == MODEL
+    }
 
 
 def test_a_drained_worker_hands_its_stream_to_the_other(fleet: VllmFleet, client: OpenAI):
