@@ -13,13 +13,15 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
 import anyio
 from fastapi import APIRouter, FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, RedirectResponse
+from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
@@ -62,6 +64,7 @@ log = logging.getLogger(__name__)
 IGNORED_FIELDS_HEADER = "sluice-ignored-fields"
 MAX_IGNORED_HEADER = 1000
 STORE_RETRY_AFTER_S = 2
+PLAYGROUND = Path(__file__).parent / "playground"  # static files, no build step
 
 T = TypeVar("T")
 
@@ -92,6 +95,8 @@ def create_app(settings: Settings | None = None, backend: Backend | None = None)
     app.include_router(responses_router(stored))
     app.add_api_route(messages.COUNT_TOKENS_PATH, _count_tokens_route(serving), methods=["POST"])
     app.include_router(info_router(serving))
+    app.mount("/playground", StaticFiles(directory=PLAYGROUND, html=True), name="playground")
+    app.add_api_route("/", _to_playground, methods=["GET"], include_in_schema=False)
     app.add_api_route("/health", _health_route(serving), methods=["GET"])
     app.add_api_route("/ready", _ready_route(serving), methods=["GET"])
     app.add_api_route("/metrics", _metrics_route(serving), methods=["GET"])
@@ -209,6 +214,11 @@ def _embedded_backend(spec: ModelSpec, settings: Settings) -> Backend:
 
 
 # --- routes --------------------------------------------------------------------
+
+
+async def _to_playground() -> Response:
+    """The root is the playground: a chat page over ``/v1/chat/completions``."""
+    return RedirectResponse("/playground/")
 
 
 def _generation_route(protocol: Protocol, serving: Serving) -> Callable[..., Awaitable[Response]]:

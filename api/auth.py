@@ -15,7 +15,8 @@ A client sends its key as ``Authorization: Bearer <key>`` (the openai SDK) or
 ``x-api-key: <key>`` (the anthropic SDK). Keys are compared as SHA-256 digests
 in constant time and never logged; a key is known by its name (a plain key's
 name is ``key-`` and the start of its digest), which is also what owns its
-async jobs. ``/health`` and ``/ready`` stay open; ``/metrics`` is open unless
+async jobs. ``/health``, ``/ready``, ``/version`` and the playground's static page stay
+open (the page's calls carry the key its user types); ``/metrics`` is open unless
 ``--metrics-token`` is set, and then needs that token as a bearer.
 """
 
@@ -41,7 +42,8 @@ from api.rate_limits import KeyLimits
 
 log = logging.getLogger(__name__)
 
-OPEN_PATHS = frozenset({"/health", "/ready"})
+OPEN_PATHS = frozenset({"/health", "/ready", "/version", "/"})
+OPEN_PREFIXES = ("/playground/",)  # static files: api/playground
 METRICS_PATH = "/metrics"
 _LIMIT_FIELDS = ("requests_per_minute", "tokens_per_minute", "max_concurrent")
 _KEY_FIELDS = frozenset({"sha256", "priority", "models", *_LIMIT_FIELDS})
@@ -186,7 +188,8 @@ class Authentication:
         )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+        path = scope.get("path", "")
+        if scope["type"] != "http" or path in OPEN_PATHS or path.startswith(OPEN_PREFIXES):
             await self.app(scope, receive, send)
             return
         presented = presented_key(Headers(scope=scope))
