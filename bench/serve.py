@@ -140,8 +140,11 @@ def serve(flags: list[str], args: argparse.Namespace, workdir: Path) -> Served:
         env.pop(name, None)  # the variant's flags decide
     port = free_port()
     log = workdir / f"serve-{port}.log"
-    command = [sys.executable, "-m", "api.server", "--port", str(port),
-               "--max-num-seqs", str(args.streams), *flags]  # fmt: skip
+    sizing = ["--max-num-seqs", str(args.streams), *flags]
+    # The decode graphs compiled first (once per machine), as `sluice warmup` does before a
+    # deployment: a server that compiles them at its start runs eager steps meanwhile.
+    subprocess.run([sys.executable, "-m", "api.cli", "warmup", *sizing], env=env, check=True)
+    command = [sys.executable, "-m", "api.server", "--port", str(port), *sizing]
     processes = Processes()
     try:
         server = processes.spawn(command, log, env)
