@@ -26,7 +26,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from api.backends.base import Place
 from api.metrics import ServingMetrics
-from api.protocols.table import BY_PATH
+from api.protocols.table import BY_PATH, route_path
 
 if TYPE_CHECKING:
     from api.rate_limits import RateLimitTicket
@@ -36,6 +36,8 @@ log = logging.getLogger("sluice.access")
 
 REQUEST_ID_HEADER = "x-request-id"
 CLIENT_LEFT = 499
+# Polled by orchestrators and Prometheus: their successful answers are logged at DEBUG.
+PROBE_PATHS = frozenset({"/health", "/ready", "/metrics", "/version"})
 _WELL_FORMED = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 
 
@@ -73,7 +75,7 @@ class AccessLog:
         record = AccessRecord()
         state = scope.setdefault("state", {})
         state["request_id"], state["access"] = request_id, record
-        protocol = BY_PATH.get(scope["path"])
+        protocol = BY_PATH.get(route_path(scope))
         record.protocol = protocol.name if protocol is not None else None
         started = time.monotonic()
         status, ended = 500, False
@@ -109,7 +111,9 @@ class AccessLog:
             if record.first_token_at is not None
             else "-"
         )
-        log.info(
+        quiet = route_path(scope) in PROBE_PATHS and status < 400  # a probe's answer is routine
+        log.log(
+            logging.DEBUG if quiet else logging.INFO,
             "%s %s %s response=%s key=%s protocol=%s model=%s status=%d prompt_tokens=%s "
             "completion_tokens=%s ttft_ms=%s duration_ms=%.0f",
             state["request_id"],

@@ -45,7 +45,7 @@ from api.preparation import Prepared, encode_request, new_request_id
 from api.protocols import messages, responses
 from api.protocols.base import Protocol
 from api.protocols.openai_common import choices_per_prompt
-from api.protocols.table import BY_PATH, PROTOCOLS, error_shape
+from api.protocols.table import BY_PATH, PROTOCOLS, error_shape, route_path
 from api.rate_limits import MemoryRateLimiter, RateLimiter, RedisRateLimiter
 from api.serving import Serving
 from api.settings import Settings, load_models
@@ -414,7 +414,7 @@ async def _unless_client_leaves(request: Request, work: Awaitable[T]) -> T | Non
 def _install_error_handlers(app: FastAPI, serving: Serving) -> None:
 
     def respond(request: Request, error: ApiError) -> Response:
-        protocol = error_shape(request.url.path)
+        protocol = error_shape(route_path(request.scope))
         return JSONResponse(
             protocol.error_body(error), status_code=error.status, headers=error.headers
         )

@@ -37,7 +37,7 @@ from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from api.errors import ApiError
-from api.protocols.table import error_shape
+from api.protocols.table import error_shape, route_path
 from api.rate_limits import KeyLimits
 
 log = logging.getLogger(__name__)
@@ -188,12 +188,12 @@ class Authentication:
         )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        path = scope.get("path", "")
+        path = route_path(scope) if scope["type"] == "http" else ""
         if scope["type"] != "http" or path in OPEN_PATHS or path.startswith(OPEN_PREFIXES):
             await self.app(scope, receive, send)
             return
         presented = presented_key(Headers(scope=scope))
-        if scope["path"] == METRICS_PATH:
+        if path == METRICS_PATH:
             if self._metrics_digest is None or _matches(presented, self._metrics_digest):
                 await self.app(scope, receive, send)
                 return
@@ -226,7 +226,7 @@ def _matches(presented: str | None, digest: bytes) -> bool:
 async def _refuse(scope: Scope, receive: Receive, send: Send, message: str) -> None:
     """401 in the shape of the protocol the path belongs to; the SDKs raise AuthenticationError."""
     error = ApiError(401, message, "authentication_error", None, "invalid_api_key")
-    body = error_shape(scope["path"]).error_body(error)
+    body = error_shape(route_path(scope)).error_body(error)
     await JSONResponse(body, status_code=401)(scope, receive, send)
 
 

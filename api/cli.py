@@ -7,12 +7,12 @@ pulls in torch and ``sluice generate`` never pulls in the web stack.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from pathlib import Path
 
 from shared.execution import ENFORCE_EAGER_HELP, default_enforce_eager
+from shared.flag_environment import apply_environment
 from shared.precision import (
     DTYPE_HELP,
     QUANTIZATION_CHOICES,
@@ -20,6 +20,7 @@ from shared.precision import (
     default_dtype,
 )
 from shared.sizes import add_gpu_memory_utilization, byte_size_argument
+from shared.version import package_version
 
 
 def _at_least_one(text: str) -> int:
@@ -189,6 +190,11 @@ def _serve(args: argparse.Namespace) -> int:
         config=Path(args.config) if args.config else None,
         host=args.host,
         port=args.port,
+        root_path=args.root_path,
+        ssl_keyfile=Path(args.ssl_keyfile) if args.ssl_keyfile else None,
+        ssl_certfile=Path(args.ssl_certfile) if args.ssl_certfile else None,
+        log_level=args.log_level,
+        uvicorn_log_level=args.uvicorn_log_level,
         dtype=args.dtype,
         quantization=args.quantization,
         enforce_eager=_enforce_eager(args),
@@ -214,7 +220,7 @@ def _serve(args: argparse.Namespace) -> int:
         max_files_per_key=args.max_files_per_key,
         batch_concurrency=args.batch_concurrency,
         batch_completion_window_s=args.batch_completion_window,
-        api_keys=tuple(args.api_key or ()) + _environment_key(),
+        api_keys=tuple(args.api_key or ()),
         api_keys_file=Path(args.api_keys) if args.api_keys else None,
         metrics_token=args.metrics_token,
         log_format=args.log_format,
@@ -246,12 +252,6 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"sluice serve: {exc}", file=sys.stderr)
         return 2
     return run(settings)
-
-
-def _environment_key() -> tuple[str, ...]:
-    """``SLUICE_API_KEY``, accepted beside any ``--api-key``."""
-    key = os.environ.get("SLUICE_API_KEY", "").strip()
-    return (key,) if key else ()
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -341,8 +341,12 @@ def _add_placement_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sluice", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"sluice {package_version()}")
     commands = parser.add_subparsers(dest="command", required=True)
 
     generate = commands.add_parser("generate", help="complete prompts offline")
@@ -363,8 +367,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = commands.add_parser("serve", help="serve the HTTP APIs")
     _add_engine_args(serve, several_models=True)
+    serve.add_argument("--version", action="version", version=f"sluice {package_version()}")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument(
+        "--root-path", default="", help="the path prefix a proxy serves the API under"
+    )
+    serve.add_argument("--ssl-keyfile", default=None, help="HTTPS: the private key file")
+    serve.add_argument("--ssl-certfile", default=None, help="HTTPS: the certificate file")
+    serve.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="Sluice's lines")
+    serve.add_argument(
+        "--uvicorn-log-level", default="info", choices=LOG_LEVELS, help="uvicorn's own lines"
+    )
     serve.add_argument("--config", default=None, help="TOML model registry ([models.<name>])")
     serve.add_argument(
         "--redis", default=None, metavar="URL", help="run on workers behind this Redis"
@@ -452,7 +466,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--api-key",
         action="append",
         metavar="KEY",
-        help="require this API key (repeatable; SLUICE_API_KEY adds one)",
+        help="require this API key (repeatable)",
     )
     serve.add_argument(
         "--api-keys",
@@ -540,6 +554,7 @@ def build_parser() -> argparse.ArgumentParser:
         "typed parts (openai); auto (the default) decides from the template",
     )
     serve.set_defaults(run=_serve)
+    apply_environment(serve)
 
     # Listed for --help; its options belong to workers.main, which main() hands them to.
     commands.add_parser("worker", help="run a GPU worker for distributed mode (--redis URL)")

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable
-from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
@@ -26,6 +25,7 @@ from api.protocols import chat_completions, completions
 from api.protocols.openai_common import Fields
 from api.serving import Serving
 from shared.registry import ModelSpec
+from shared.version import package_version
 
 # What vLLM's two forms of /tokenize take; ``return_token_strs`` is read here, the rest by the
 # reader of the protocol whose body the form is.
@@ -77,13 +77,6 @@ def info_router(serving: Serving) -> APIRouter:
     router.add_api_route("/tokenize", _tokenize(serving), methods=["POST"])
     router.add_api_route("/detokenize", _detokenize(serving), methods=["POST"])
     return router
-
-
-def package_version() -> str:
-    try:
-        return version("sluice")
-    except PackageNotFoundError:  # run from a checkout that is not installed
-        return "0+unknown"
 
 
 def _chat_tokenize(serving: Serving) -> Callable[..., Awaitable[Response]]:

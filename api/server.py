@@ -29,13 +29,16 @@ def run(settings: Settings) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
     # One format for the project's lines and uvicorn's (log_config=None: uvicorn's loggers
     # reach the root's handler); requests are logged once, by api.access_log.
-    logs.configure("INFO", settings.log_format)
+    logs.configure(settings.log_level.upper(), settings.log_format)
     app = create_app(settings)
     config = uvicorn.Config(
         app,
         host=settings.host,
         port=settings.port,
-        log_level="info",
+        root_path=settings.root_path,
+        ssl_keyfile=str(settings.ssl_keyfile) if settings.ssl_keyfile else None,
+        ssl_certfile=str(settings.ssl_certfile) if settings.ssl_certfile else None,
+        log_level=settings.uvicorn_log_level,
         log_config=None,
         access_log=False,
         http=GuardedHttpProtocol.configured(settings.header_timeout_s, settings.max_header_bytes),

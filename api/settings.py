@@ -32,6 +32,11 @@ class Settings:
     config: Path | None = None
     host: str = "127.0.0.1"
     port: int = 8000
+    root_path: str = ""  # behind a proxy that serves the API under this path prefix
+    ssl_keyfile: Path | None = None  # HTTPS with both, as uvicorn takes them
+    ssl_certfile: Path | None = None
+    log_level: str = "info"  # the project's lines
+    uvicorn_log_level: str = "info"  # uvicorn's own lines (vLLM's --uvicorn-log-level)
     dtype: str = field(default_factory=default_dtype)
     quantization: str = "auto"
     enforce_eager: bool = field(default_factory=default_enforce_eager)  # see shared.execution

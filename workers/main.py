@@ -26,8 +26,9 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from shared import keys, logs
+from shared import keys
 from shared.execution import ENFORCE_EAGER_HELP, default_enforce_eager
+from shared.flag_environment import apply_environment, logs
 from shared.heap import freeze_startup_heap
 from shared.precision import (
     DTYPE_HELP,
@@ -141,6 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--loglevel", default="INFO")
     parser.add_argument("--log-format", default="text", choices=logs.LOG_FORMATS)
+    apply_environment(parser)
     return parser
 
 

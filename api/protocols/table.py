@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 from api.protocols import chat_completions, completions, messages, responses
 from api.protocols.base import Protocol
 
@@ -15,6 +18,12 @@ PROTOCOLS: tuple[Protocol, ...] = (
 # anything else (models, tokenize, unknown paths) answers like OpenAI.
 DEFAULT_ERROR_SHAPE = chat_completions.PROTOCOL
 BY_PATH: dict[str, Protocol] = {protocol.path: protocol for protocol in PROTOCOLS}
+
+
+def route_path(scope: Mapping[str, Any]) -> str:
+    """The path the app routes: the request's, without the root path a proxy serves it under
+    (``sluice serve --root-path``)."""
+    return scope["path"].removeprefix(scope.get("root_path", ""))
 
 
 def error_shape(path: str) -> Protocol:

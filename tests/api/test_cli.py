@@ -137,3 +137,59 @@ def test_kv_cache_memory_sizes_the_engine(caplog: pytest.LogCaptureFixture) -> N
     kv_dtype = precision_for("auto", "auto", torch.device("cpu")).kv_dtype
     per_block = KVCache.bytes_per_block(30, 16, 3, 64, kv_dtype)
     assert f"{8 * 2**20 // per_block} KV blocks of 16" in caplog.text
+
+
+VLLM_COMMAND_LINE = [
+    "serve", "--model", "default",
+    "--host", "0.0.0.0", "--port", "9000", "--max-model-len", "2048", "--max-num-seqs", "8",
+    "--dtype", "bfloat16", "--api-key", "sk-1", "--root-path", "/llm",
+    "--ssl-keyfile", "key.pem", "--ssl-certfile", "cert.pem", "--uvicorn-log-level", "warning",
+]  # fmt: skip
+
+
+def test_a_vllm_serve_command_line_reads_as_vllm_reads_it() -> None:
+    args = build_parser().parse_args(VLLM_COMMAND_LINE)
+    assert (args.host, args.port, args.max_model_len, args.max_num_seqs) == (
+        "0.0.0.0",
+        9000,
+        2048,
+        8,
+    )
+    assert (args.dtype, args.api_key, args.root_path) == ("bfloat16", ["sk-1"], "/llm")
+    assert (args.ssl_keyfile, args.ssl_certfile) == ("key.pem", "cert.pem")
+    assert args.uvicorn_log_level == "warning"
+
+
+@pytest.mark.parametrize(
+    "flag", ["--tensor-parallel-size", "--enable-prefix-caching", "--trust-remote-code"]
+)
+def test_a_vllm_flag_sluice_does_not_share_is_refused_by_name(
+    flag: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        build_parser().parse_args([*VLLM_COMMAND_LINE, flag])
+    assert exited.value.code == 2
+    assert flag in capsys.readouterr().err
+
+
+def test_every_serve_flag_has_an_environment_variable(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("SLUICE_MAX_NUM_SEQS", "7")
+    monkeypatch.setenv("SLUICE_API_KEY", "sk-a,sk-b")
+    monkeypatch.setenv("SLUICE_PLACEMENT", "shared")
+    monkeypatch.setenv("SLUICE_QUEUE_TIMEOUT", "12.5")
+    args = build_parser().parse_args(["serve", "--api-key", "sk-c"])
+    assert (args.max_num_seqs, args.placement, args.queue_timeout) == (7, "shared", 12.5)
+    assert args.api_key == ["sk-a", "sk-b", "sk-c"]  # the command line adds to the variable's
+    assert build_parser().parse_args(["serve", "--max-num-seqs", "3"]).max_num_seqs == 3
+    monkeypatch.setenv("SLUICE_PLACEMENT", "nearest")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve"])
+    assert "SLUICE_PLACEMENT='nearest'" in capsys.readouterr().err
+
+
+def test_the_version_is_the_package_s(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        build_parser().parse_args(["--version"])
+    assert exited.value.code == 0 and capsys.readouterr().out.startswith("sluice ")
