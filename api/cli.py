@@ -91,6 +91,7 @@ def _add_engine_args(parser: argparse.ArgumentParser, *, several_models: bool = 
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument(
         "--kv-cache-memory",
+        "--kv-cache-memory-bytes",  # vLLM's spelling
         type=byte_size_argument,
         default=None,
         metavar="SIZE",

@@ -144,6 +144,7 @@ VLLM_COMMAND_LINE = [
     "--host", "0.0.0.0", "--port", "9000", "--max-model-len", "2048", "--max-num-seqs", "8",
     "--dtype", "bfloat16", "--api-key", "sk-1", "--root-path", "/llm",
     "--ssl-keyfile", "key.pem", "--ssl-certfile", "cert.pem", "--uvicorn-log-level", "warning",
+    "--kv-cache-memory-bytes", "1073741824",
 ]  # fmt: skip
 
 
@@ -157,7 +158,7 @@ def test_a_vllm_serve_command_line_reads_as_vllm_reads_it() -> None:
     )
     assert (args.dtype, args.api_key, args.root_path) == ("bfloat16", ["sk-1"], "/llm")
     assert (args.ssl_keyfile, args.ssl_certfile) == ("key.pem", "cert.pem")
-    assert args.uvicorn_log_level == "warning"
+    assert args.uvicorn_log_level == "warning" and args.kv_cache_memory == 2**30
 
 
 @pytest.mark.parametrize(
