@@ -20,6 +20,7 @@ from shared.precision import (
     default_dtype,
 )
 from shared.sizes import add_gpu_memory_utilization, byte_size_argument
+from shared.tool_syntax import TOOL_CALL_SYNTAXES
 from shared.version import package_version
 
 
@@ -236,6 +237,7 @@ def _serve(args: argparse.Namespace) -> int:
         allowed_origins=tuple(args.allowed_origins or ()),
         default_additional_properties=args.default_additional_properties == "true",
         chat_template_content_format=args.chat_template_content_format,
+        tool_call_parser=args.tool_call_parser,
         images=ImageOptions(
             DestinationPolicy.allowing(args.image_allow or ()),
             ImageQuota(args.max_images, args.max_image_bytes, args.max_image_pixels),
@@ -553,6 +555,13 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["auto", "string", "openai"],
         help="how the chat template gets message content: one string for text, or a list of "
         "typed parts (openai); auto (the default) decides from the template",
+    )
+    serve.add_argument(
+        "--tool-call-parser",
+        choices=TOOL_CALL_SYNTAXES,
+        default=None,
+        help="the syntax the served models write tool calls in, as vLLM's (default: each "
+        "registry entry's tool_parser)",
     )
     serve.set_defaults(run=_serve)
     apply_environment(serve)

@@ -83,6 +83,8 @@ class Settings:
     default_additional_properties: bool = False
     # How chat templates get message content; None: each registry entry's own (shared/registry.py).
     chat_template_content_format: str | None = None
+    # The syntax of tool calls (vLLM's --tool-call-parser); None: each registry entry's own.
+    tool_call_parser: str | None = None
 
 
 def load_models(settings: Settings) -> tuple[ModelRegistry, list[ModelSpec]]:
@@ -94,6 +96,8 @@ def load_models(settings: Settings) -> tuple[ModelRegistry, list[ModelSpec]]:
         names = tuple(spec.name for spec in own.specs())
     resolved = [registry.resolve(name, hub=True) for name in names or ("default",)]
     specs = list({spec.name: spec for spec in resolved}.values())  # a model named twice is one
+    if settings.tool_call_parser is not None:
+        specs = [spec.replaced(tool_parser=settings.tool_call_parser) for spec in specs]
     if settings.chat_template_content_format is not None:
         content_format = settings.chat_template_content_format
         specs = [spec.replaced(chat_template_content_format=content_format) for spec in specs]

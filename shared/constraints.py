@@ -24,16 +24,14 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any, Literal
+from typing import Any
 
 import llguidance
 
 from shared import dsml
 from shared.sampling import StructuredOutputs
 from shared.tokenizer_loader import LoadedTokenizer
-
-ToolCallSyntax = Literal["hermes", "llama3_json"]
-TOOL_CALL_SYNTAXES: tuple[str, ...] = ("hermes", "llama3_json")
+from shared.tool_syntax import ToolCallSyntax
 
 JSON_OPTIONS: dict[str, Any] = {
     "whitespace_flexible": False,

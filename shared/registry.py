@@ -17,10 +17,10 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Literal
 
-from shared.constraints import TOOL_CALL_SYNTAXES, ToolCallSyntax
 from shared.hub import hub_checkpoint, is_hub_id
 from shared.prompting import FORMAT_NAMES
 from shared.prompting.base import CONTENT_FORMATS, ContentFormat
+from shared.tool_syntax import TOOL_CALL_SYNTAXES, ToolCallSyntax
 
 PROMPT_FORMATS = FORMAT_NAMES
 CAPABILITIES = frozenset({"tools", "thinking", "images"})

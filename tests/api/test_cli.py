@@ -194,3 +194,12 @@ def test_the_version_is_the_package_s(capsys: pytest.CaptureFixture[str]) -> Non
     with pytest.raises(SystemExit) as exited:
         build_parser().parse_args(["--version"])
     assert exited.value.code == 0 and capsys.readouterr().out.startswith("sluice ")
+
+
+def test_tool_call_parser_sets_the_served_models_syntax() -> None:
+    from api.settings import Settings, load_models
+
+    args = build_parser().parse_args(["serve", "--tool-call-parser", "llama3_json"])
+    registry, [spec] = load_models(Settings(tool_call_parser=args.tool_call_parser))
+    assert spec.tool_parser == "llama3_json" == registry.resolve("default").tool_parser
+    assert load_models(Settings())[1][0].tool_parser == "hermes"
