@@ -130,6 +130,18 @@ class Deadlines:
     first_token: float | None = None
     total: float | None = None
 
+    def pending(self, started: bool, first_token: bool) -> tuple[float | None, str]:
+        """The earliest deadline a request that got this far must still meet (None: none),
+        and the error kind when it passes: ``queue_timeout`` until it starts,
+        ``first_token_timeout`` until its first token, ``total_timeout`` always."""
+        candidates = [(self.total, "total_timeout")]
+        if not first_token:
+            candidates.append((self.first_token, "first_token_timeout"))
+        if not started:
+            candidates.append((self.queue, "queue_timeout"))
+        dated = [(deadline, kind) for deadline, kind in candidates if deadline is not None]
+        return min(dated) if dated else (None, "total_timeout")
+
 
 @dataclass(slots=True)
 class QueuedRequest:

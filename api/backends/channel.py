@@ -211,7 +211,7 @@ class RequestChannel:
         self, subscription: Subscription, deadlines: Deadlines, progress: _Progress
     ) -> InferenceEvent:
         """The next event, or a timeout ``Error`` once the pending deadline has passed."""
-        deadline, kind = progress.pending_deadline(deadlines)
+        deadline, kind = deadlines.pending(progress.started, progress.first_token)
         try:
             async with asyncio.timeout(None if deadline is None else deadline - time.time()):
                 event = await subscription.events.get()
@@ -313,13 +313,3 @@ class _Progress:
     def saw(self, event: InferenceEvent) -> None:
         self.started = True
         self.first_token = self.first_token or (isinstance(event, Text) and bool(event.token_ids))
-
-    def pending_deadline(self, deadlines: Deadlines) -> tuple[float | None, str]:
-        """The earliest deadline still to meet, and the error kind when it passes."""
-        candidates = [(deadlines.total, "total_timeout")]
-        if not self.first_token:
-            candidates.append((deadlines.first_token, "first_token_timeout"))
-        if not self.started:
-            candidates.append((deadlines.queue, "queue_timeout"))
-        dated = [(deadline, kind) for deadline, kind in candidates if deadline is not None]
-        return min(dated) if dated else (None, "total_timeout")

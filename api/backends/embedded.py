@@ -334,21 +334,13 @@ class _Alarm:
             return
         self._progress = (started, first_token)
         self.cancel()
-        kind, at = _next_deadline(self._deadlines, started, first_token)
+        at, kind = self._deadlines.pending(started, first_token)
         self.armed = _Expired(kind)
+        if at is None:  # no deadline left to meet
+            return
         loop = asyncio.get_running_loop()
         self._timer = loop.call_later(max(at - time.time(), 0), self._queue.put_nowait, self.armed)
 
     def cancel(self) -> None:
         if self._timer is not None:
             self._timer.cancel()
-
-
-def _next_deadline(deadlines: Deadlines, started: bool, first_token: bool) -> tuple[str, float]:
-    """The deadline the next event must beat, and the error kind if it does not."""
-    waiting = [("total_timeout", deadlines.total)]
-    if not first_token:
-        waiting.append(("first_token_timeout", deadlines.first_token))
-    if not started:
-        waiting.append(("queue_timeout", deadlines.queue))
-    return min(((kind, at) for kind, at in waiting if at is not None), key=lambda item: item[1])

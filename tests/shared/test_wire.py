@@ -68,3 +68,13 @@ def test_ready_keeps_its_prompt_logprobs_across_the_stream(prompt_logprobs):
     event = Ready("r1", 3, 0, prompt_logprobs)
     decoded = decode_entry("r1", encode_event(event, attempt=1, seq=1)).event
     assert decoded == event
+
+
+def test_the_pending_deadline_follows_the_request_s_progress() -> None:
+    deadlines = Deadlines(queue=10.0, first_token=20.0, total=30.0)
+    assert deadlines.pending(started=False, first_token=False) == (10.0, "queue_timeout")
+    assert deadlines.pending(started=True, first_token=False) == (20.0, "first_token_timeout")
+    assert deadlines.pending(started=True, first_token=True) == (30.0, "total_timeout")
+    late_start = Deadlines(queue=25.0, first_token=20.0, total=30.0)
+    assert late_start.pending(started=False, first_token=False) == (20.0, "first_token_timeout")
+    assert Deadlines().pending(started=False, first_token=False) == (None, "total_timeout")
