@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING
 
 from api.errors import ApiError
 from shared.events import Error
-from shared.wire import Deadlines
+from shared.wire import Deadlines, WorkerLoad
 
 if TYPE_CHECKING:
     from api.settings import Settings
@@ -121,35 +121,6 @@ class Limits:
         total one, but at least a queue timeout from now to show the events there are."""
         total = max(submitted + self.total_timeout_s, time.time() + self.queue_timeout_s)
         return Deadlines(total=total)
-
-
-@dataclass(frozen=True, slots=True)
-class WorkerLoad:
-    """One worker's heartbeat (the JSON a worker writes every second or so)."""
-
-    worker_id: str
-    model: str
-    running: int = 0
-    waiting: int = 0
-    kv_blocks_used: int = 0
-    kv_blocks_total: int = 0
-    tokens_per_s: float = 0.0
-    capacity: int = 0
-    max_model_len: int = 0
-    steps: int = 0
-    generated_tokens: int = 0
-    aborted: int = 0
-    preemptions: int = 0
-    draining: bool = False
-    block_size: int = 0  # of its KV cache: the blocks its cache summary names
-    intake_open: bool = True  # False while its engine waits for KV blocks
-    cache_summary_size: int = 0  # block hashes in its cache summary
-    ts: float = 0.0
-
-    @classmethod
-    def from_json(cls, data: dict) -> WorkerLoad:
-        known = {name: data[name] for name in cls.__dataclass_fields__ if name in data}
-        return cls(**known)
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,7 +9,7 @@ dataclass of JSON-friendly values (``to_dict``/``from_dict``) with no torch.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from shared.prefix_hash import ImageSpan
@@ -201,3 +201,38 @@ def decode_queued(payload: str | bytes) -> QueuedRequest:
         raise TypeError(f"job origin {origin!r} is not a string")
     request = PreparedRequest.from_dict(data["request"])
     return QueuedRequest(request, Deadlines(**data["deadlines"]), origin)
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerLoad:
+    """One worker's load, as its heartbeat writes it every second or so (``to_json``) and
+    the API's fleet watcher reads it (``from_json``) for placement, admission and metrics."""
+
+    worker_id: str
+    model: str
+    running: int = 0
+    waiting: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_total: int = 0
+    tokens_per_s: float = 0.0
+    capacity: int = 0
+    max_model_len: int = 0
+    steps: int = 0
+    generated_tokens: int = 0
+    aborted: int = 0
+    preemptions: int = 0
+    draining: bool = False
+    block_size: int = 0  # of its KV cache: the blocks its cache summary names
+    intake_open: bool = True  # False while its engine waits for KV blocks
+    cache_summary_size: int = 0  # block hashes in its cache summary
+    ts: float = 0.0
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, data: dict) -> WorkerLoad:
+        """From the decoded JSON; fields this release does not know are left out, missing
+        ones take their defaults (a worker of another release)."""
+        known = {name: data[name] for name in cls.__dataclass_fields__ if name in data}
+        return cls(**known)

@@ -23,18 +23,17 @@ attempts are fenced out (``workers.publisher``) as the new ones start.
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import redis
 
 from shared import keys
 from shared.task_message import list_suffixes
+from shared.wire import WorkerLoad
 from workers.broker.scripts import BEAT, LEAVE
 from workers.broker.transport import BINDING_PREFIXES
 from workers.cache_summary import SUMMARY_TTL_S, CacheSummary
@@ -110,40 +109,40 @@ class Heartbeat:
         if restored:
             log.warning("handed back %d job(s) that %s held", restored, holder)
 
-    def report(self) -> dict[str, Any]:
-        """The JSON body of one beat."""
+    def report(self) -> WorkerLoad:
+        """What one beat writes."""
         snapshot = self._snapshot()
         now = time.time()
-        return {
-            "worker_id": self._identity.worker_id,
-            "model": self._identity.model,
-            "running": snapshot.running,
-            "waiting": snapshot.waiting,
-            "kv_blocks_used": snapshot.kv_blocks_used,
-            "kv_blocks_total": snapshot.kv_blocks_total,
-            "tokens_per_s": self._tokens_per_s(now, snapshot.generated_tokens),
-            "capacity": snapshot.capacity,
-            "max_model_len": snapshot.max_model_len,
-            "steps": snapshot.steps,
-            "generated_tokens": snapshot.generated_tokens,
-            "aborted": snapshot.aborted,
-            "preemptions": snapshot.preemptions,
-            "draining": self._draining(),
-            "block_size": snapshot.block_size,
-            "intake_open": snapshot.intake_open,
-            "cache_summary_size": self._summary.size if self._summary is not None else 0,
-            "ts": now,
-        }
+        return WorkerLoad(
+            worker_id=self._identity.worker_id,
+            model=self._identity.model,
+            running=snapshot.running,
+            waiting=snapshot.waiting,
+            kv_blocks_used=snapshot.kv_blocks_used,
+            kv_blocks_total=snapshot.kv_blocks_total,
+            tokens_per_s=self._tokens_per_s(now, snapshot.generated_tokens),
+            capacity=snapshot.capacity,
+            max_model_len=snapshot.max_model_len,
+            steps=snapshot.steps,
+            generated_tokens=snapshot.generated_tokens,
+            aborted=snapshot.aborted,
+            preemptions=snapshot.preemptions,
+            draining=self._draining(),
+            block_size=snapshot.block_size,
+            intake_open=snapshot.intake_open,
+            cache_summary_size=self._summary.size if self._summary is not None else 0,
+            ts=now,
+        )
 
     def beat(self) -> None:
         """Renew this worker's entry, report and summary, hand back its overdue own jobs, and
         reclaim dead workers' jobs once it may."""
         identity = self._identity
         report = self.report()
-        args = [identity.worker_id, json.dumps(report, separators=(",", ":")), self._ttl_s]
+        args = [identity.worker_id, report.to_json(), self._ttl_s]
         args += [keys.TAKEN_PREFIX, identity.shared_queue, keys.own_queue(identity.model, "")]
         args += [keys.queue_wake(""), keys.CACHE_SUMMARY_PREFIX, SUMMARY_TTL_S]
-        args += [int(report["draining"]), *BINDING_PREFIXES, *list_suffixes()]
+        args += [int(report.draining), *BINDING_PREFIXES, *list_suffixes()]
         dead, restored, handed, summary_kept = BEAT(self._client, self._keys, args)
         if handed:
             self.handed_back += handed

@@ -20,11 +20,12 @@ from prometheus_client.registry import Collector
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from api.admission import FleetSnapshot, WorkerLoad
+from api.admission import FleetSnapshot
 from api.backends.placement import KINDS
 from shared import keys
 from shared.engine_metrics import EngineLoad, engine_families
 from shared.task_message import queue_lists
+from shared.wire import WorkerLoad
 
 log = logging.getLogger(__name__)
 

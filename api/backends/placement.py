@@ -38,10 +38,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
-from api.admission import FleetSnapshot, WorkerLoad
+from api.admission import FleetSnapshot
 from api.store_errors import store_errors
 from shared import keys
 from shared.prefix_hash import ImageSpan, digest, prefix_hashes
+from shared.wire import WorkerLoad
 
 if TYPE_CHECKING:
     from redis.asyncio import Redis

@@ -8,10 +8,11 @@ import uuid
 import pytest
 from redis.asyncio import Redis
 
-from api.admission import FleetSnapshot, WorkerLoad
+from api.admission import FleetSnapshot
 from api.backends.placement import SHARED, Candidate, PlacementPolicy, Placer, choose
 from shared import keys
 from shared.prefix_hash import digest, prefix_hashes
+from shared.wire import WorkerLoad
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
 POLICY = PlacementPolicy(load_cost=32, min_match=32)

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 
-from api.admission import WorkerLoad
 from api.backends.placement import prompt_chains
 from engine.block_manager import BlockManager
 from engine.sequence import Sequence
@@ -19,6 +18,7 @@ from shared.prefix_hash import ImageSpan, chain_hash, digest, prefix_hashes
 from shared.registry import default_registry
 from shared.sampling import SamplingParams
 from shared.tokenizer_loader import load_tokenizer
+from shared.wire import WorkerLoad
 
 ROOT = Path(__file__).resolve().parents[2]
 TOKENS = [1, 49151, 0, 7, 12345, 2**31, 42, 9, 8, 7, 6, 5, 4, 3, 2, 1, 100]  # 4 full blocks of 4

@@ -3,6 +3,7 @@ a worker's own queue, and the cache summary's renewal."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 import uuid
@@ -15,6 +16,7 @@ from shared.prefix_hash import digest
 from shared.registry import DEFAULT_MODEL
 from shared.sampling import SamplingParams
 from shared.task_message import REQUEST_HEADER
+from shared.wire import WorkerLoad
 from tests.workers.conftest import (
     CAPACITY,
     KV_BLOCKS,
@@ -30,11 +32,7 @@ from workers.heartbeat import Heartbeat, WorkerIdentity
 from workers.host import HostSnapshot
 from workers.runtime import WorkerRuntime
 
-FIELDS = {
-    "worker_id", "model", "running", "waiting", "kv_blocks_used", "kv_blocks_total",
-    "tokens_per_s", "capacity", "max_model_len", "steps", "generated_tokens", "aborted",
-    "draining", "block_size", "intake_open", "cache_summary_size", "ts",
-}  # fmt: skip
+FIELDS = {field.name for field in dataclasses.fields(WorkerLoad)}  # what placement reads
 SNAPSHOT = HostSnapshot(capacity=2, max_model_len=64, kv_blocks_total=8, running=1)
 TTL_S = 0.4  # the registry TTL of the heartbeats built here
 
@@ -325,7 +323,7 @@ def test_a_summary_redis_lost_is_written_again_whole(client: redis.Redis) -> Non
         beats.beat()
 
         wait_until(lambda: client.smembers(summary.key) == expected, 5, "the summary rewritten")
-        assert beats.report()["cache_summary_size"] == 3
+        assert beats.report().cache_summary_size == 3
     finally:
         summary.stop(timeout=5)
         beats.stop(timeout=5)
