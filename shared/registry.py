@@ -257,6 +257,12 @@ class ModelRegistry:
         """The built-in models plus every ``[models.<name>]`` table in a TOML file."""
         registry = default_registry() if include_default else cls()
         path = Path(path).expanduser().resolve()
+        if path.suffix in (".yaml", ".yml"):
+            raise InvalidModelEntry(
+                f"{path}: --config is Sluice's model registry, a TOML file of [models.<name>] "
+                "tables; a YAML file of flags (vLLM's --config) is not read: pass its flags "
+                "on the command line or as SLUICE_<FLAG> variables"
+            )
         with path.open("rb") as handle:
             document = tomllib.load(handle)
         models = document.get("models", {})

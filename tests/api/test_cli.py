@@ -203,3 +203,13 @@ def test_tool_call_parser_sets_the_served_models_syntax() -> None:
     registry, [spec] = load_models(Settings(tool_call_parser=args.tool_call_parser))
     assert spec.tool_parser == "llama3_json" == registry.resolve("default").tool_parser
     assert load_models(Settings())[1][0].tool_parser == "hermes"
+
+
+def test_a_vllm_config_file_of_flags_is_refused_with_a_pointer(
+    tmp_path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    flags = tmp_path / "config.yaml"
+    flags.write_text("port: 9000\nmax-num-seqs: 8\n")
+    assert main(["serve", "--config", str(flags)]) == 2
+    error = capsys.readouterr().err
+    assert "model registry" in error and "SLUICE_<FLAG>" in error
