@@ -54,6 +54,15 @@ def ban_stops_before_min_tokens(
                 logits[row] = fallback[row]
 
 
+def _bounded(row: torch.Tensor) -> torch.Tensor:
+    """``row`` with no logit at +inf: where a tiny penalty or temperature overflowed some,
+    those tokens share all the probability (the limit), which softmax cannot compute."""
+    top = torch.isposinf(row)
+    if not top.any():
+        return row
+    return torch.where(top, 0.0, float("-inf")).to(row.dtype)
+
+
 def candidates(row: torch.Tensor, p: SamplingParams) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Logits of the tokens that survive top-k, then top-p, then min-p, and their ids.
 
@@ -156,7 +165,7 @@ class Sampler:
         for row, seq in enumerate(seqs):
             p = seq.params
             if not p.greedy:
-                values, ids = candidates(logits[row] / p.temperature, p)
+                values, ids = candidates(_bounded(logits[row] / p.temperature), p)
                 choice = draw(values.softmax(-1), seq.seed, seq.num_output_tokens)
                 tokens[row] = choice if ids is None else int(ids[choice])
         return tokens, self._logprobs(raw, seqs, tokens)

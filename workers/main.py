@@ -26,9 +26,9 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from shared import keys
+from shared import keys, logs
 from shared.execution import ENFORCE_EAGER_HELP, default_enforce_eager
-from shared.flag_environment import apply_environment, logs
+from shared.flag_environment import apply_environment
 from shared.heap import freeze_startup_heap
 from shared.precision import (
     DTYPE_HELP,

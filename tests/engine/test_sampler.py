@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.sampler import candidates, draw
+from engine.sampler import Sampler, candidates, draw
+from engine.sequence import Sequence
 from shared.sampling import SamplingParams
 
 
@@ -58,3 +59,17 @@ def test_a_tiny_top_p_keeps_the_lowest_id_of_tied_tokens_as_greedy_does() -> Non
     row[[28, 284, 40_000]] = 3.0
     _, ids = candidates(row, SamplingParams(temperature=1.0, top_p=0.01))
     assert ids.tolist() == [28] == [int(row.max(-1).indices)]
+
+
+@pytest.mark.parametrize("penalty", [1e-300, 1e-30, 1e30, 1e300])
+def test_an_extreme_repetition_penalty_still_samples_a_seen_or_unseen_token(
+    penalty: float,
+) -> None:
+    """A penalty that overflows the seen tokens' logits leaves a distribution to draw from."""
+    logits = torch.linspace(-4.0, 4.0, 64)[None, :].clone()
+    params = SamplingParams(temperature=0.7, top_p=0.9, top_k=8, repetition_penalty=penalty)
+    seq = Sequence("r", list(range(32, 64)), params)  # the positive half is seen
+    (token,), _ = Sampler()(logits, [seq])
+    assert 0 <= token < 64
+    if penalty < 1:  # favoured: one of the seen tokens
+        assert token >= 32
