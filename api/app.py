@@ -28,7 +28,6 @@ from starlette.exceptions import HTTPException
 
 from api import choices
 from api.access_log import AccessLog, AccessRecord
-from api.admission import Limits
 from api.auth import Authentication, KeyRing, caller_key, caller_name
 from api.backends.base import Backend
 from api.batches import anthropic_batches, openai_batches
@@ -41,6 +40,7 @@ from api.jobs.manager import JobManager
 from api.jobs.responses import StoredResponses, responses_router
 from api.jobs.routes import jobs_router
 from api.jobs.store import JobStore, MemoryJobStore
+from api.limits import Limits
 from api.preparation import Prepared, encode_request, new_request_id
 from api.protocols import messages, responses
 from api.protocols.base import Protocol

@@ -55,7 +55,7 @@ class Settings:
     stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S  # a client not reading this long is dropped
     images: ImageOptions = field(default_factory=ImageOptions)  # fetch policy, quota, timeout
     image_token_budget: int = DEFAULT_IMAGE_TOKEN_BUDGET  # running requests' image tokens
-    # Distributed mode (workers behind Redis) when set; see api/admission.py for the policy.
+    # Distributed mode (workers behind Redis) when set; see api/admission.py and api/limits.py.
     redis_url: str | None = None
     queue_timeout_s: float = 30.0  # a worker must start the request by then: 503
     first_token_timeout_s: float = 60.0  # the first token must come by then: 504

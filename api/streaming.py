@@ -18,7 +18,7 @@ from functools import lru_cache
 import anyio
 from tokenizers import Tokenizer, decoders
 
-from api.admission import error_for
+from api.error_kinds import error_for
 from api.errors import ApiError
 from api.output_parser import (
     ContentDelta,

@@ -37,10 +37,11 @@ from redis.asyncio import Redis
 from redis.asyncio.client import Pipeline
 from redis.exceptions import RedisError
 
-from api.admission import Limits, rate_limited_message
 from api.backends.event_reader import EventReader, Subscription
 from api.backends.placement import SHARED, Placer
 from api.backends.request_queue import RequestQueue, with_seed, withdraw
+from api.error_kinds import rate_limited_message
+from api.limits import Limits
 from shared import keys
 from shared.events import Error, Finish, InferenceEvent, Text
 from shared.task_message import TaskMessage

@@ -19,11 +19,14 @@ from typing import TYPE_CHECKING
 
 from redis.exceptions import RedisError
 
-from api.admission import Admission, FleetSnapshot, Limits, api_error
+from api.admission import Admission
 from api.backends.base import Backend, BackendHealth, Place, ServedModel
 from api.backends.channel import RequestChannel
 from api.backends.fleet import FleetCollector, FleetWatcher
+from api.backends.fleet_snapshot import FleetSnapshot
 from api.backends.placement import Placer
+from api.error_kinds import api_error
+from api.limits import Limits
 from shared import keys
 from shared.events import InferenceEvent
 from shared.generation_config import NO_DEFAULTS, sampling_defaults

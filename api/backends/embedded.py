@@ -12,7 +12,7 @@ per request; the event loop never touches the engine. Anything the engine
 raises becomes an ``Error`` event for the requests it concerns, so a client
 never waits forever.
 
-Admission and deadlines are distributed mode's (``api.admission.Limits``):
+Admission and deadlines are distributed mode's (``api.limits.Limits``):
 at most ``max_inflight`` requests admitted and not ended (a 429 before any
 preparation), and a request the engine has not started by its queue
 deadline, or without a first token or an end by theirs, ends with that
@@ -31,8 +31,9 @@ from typing import TYPE_CHECKING
 
 from prometheus_client.registry import Collector
 
-from api.admission import Limits, api_error, rate_limited_message
 from api.backends.base import Backend, BackendHealth, Place, ServedModel
+from api.error_kinds import api_error, rate_limited_message
+from api.limits import Limits
 from engine.config import EngineArgs
 from shared.engine_metrics import EngineLoad, EngineLoadCollector
 from shared.events import Error, Finish, InferenceEvent, Ready, Text

@@ -20,7 +20,7 @@ from prometheus_client.registry import Collector
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from api.admission import FleetSnapshot
+from api.backends.fleet_snapshot import FleetSnapshot
 from api.backends.placement import KINDS
 from shared import keys
 from shared.engine_metrics import EngineLoad, engine_families

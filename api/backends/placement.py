@@ -38,7 +38,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
-from api.admission import FleetSnapshot
+from api.backends.fleet_snapshot import FleetSnapshot
 from api.store_errors import store_errors
 from shared import keys
 from shared.prefix_hash import ImageSpan, digest, prefix_hashes

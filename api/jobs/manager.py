@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING
 
 from fastapi import FastAPI
 
-from api.admission import error_for
+from api.error_kinds import error_for
 from api.errors import ApiError
 from api.jobs.records import JobOutcome, JobRecord, JobStatus, StoredChunk, new_job_hex
 from api.jobs.runner import JobRunner, failure_of, job_processor

@@ -8,7 +8,7 @@ import uuid
 import pytest
 from redis.asyncio import Redis
 
-from api.admission import FleetSnapshot
+from api.backends.fleet_snapshot import FleetSnapshot
 from api.backends.placement import SHARED, Candidate, PlacementPolicy, Placer, choose
 from shared import keys
 from shared.prefix_hash import digest, prefix_hashes

@@ -19,10 +19,10 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from api.admission import ERROR_STATUSES, api_error
 from api.backends.channel import RENEW_S
 from api.backends.distributed import DistributedBackend
 from api.backends.fleet import fleet_load
+from api.error_kinds import ERROR_STATUSES, api_error
 from api.errors import ApiError
 from api.settings import Settings
 from shared import keys
