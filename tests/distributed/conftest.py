@@ -14,6 +14,7 @@ none (admission, the reader) run meanwhile.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -64,7 +65,9 @@ def wait_until(condition: Callable[[], T], timeout: float, what: str, interval: 
 
 @dataclass
 class Child:
-    """A subprocess with its log file."""
+    """A subprocess with its log file, leading a process group of its own: stopping it ends
+    whatever it started too (a helper that outlives a ``kill -9``, such as multiprocessing's
+    resource tracker beside a vLLM worker)."""
 
     process: subprocess.Popen
     log_path: Path
@@ -73,7 +76,12 @@ class Child:
     def spawn(cls, command: list[str], log_path: Path, env: dict[str, str] = CHILD_ENV) -> Child:
         with log_path.open("w") as log:
             process = subprocess.Popen(
-                command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT
+                command,
+                cwd=ROOT,
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
             )
         return cls(process, log_path)
 
@@ -88,10 +96,13 @@ class Child:
         if self.alive:
             self.process.send_signal(sig)
         try:
-            return self.process.wait(timeout)
+            code = self.process.wait(timeout)
         except subprocess.TimeoutExpired:
             self.process.kill()
-            return self.process.wait()
+            code = self.process.wait()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGKILL)  # what it left behind
+        return code
 
 
 class RedisServer:
