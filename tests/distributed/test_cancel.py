@@ -1,8 +1,8 @@
 """A client that disconnects mid-stream stops costing the worker anything.
 
 The API publishes the cancellation when the response iterator is closed; the
-worker must abort within one engine step (at most one more step's token
-after the cancel is published, then the abort's ``Finish``), count the abort
+worker must abort within one engine step of hearing it (a few tokens at most
+land after the cancel is published, then the abort's ``Finish``), count the abort
 and free the request's KV blocks — all visible in its heartbeat.
 """
 
@@ -85,8 +85,10 @@ def test_a_client_that_leaves_stops_its_generation(
     tokens = sum(len(event.token_ids) for event in events if isinstance(event, Text))
     after_cancel = [event for event in events[entries_at_cancel:] if isinstance(event, Text)]
     assert isinstance(events[-1], Finish) and events[-1].reason is FinishReason.ABORT
-    # At most the step running when the cancel came and one before it whose text was still
-    # on its way to Redis: a compiled decode step (a few ms) outruns a publish.
-    assert len(after_cancel) <= 2
+    # The step running when the worker hears the cancel, the one its listener thread may miss
+    # while the engine thread holds the interpreter, and what the outbox still held: steps
+    # coalesce behind a write in flight (a compiled decode step of a few ms outruns a round
+    # trip on a loaded machine), so text generated before the cancel can land after it.
+    assert len(after_cancel) <= 4
     assert tokens < BODY["max_tokens"] // 2
     assert cancel_latency < 1.0
