@@ -19,6 +19,7 @@ from shared.precision import (
     QUANTIZATION_HELP,
     default_dtype,
 )
+from shared.registry import REASONING_PARSERS
 from shared.sizes import add_gpu_memory_utilization, byte_size_argument
 from shared.tool_syntax import TOOL_CALL_SYNTAXES
 from shared.version import package_version
@@ -238,6 +239,9 @@ def _serve(args: argparse.Namespace) -> int:
         default_additional_properties=args.default_additional_properties == "true",
         chat_template_content_format=args.chat_template_content_format,
         tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
+        chat_template=args.chat_template,
+        served_model_names=tuple(args.served_model_name or ()),
         images=ImageOptions(
             DestinationPolicy.allowing(args.image_allow or ()),
             ImageQuota(args.max_images, args.max_image_bytes, args.max_image_pixels),
@@ -562,6 +566,28 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="the syntax the served models write tool calls in, as vLLM's (default: each "
         "registry entry's tool_parser)",
+    )
+    serve.add_argument(
+        "--reasoning-parser",
+        choices=REASONING_PARSERS,
+        default=None,
+        help="the served models reason in <think> blocks, answered as reasoning apart from "
+        "the content (default: as each registry entry's capabilities say)",
+    )
+    serve.add_argument(
+        "--chat-template",
+        default=None,
+        metavar="FILE|TEMPLATE",
+        help="a Jinja chat template for the served models, replacing their own: a file, or "
+        "the template in one line (\\n for a line break)",
+    )
+    serve.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="the names clients use for the served model instead of its own (one --model); "
+        "the first is the one /v1/models and the metrics show",
     )
     serve.set_defaults(run=_serve)
     apply_environment(serve)

@@ -43,16 +43,16 @@ def info_router(serving: Serving) -> APIRouter:
     created = int(time.time())
 
     def model_object(spec: ModelSpec) -> dict[str, Any]:
-        """OpenAI's model object, with its aliases (names it also answers to) and, once
-        loaded, vLLM's ``max_model_len``."""
+        """OpenAI's model object, with its aliases (names it also answers to), the entry it
+        serves as vLLM's ``root`` and, once loaded, vLLM's ``max_model_len``."""
         loaded = {model.spec.name: model.context_length for model in serving.backend.models()}
         return {
-            "id": spec.name,
+            "id": spec.served_name,
             "object": "model",
             "created": created,
             "owned_by": "sluice",
             "root": spec.name,
-            "aliases": list(spec.aliases),
+            "aliases": list(spec.public_names[1:]),
             "max_model_len": loaded.get(spec.name) or spec.context_length or None,
         }
 
@@ -153,4 +153,4 @@ def _with_model(serving: Serving, body: dict[str, Any]) -> dict[str, Any]:
     specs = serving.registry.specs()
     if len(specs) != 1:
         raise bad_request("model is required when several models are served", "model")
-    return {"model": specs[0].name, **body}
+    return {"model": specs[0].served_name, **body}

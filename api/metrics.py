@@ -92,7 +92,7 @@ class ServingMetrics:
 
         Closing this iterator closes ``events`` (which cancels the request).
         """
-        model = prepared.model.spec.name
+        model = prepared.model.spec.served_name
         last_token: float | None = None
         inter_token = self.inter_token_latency.labels(model)  # looked up once, not per token
         try:

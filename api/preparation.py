@@ -273,7 +273,7 @@ def _with_images(
                 encoded.token_ids, resolved, processing, model.tokenizer
             )
         except ValueError as exc:  # the model's template or tokenizer, not the client
-            raise ApiError(500, f"model {model.spec.name!r}: {exc}", "api_error") from None
+            raise ApiError(500, f"model {model.spec.served_name!r}: {exc}", "api_error") from None
         if reserved is not None:  # decoded: each image's layout, so its span, is known
             reserved.settle(sum(image.end - image.start for image in encoded.images))
     encoded.image_tokens = reserved
@@ -289,7 +289,7 @@ def _check_details(
             served = ", ".join(repr(detail) for detail in processing.details)
             raise bad_request(
                 f"image {index}: detail {source.detail!r} is not supported by model "
-                f"{model.spec.name!r}, which serves {served}",
+                f"{model.spec.served_name!r}, which serves {served}",
                 "detail",
             )
 
@@ -370,7 +370,7 @@ def _seen_images(conversation: Conversation, model: ServedModel) -> Conversation
     for index, message in enumerate(conversation.messages):
         if has_images(getattr(message, "content", [])):
             raise bad_request(
-                f"model {spec.name!r} does not accept images (it is not a vision model); "
+                f"model {spec.served_name!r} does not accept images (it is not a vision model); "
                 f"message {index} contains one",
                 "messages",
             )
@@ -395,7 +395,9 @@ def resolve_model(name: str, ctx: PreparationContext) -> ServedModel:
     spec = ctx.registry.resolve(name)
     model = ctx.models.get(spec.name)
     if model is None:  # registered, but this server did not load it
-        raise ApiError(503, f"model {spec.name!r} is not loaded on this server", "overloaded_error")
+        raise ApiError(
+            503, f"model {spec.served_name!r} is not loaded on this server", "overloaded_error"
+        )
     return model
 
 
@@ -408,7 +410,7 @@ def render_conversation(conversation: Conversation, model: ServedModel) -> Rende
             conversation,
             spec.prompt_format,
             special_tokens=tok.special_tokens,
-            chat_template=tok.chat_template,
+            chat_template=model.chat_template,
             default_system_prompt=spec.default_system_prompt,
             bos_token=decode(tok.bos_token_id) if tok.bos_token_id is not None else None,
             eos_token=decode(tok.eos_token_id) if tok.eos_token_id is not None else None,
@@ -430,7 +432,7 @@ def _require_reasoning_support(request: GenerationRequest, spec: ModelSpec) -> N
     asked = conversation.thinking is True or conversation.reasoning_effort is not None
     if asked and not can_think(spec):
         raise bad_request(
-            f"{request.thinking_param}: model {spec.name!r} does not support reasoning",
+            f"{request.thinking_param}: model {spec.served_name!r} does not support reasoning",
             request.thinking_param,
             "unsupported_parameter",
         )
@@ -589,8 +591,8 @@ def _tool_call_grammar(encoded: Encoded, additional_properties: bool) -> str:
     syntax = tool_call_syntax(encoded.model)
     if syntax is None:
         raise bad_request(
-            f"tool_choice {choice.mode!r}: model {encoded.model.spec.name!r} has no tool-call "
-            "syntax to enforce",
+            f"tool_choice {choice.mode!r}: model {encoded.model.spec.served_name!r} has no "
+            "tool-call syntax to enforce",
             "tool_choice",
         )
     specs = []
@@ -707,7 +709,7 @@ def _hermes_tool_calls(model: ServedModel) -> bool:
     """True when the model calls tools with ``<tool_call>`` JSON blocks."""
     if model.spec.prompt_format in _HERMES_FORMATS:
         return True
-    template = model.tokenizer.chat_template or ""
+    template = model.chat_template or ""
     return model.spec.prompt_format == "jinja" and HERMES_TOOL_CALL.open in template
 
 

@@ -145,8 +145,8 @@ class Serving:
         """
         prepared = await self.off_loop(prepare, protocol, body, self.context(), request_id)
         if key is not None:
-            model = prepared.model.spec.name
-            if not key.allows(model):
+            spec = prepared.model.spec
+            if not any(key.allows(name) for name in (spec.name, *spec.public_names)):
                 prepared.release()
                 raise ApiError(
                     404,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from api.backends.placement import PlacementPolicy
 from api.connection_limits import (
@@ -18,6 +19,7 @@ from api.request_body import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES
 from api.stall_guard import DEFAULT_STALL_TIMEOUT_S
 from shared.execution import default_enforce_eager
 from shared.precision import default_dtype
+from shared.prompting.jinja import read_chat_template
 from shared.registry import ModelRegistry, ModelSpec, default_registry
 
 
@@ -85,6 +87,12 @@ class Settings:
     chat_template_content_format: str | None = None
     # The syntax of tool calls (vLLM's --tool-call-parser); None: each registry entry's own.
     tool_call_parser: str | None = None
+    # vLLM's --reasoning-parser: the served model reasons in <think> blocks; None: as its entry.
+    reasoning_parser: str | None = None
+    # vLLM's --chat-template: a Jinja template file, or the template itself, for the served models.
+    chat_template: str | None = None
+    # vLLM's --served-model-name: the names clients use for the one served model; the first shows.
+    served_model_names: tuple[str, ...] = ()
 
 
 def load_models(settings: Settings) -> tuple[ModelRegistry, list[ModelSpec]]:
@@ -96,9 +104,27 @@ def load_models(settings: Settings) -> tuple[ModelRegistry, list[ModelSpec]]:
         names = tuple(spec.name for spec in own.specs())
     resolved = [registry.resolve(name, hub=True) for name in names or ("default",)]
     specs = list({spec.name: spec for spec in resolved}.values())  # a model named twice is one
-    if settings.tool_call_parser is not None:
-        specs = [spec.replaced(tool_parser=settings.tool_call_parser) for spec in specs]
-    if settings.chat_template_content_format is not None:
-        content_format = settings.chat_template_content_format
-        specs = [spec.replaced(chat_template_content_format=content_format) for spec in specs]
+    specs = [spec.replaced(**_flag_changes(spec, settings)) for spec in specs]
+    if settings.served_model_names:
+        if len(specs) > 1:
+            raise ValueError(
+                "--served-model-name names one served model; give each of several its "
+                "names in a --config entry's aliases"
+            )
+        specs = [specs[0].replaced(served_names=settings.served_model_names)]
     return ModelRegistry(specs), specs
+
+
+def _flag_changes(spec: ModelSpec, settings: Settings) -> dict[str, Any]:
+    """What the flags that override a registry entry's fields change in a served entry."""
+    changes: dict[str, Any] = {}
+    if settings.reasoning_parser is not None:  # every parser named reads <think> blocks
+        changes["capabilities"] = spec.capabilities | {"thinking"}
+    if settings.tool_call_parser is not None:
+        changes["tool_parser"] = settings.tool_call_parser
+    if settings.chat_template_content_format is not None:
+        changes["chat_template_content_format"] = settings.chat_template_content_format
+    if settings.chat_template is not None:
+        changes["prompt_format"] = "jinja"
+        changes["chat_template"] = read_chat_template(settings.chat_template)
+    return changes

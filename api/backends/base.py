@@ -51,6 +51,11 @@ class ServedModel:
     image_processing: ImageProcessing | None = None  # a vision model's; it sees images
     sampling_defaults: SamplingDefaults = NO_DEFAULTS  # its generation_config.json's
 
+    @property
+    def chat_template(self) -> str | None:
+        """The Jinja chat template prompts are rendered with: the entry's, else the tokenizer's."""
+        return self.spec.chat_template or self.tokenizer.chat_template
+
 
 @dataclass(frozen=True, slots=True)
 class BackendHealth:

@@ -67,7 +67,7 @@ class DistributedBackend(Backend):
         placer = Placer(self._channel.redis, spec.name, lambda: self.snapshot, settings.placement)
         self._channel.placers[spec.name] = placer
         self._collector = FleetCollector(
-            spec.name, lambda: self.snapshot, settings.max_num_seqs, placer.placed
+            spec.served_name, lambda: self.snapshot, settings.max_num_seqs, placer.placed
         )
         self._tokenizer: LoadedTokenizer | None = None
         self._sampling_defaults = NO_DEFAULTS

@@ -147,7 +147,7 @@ class EmbeddedBackend(Backend):
         return [self._served] if self._served is not None else []
 
     def metrics_collector(self) -> Collector:
-        return EngineLoadCollector(self._spec.name, lambda: self._engine_load)
+        return EngineLoadCollector(self._spec.served_name, lambda: self._engine_load)
 
     async def admit(self, model: str | None = None) -> Place:
         """A place among the ``max_inflight`` requests admitted and not ended, or a 429."""

@@ -21,6 +21,7 @@ import uuid
 from collections.abc import Iterable
 from datetime import datetime
 from functools import lru_cache
+from pathlib import Path
 from typing import Any
 
 import jinja2
@@ -152,6 +153,32 @@ def compile_template(source: str) -> jinja2.Template:
         return _environment().from_string(source)
     except jinja2.TemplateSyntaxError as exc:
         raise PromptFormatError(f"the chat template does not compile: {exc}") from exc
+
+
+def read_chat_template(value: str) -> str:
+    """The template a ``--chat-template`` value names, read as vLLM reads it.
+
+    A file's text when ``value`` names one; else, when it holds Jinja's
+    braces or a line break, the template itself in single-line form, whose
+    ``\\n`` and ``\\t`` escapes stand for a line break and a tab. Anything
+    else is a missing file. The text is compiled here, so a bad template
+    fails at start-up rather than on every request.
+    """
+    if _is_file(value):
+        text = Path(value).expanduser().read_text(encoding="utf-8")
+    elif any(mark in value for mark in ("{", "}", "\n")):
+        text = value.replace("\\n", "\n").replace("\\t", "\t")
+    else:
+        raise PromptFormatError(f"the chat template {value!r} is neither a file nor a template")
+    compile_template(text)
+    return text
+
+
+def _is_file(value: str) -> bool:
+    try:
+        return Path(value).expanduser().is_file()
+    except (OSError, ValueError, RuntimeError):  # a template too long for a name, a NUL byte
+        return False
 
 
 def _render(template: jinja2.Template, variables: dict[str, Any]) -> str:

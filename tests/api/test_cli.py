@@ -144,7 +144,9 @@ VLLM_COMMAND_LINE = [
     "--host", "0.0.0.0", "--port", "9000", "--max-model-len", "2048", "--max-num-seqs", "8",
     "--dtype", "bfloat16", "--api-key", "sk-1", "--root-path", "/llm",
     "--ssl-keyfile", "key.pem", "--ssl-certfile", "cert.pem", "--uvicorn-log-level", "warning",
-    "--kv-cache-memory-bytes", "1073741824",
+    "--kv-cache-memory-bytes", "1073741824", "--served-model-name", "llm", "chat",
+    "--chat-template", "{{ messages }}", "--reasoning-parser", "qwen3",
+    "--tool-call-parser", "hermes",
 ]  # fmt: skip
 
 
@@ -159,6 +161,8 @@ def test_a_vllm_serve_command_line_reads_as_vllm_reads_it() -> None:
     assert (args.dtype, args.api_key, args.root_path) == ("bfloat16", ["sk-1"], "/llm")
     assert (args.ssl_keyfile, args.ssl_certfile) == ("key.pem", "cert.pem")
     assert args.uvicorn_log_level == "warning" and args.kv_cache_memory == 2**30
+    assert args.served_model_name == ["llm", "chat"] and args.chat_template == "{{ messages }}"
+    assert (args.reasoning_parser, args.tool_call_parser) == ("qwen3", "hermes")
 
 
 @pytest.mark.parametrize(
@@ -213,3 +217,52 @@ def test_a_vllm_config_file_of_flags_is_refused_with_a_pointer(
     assert main(["serve", "--config", str(flags)]) == 2
     error = capsys.readouterr().err
     assert "model registry" in error and "SLUICE_<FLAG>" in error
+
+
+def test_served_model_names_replace_the_names_clients_use() -> None:
+    from api.settings import Settings, load_models
+    from shared.registry import UnknownModel
+
+    registry, [spec] = load_models(Settings(served_model_names=("llm", "chat")))
+    assert registry.names() == ["chat", "llm"] and spec.served_name == "llm"
+    assert registry.resolve("chat") is spec and spec.name == "smollm2-135m-instruct"
+    with pytest.raises(UnknownModel):
+        registry.resolve("default")
+
+
+def test_served_model_names_name_one_model(capsys: pytest.CaptureFixture[str]) -> None:
+    command = ["serve", "--model", "default", "--model", "tests/nowhere"]
+    assert main([*command, "--served-model-name", "llm"]) == 2
+    assert "--served-model-name names one served model" in capsys.readouterr().err
+
+
+def test_a_chat_template_is_a_file_or_the_template_itself(tmp_path) -> None:
+    from api.settings import Settings, load_models
+
+    template = tmp_path / "template.jinja"
+    template.write_text("{% for m in messages %}{{ m.content }}\n{% endfor %}")
+    [from_file] = load_models(Settings(chat_template=str(template)))[1]
+    assert (from_file.prompt_format, from_file.chat_template) == ("jinja", template.read_text())
+    inline = "{% for m in messages %}{{ m.content }}\\n{% endfor %}"
+    [from_line] = load_models(Settings(chat_template=inline))[1]
+    assert from_line.chat_template == template.read_text()
+    assert load_models(Settings())[1][0].chat_template is None
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [("{% for m in messages %}", "does not compile"), ("nowhere.jinja", "neither a file")],
+)
+def test_a_bad_chat_template_fails_at_start(
+    value: str, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["serve", "--chat-template", value]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_reasoning_parser_lets_the_served_model_reason() -> None:
+    from api.preparation import can_think
+    from api.settings import Settings, load_models
+
+    [spec] = load_models(Settings(reasoning_parser="deepseek_r1"))[1]
+    assert can_think(spec) and not can_think(load_models(Settings())[1][0])
