@@ -7,10 +7,13 @@ into deltas that no protocol owns, so the OpenAI and Anthropic chunk generators
 
 Contract: however the text is cut into chunks, ``merge_deltas`` of all the
 deltas is the same. To keep that and stay linear, only a held-back tail is ever
-looked at twice: the longest suffix that could still become a delimiter, a
-stop string or a lead of a bare JSON call (at most the longest of them minus
-one character), or, inside a tool call, a possible start of the closing
-delimiter.
+looked at twice: the longest suffix that could still become a delimiter or a
+lead of a bare JSON call (at most the longest of them minus one character),
+or, inside a tool call, a possible start of the closing delimiter.
+
+Stop strings are not looked for here: the engine's detokenizer owns them. It
+ends the generation at the first one, so the text that reaches the parser
+stops before it, and the ``Finish`` event names the string.
 
 Tool calls come in one of three syntaxes. ``tool_calls`` delimiters (Hermes,
 Qwen): ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` anywhere in
@@ -26,10 +29,8 @@ Choices worth knowing:
 - Reasoning delimiters are recognised anywhere in content; inside reasoning
   only the closing one is. Tool markup inside reasoning is reasoning text,
   and reasoning never closed stays reasoning.
-- Stop strings are searched in content and reasoning, not inside tool call
-  markup (even markup later shown as content). The earliest match wins; at
-  one position the shortest, and a stop string beats a delimiter spelled the
-  same. A match waits while a longer candidate could still start before it.
+- The earliest marker wins; at one position the shortest. A match waits
+  while a longer candidate could still start before it.
 - Whitespace at the start of the content that follows reasoning or a tool call
   (and, with bare JSON calls, at the start of the answer) is the template's
   formatting, not the answer: it is dropped.
@@ -57,7 +58,7 @@ import json
 import re
 import secrets
 import string
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from enum import Enum
 
@@ -96,23 +97,12 @@ class ToolCallEnd:
 
 
 @dataclass(slots=True, frozen=True)
-class StopMatched:
-    stop: str
-
-
-@dataclass(slots=True, frozen=True)
 class ToolCallsDone:
     """The one tool call a ``single_tool_call`` request allows has ended: so has the answer."""
 
 
 Delta = (
-    ContentDelta
-    | ReasoningDelta
-    | ToolCallStart
-    | ToolCallArgsDelta
-    | ToolCallEnd
-    | StopMatched
-    | ToolCallsDone
+    ContentDelta | ReasoningDelta | ToolCallStart | ToolCallArgsDelta | ToolCallEnd | ToolCallsDone
 )
 
 
@@ -166,11 +156,9 @@ class ParserConfig:
     bare_json_tool_calls: bool = False  # an answer that starts with ``{`` is tool calls (Llama 3)
     dsml_tool_calls: bool = False  # the tool_calls block holds DSML invokes (DeepSeek)
     starts_in_tool_calls: bool = False  # the prompt opened a DSML tool_calls block
-    stop: Sequence[str] = ()
     single_tool_call: bool = False  # stop parsing (and generating) after the first call
 
     def __post_init__(self) -> None:
-        self.stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
         if self.starts_in_reasoning and self.reasoning is None:
             raise ValueError("starts_in_reasoning=True needs reasoning delimiters, got None")
         for name, pair in (("reasoning", self.reasoning), ("tool_calls", self.tool_calls)):
@@ -178,8 +166,6 @@ class ParserConfig:
                 raise ValueError(
                     f"{name} delimiters must be two different non-empty strings, got {pair!r}"
                 )
-        if any(not stop for stop in self.stop):
-            raise ValueError(f"stop strings must be non-empty, got {list(self.stop)!r}")
         if self.dsml_tool_calls and self.tool_calls is None:
             raise ValueError("dsml_tool_calls=True needs tool_calls delimiters, got None")
         if self.starts_in_tool_calls and not self.dsml_tool_calls:
@@ -306,10 +292,7 @@ class OutputParser:
             self._emit(ReasoningDelta(text))
         if marker is None:
             return end
-        if marker in self._config.stop:  # a stop string spelled like a delimiter wins
-            self._emit(StopMatched(marker))
-            self._state = _State.STOPPED
-        elif self._state is _State.REASONING:
+        if self._state is _State.REASONING:
             self._state, self._strip_content = self._answer_start, True
         elif self._config.reasoning is not None and marker == self._config.reasoning.open:
             self._state = _State.REASONING
@@ -330,7 +313,7 @@ class OutputParser:
         text = buffer[pos:end]
         self._content(text)
         leads = _ANSWER_CALL_LEADS if self._state is _State.ANSWER_START else _NEXT_CALL_LEADS
-        opens_call = marker in leads and marker not in self._config.stop
+        opens_call = marker in leads
         if (text and not text.isspace()) or (marker is not None and not opens_call):
             self._state = _State.CONTENT  # the answer is text: the content state takes the marker
             return end
@@ -447,7 +430,9 @@ class OutputParser:
 
 def _finders(config: ParserConfig) -> dict[_State, _MarkerFinder]:
     """The strings live in each state that searches for markers."""
-    content, reasoning, tail = set(config.stop), set(config.stop), set()
+    content: set[str] = set()
+    reasoning: set[str] = set()
+    tail: set[str] = set()
     if config.reasoning is not None:
         content.add(config.reasoning.open)
         reasoning.add(config.reasoning.close)

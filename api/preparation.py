@@ -680,7 +680,6 @@ def parsing_options(encoded: Encoded, thinking: bool) -> ParsingOptions:
         bare_json_tool_calls=syntax == "llama3_json",
         dsml_tool_calls=syntax == "dsml",
         starts_in_tool_calls=tools and _opens_tool_calls(encoded),
-        stop=list(encoded.request.stop),
         single_tool_call=tools and not conversation.tool_choice.parallel,
     )
 
@@ -694,7 +693,6 @@ def parser_config(options: ParsingOptions) -> ParserConfig:
         bare_json_tool_calls=options.bare_json_tool_calls,
         dsml_tool_calls=options.dsml_tool_calls,
         starts_in_tool_calls=options.starts_in_tool_calls,
-        stop=options.stop,
         single_tool_call=options.single_tool_call,
     )
 

@@ -25,7 +25,6 @@ from api.output_parser import (
     Delta,
     OutputParser,
     ReasoningDelta,
-    StopMatched,
     ToolCallsDone,
     ToolCallStart,
 )
@@ -42,9 +41,9 @@ class StreamProcessor:
 
     ``push`` each event, then ``finish`` when the events run out, and
     ``close`` when done (idempotent; later events are ignored). ``done`` turns
-    true once the response is complete, possibly before the engine says so: a
-    stop string found by the parser, or the end of the one tool call a request
-    allowed, ends the response at once, and the caller
+    true once the response is complete, possibly before the engine says so: the
+    end of the one tool call a request allowed ends the response at once, and
+    the caller
     should then stop reading (which cancels the request). After an ``Error``
     event, ``error`` holds it as an ``ApiError``.
     """
@@ -67,7 +66,6 @@ class StreamProcessor:
         self._started = False
         self._in_reasoning = False
         self._tool_calls = False
-        self._stop_matched: str | None = None
         self._calls_done = False  # the one tool call allowed has ended
         self._pending_logprobs: list[LogprobEntry] = []
         self.done = False
@@ -129,10 +127,7 @@ class StreamProcessor:
         chunks += self._emit(deltas)
         if self._in_reasoning or any(isinstance(d, ReasoningDelta) for d in deltas):
             self._usage.reasoning_tokens += len(event.token_ids)
-        if self._stop_matched is not None:  # the parser found a stop string: end here
-            chunks += self._emit(self._parser.finish())
-            chunks += self._complete("stop_sequence", self._stop_matched)
-        elif self._calls_done:  # the one tool call allowed has ended: so has the turn
+        if self._calls_done:  # the one tool call allowed has ended: so has the turn
             chunks += self._emit(self._parser.finish())
             chunks += self._complete("tool_calls", None)
         return chunks
@@ -144,8 +139,6 @@ class StreamProcessor:
         return chunks + self._complete(kind, stop)
 
     def _finish_kind(self, event: Finish) -> tuple[FinishKind, str | None]:
-        if self._stop_matched is not None:
-            return "stop_sequence", self._stop_matched
         if event.reason is FinishReason.STOP and event.stop in self._builder.request.stop:
             return "stop_sequence", event.stop  # not a stop the client did not ask for
         if event.reason is FinishReason.STOP:
@@ -167,9 +160,6 @@ class StreamProcessor:
         """Hand parsed deltas to the builder; logprobs ride on the next content delta."""
         chunks: list[SSEChunk] = []
         for delta in deltas:
-            if isinstance(delta, StopMatched):
-                self._stop_matched = delta.stop
-                continue
             if isinstance(delta, ToolCallsDone):
                 self._calls_done = True
                 continue

@@ -35,7 +35,6 @@ class ParsingOptions:
     bare_json_tool_calls: bool = False
     dsml_tool_calls: bool = False
     starts_in_tool_calls: bool = False
-    stop: list[str] = field(default_factory=list)
     single_tool_call: bool = False
 
 

@@ -31,7 +31,6 @@ from api.output_parser import (
     ContentDelta,
     Delta,
     ReasoningDelta,
-    StopMatched,
     ToolCallArgsDelta,
     ToolCallStart,
 )
@@ -412,8 +411,6 @@ class ChatCompletionBuilder(ResponseBuilder):
                 self._calls[index]["function"]["arguments"] += text
                 piece = {"index": index, "function": {"arguments": text}}
                 return [self._chunk({"tool_calls": [piece]})]
-            case StopMatched(stop=stop):
-                self._stop_reason = stop
         return []
 
     def finish(self, kind: FinishKind, usage: Usage, stop_sequence: str | None) -> list[SSEChunk]:
@@ -421,7 +418,7 @@ class ChatCompletionBuilder(ResponseBuilder):
         self._finish_reason = FINISH_REASONS[kind]
         if self._calls and kind == "stop":
             self._finish_reason = "tool_calls"
-        self._stop_reason = stop_sequence or self._stop_reason
+        self._stop_reason = stop_sequence
         chunks = [self._chunk({}, finish_reason=self._finish_reason)]
         if self.request.include_usage:
             chunks.append(SSEChunk({**self._head(), "choices": [], "usage": chat_usage(usage)}))

@@ -24,7 +24,7 @@ from __future__ import annotations
 from typing import Any
 
 from api.errors import bad_request
-from api.output_parser import ContentDelta, Delta, StopMatched
+from api.output_parser import ContentDelta, Delta
 from api.protocols import unsupported
 from api.protocols.base import (
     FinishKind,
@@ -184,14 +184,12 @@ class CompletionBuilder(ResponseBuilder):
             case ContentDelta(text=text):
                 self._text.append(text)
                 return [self._chunk(text, self._logprobs.add(list(logprobs or [])))]
-            case StopMatched(stop=stop):
-                self._stop_reason = stop
         return []  # no reasoning or tool calls: the raw prompt asks for neither
 
     def finish(self, kind: FinishKind, usage: Usage, stop_sequence: str | None) -> list[SSEChunk]:
         self._usage = usage
         self._finish_reason = FINISH_REASONS[kind]
-        self._stop_reason = stop_sequence or self._stop_reason
+        self._stop_reason = stop_sequence
         chunks = [self._chunk("", None, self._finish_reason)]
         if self.request.include_usage:
             chunks.append(SSEChunk({**self._head(), "choices": [], "usage": chat_usage(usage)}))

@@ -38,7 +38,6 @@ from api.output_parser import (
     ContentDelta,
     Delta,
     ReasoningDelta,
-    StopMatched,
     ToolCallArgsDelta,
     ToolCallEnd,
     ToolCallStart,
@@ -131,7 +130,6 @@ class MessagesResponseBuilder(ResponseBuilder):
         self._open: int | None = None  # index of the block still receiving deltas
         self._arguments: dict[int, list[str]] = {}  # tool_use block index → JSON pieces
         self._tool_blocks: dict[int, int] = {}  # parser's tool call index → block index
-        self._matched_stop: str | None = None
         self._usage = Usage()
         self._stop_reason: str | None = None
         self._stop_sequence: str | None = None
@@ -154,8 +152,6 @@ class MessagesResponseBuilder(ResponseBuilder):
                 return self._append_arguments(delta)
             case ToolCallEnd():
                 return self._close_block()
-            case StopMatched(stop=stop):
-                self._matched_stop = stop
         return []
 
     def finish(self, kind: FinishKind, usage: Usage, stop_sequence: str | None) -> list[SSEChunk]:
@@ -188,9 +184,8 @@ class MessagesResponseBuilder(ResponseBuilder):
         }
 
     def _stop(self, kind: FinishKind, stop_sequence: str | None) -> tuple[str, str | None]:
-        sequence = stop_sequence or self._matched_stop
-        if kind in ("stop", "stop_sequence") and sequence is not None:
-            return "stop_sequence", sequence
+        if kind in ("stop", "stop_sequence") and stop_sequence is not None:
+            return "stop_sequence", stop_sequence
         if kind == "stop" and any(block["type"] == "tool_use" for block in self._blocks):
             return "tool_use", None
         return STOP_REASONS[kind], None

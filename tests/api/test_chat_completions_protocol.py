@@ -20,7 +20,6 @@ from api.output_parser import (
     ContentDelta,
     Delta,
     ReasoningDelta,
-    StopMatched,
     ToolCallArgsDelta,
     ToolCallEnd,
     ToolCallStart,
@@ -591,7 +590,7 @@ def test_finish_reasons(kind: str, reason: str) -> None:
 
 
 def test_stop_sequence_is_reported_as_stop_reason() -> None:
-    builder, chunks = run([ContentDelta("a"), StopMatched("END")], kind="stop_sequence")
+    builder, chunks = run([ContentDelta("a")], kind="stop_sequence", stop_sequence="END")
     assert chunks[-1].data["choices"][0]["stop_reason"] == "END"
     assert builder.response()["choices"][0]["stop_reason"] == "END"
     builder, _ = run([ContentDelta("a")], kind="stop_sequence", stop_sequence="###")

@@ -23,7 +23,6 @@ from api.output_parser import (
     OutputParser,
     ParserConfig,
     ReasoningDelta,
-    StopMatched,
     ToolCallArgsDelta,
     ToolCallEnd,
     ToolCallsDone,
@@ -137,42 +136,13 @@ CASES = [
     ),
     Case(
         "features off: delimiters are content",
-        ParserConfig(stop=["END"]),
+        ParserConfig(),
         '<think>x</think><tool_call>{"name": "f", "arguments": {}}</tool_call> END tail',
         [
-            ContentDelta('<think>x</think><tool_call>{"name": "f", "arguments": {}}</tool_call> '),
-            StopMatched("END"),
+            ContentDelta(
+                '<think>x</think><tool_call>{"name": "f", "arguments": {}}</tool_call> END tail'
+            ),
         ],
-    ),
-    Case(
-        "stop in content, earliest wins",
-        ParserConfig(reasoning=THINK, stop=["world", "lo, w", "!"]),
-        "<think>r</think>Hello, world!",
-        [ReasoningDelta("r"), ContentDelta("Hel"), StopMatched("lo, w")],
-    ),
-    Case(
-        "stop in reasoning ends everything",
-        ParserConfig(reasoning=THINK, stop=["halt"]),
-        "<think>go on, halt</think>answer",
-        [ReasoningDelta("go on, "), StopMatched("halt")],
-    ),
-    Case(
-        "stop not searched inside tool calls",
-        ParserConfig(tool_calls=HERMES_TOOL_CALL, stop=["}"]),
-        'a<tool_call>{"name": "f", "arguments": {"k": {}}}</tool_call>b}c',
-        [ContentDelta("a"), *call(0, "f", '{"k": {}}'), ContentDelta("b"), StopMatched("}")],
-    ),
-    Case(
-        "stop beats a delimiter at the same place",
-        ParserConfig(tool_calls=HERMES_TOOL_CALL, stop=["<tool"]),
-        'x<tool_call>{"name": "f", "arguments": {}}</tool_call>',
-        [ContentDelta("x"), StopMatched("<tool")],
-    ),
-    Case(
-        "longer stop may still start earlier",
-        ParserConfig(stop=["ab", "xabc"]),
-        "zxabd zxabc",
-        [ContentDelta("zx"), StopMatched("ab")],
     ),
     Case(
         "other key order is parsed whole",
@@ -282,16 +252,10 @@ CASES = [
         [ContentDelta('<|python_tag|>{"name": "f", "parameters": {"a": "}')],
     ),
     Case(
-        "stop strings around bare calls",
-        ParserConfig(bare_json_tool_calls=True, stop=["END", "; "]),
+        "text after bare calls ends them",
+        ParserConfig(bare_json_tool_calls=True),
         '{"name": "f", "parameters": {"q": "END; "}} END',
-        [*call(0, "f", '{"q": "END; "}'), StopMatched("END")],
-    ),
-    Case(
-        "a stop string beats a lead at the same place",
-        ParserConfig(bare_json_tool_calls=True, stop=["<|python", "; "]),
-        '{"name": "f", "parameters": {}}; {"name": "g", "parameters": {}}',
-        [*call(0, "f", "{}"), StopMatched("; ")],
+        [*call(0, "f", '{"q": "END; "}'), ContentDelta("END")],
     ),
     Case(
         "bare calls beside hermes markup",
@@ -333,12 +297,12 @@ def split(text: str, cuts: list[int]) -> list[str]:
 
 
 # Fragments that collide in every way: delimiters, their near misses, JSON
-# punctuation, escapes, and stop strings overlapping each other and the markup.
+# punctuation, escapes and plain text overlapping the markup.
 DELIMITERS = ["<think>", "</think>", "<tool_call>", "</tool_call>"]
 NEAR_MISSES = ["<thin", "</thi", "<tool_callx", "<tool", "<"]
 JSON_BODIES = ['{"name": "f", "arguments": ', '{"arguments": {}, "name": "g"}']
 JSON_PUNCTUATION = ["{", "}", "[", "]", '"', '\\"', "\\\\", ", ", ": "]
-TEXT = ["\n", " ", "x", "é", "STOP", "ST", "OP"]
+TEXT = ["\n", " ", "x", "é", "ST", "OP"]
 FRAGMENTS = DELIMITERS + NEAR_MISSES + JSON_BODIES + JSON_PUNCTUATION + TEXT
 fuzz_texts = st.lists(st.sampled_from(FRAGMENTS), max_size=30).map("".join)
 
@@ -347,10 +311,9 @@ fuzz_texts = st.lists(st.sampled_from(FRAGMENTS), max_size=30).map("".join)
 @given(
     text=fuzz_texts,
     cuts=st.lists(st.integers(min_value=0, max_value=10_000), max_size=10),
-    stops=st.sampled_from([(), ("STOP", "x<t", "<tool"), ("é ", "</think>", "}")]),
 )
-def test_fuzzed_text_is_chunking_invariant(text: str, cuts: list[int], stops) -> None:
-    config = ParserConfig(reasoning=THINK, tool_calls=HERMES_TOOL_CALL, stop=stops)
+def test_fuzzed_text_is_chunking_invariant(text: str, cuts: list[int]) -> None:
+    config = ParserConfig(reasoning=THINK, tool_calls=HERMES_TOOL_CALL)
     whole = merged(config, [text])
     assert merged(config, split(text, cuts)) == whole
     assert merged(config, list(text)) == whole
@@ -380,18 +343,16 @@ bare_fuzz_texts = st.lists(st.sampled_from(BARE_FRAGMENTS), max_size=30).map("".
 @given(
     text=bare_fuzz_texts,
     cuts=st.lists(st.integers(min_value=0, max_value=10_000), max_size=10),
-    stops=st.sampled_from([(), ("STOP", "; {", "x"), ("{", "<|py", "\n\n")]),
     hermes=st.booleans(),
     single=st.booleans(),
 )
 def test_fuzzed_bare_json_calls_are_chunking_invariant(
-    text: str, cuts: list[int], stops, hermes: bool, single: bool
+    text: str, cuts: list[int], hermes: bool, single: bool
 ) -> None:
     config = ParserConfig(
         reasoning=THINK,
         tool_calls=HERMES_TOOL_CALL if hermes else None,
         bare_json_tool_calls=True,
-        stop=stops,
         single_tool_call=single,
     )
     whole = merged(config, [text])
@@ -401,7 +362,7 @@ def test_fuzzed_bare_json_calls_are_chunking_invariant(
 
 
 def assert_well_formed(deltas: list[Delta]) -> None:
-    """Calls open, stream and close in order with indices 0, 1, ...; a stop or done is last."""
+    """Calls open, stream and close in order with indices 0, 1, ...; a done is last."""
     open_index, next_index = None, 0
     for position, delta in enumerate(deltas):
         if isinstance(delta, ToolCallStart):
@@ -412,7 +373,7 @@ def assert_well_formed(deltas: list[Delta]) -> None:
         elif isinstance(delta, ToolCallEnd):
             assert delta.index == open_index
             open_index = None
-        elif isinstance(delta, StopMatched | ToolCallsDone):
+        elif isinstance(delta, ToolCallsDone):
             assert position == len(deltas) - 1
         else:
             assert open_index is None
@@ -429,18 +390,17 @@ def test_holds_back_only_a_possible_delimiter() -> None:
 
 
 def test_held_back_tail_never_exceeds_the_longest_marker() -> None:
-    config = ParserConfig(reasoning=THINK, tool_calls=HERMES_TOOL_CALL, stop=["<stop here>"])
-    parser = OutputParser(config)
-    longest = len("<stop here>")
+    parser = OutputParser(ParserConfig(reasoning=THINK, tool_calls=HERMES_TOOL_CALL))
+    longest = len("<tool_call>")
     pushed = emitted = 0
-    for chunk in ["<", "to", "ol", "<st", "op her", "<thin", "k", "<", "/", "x"] * 3:
+    for chunk in ["<", "to", "ol", "<tool_ca", "ll", "<thin", "k", "<", "/", "x"] * 3:
         pushed += len(chunk)
         emitted += sum(len(delta.text) for delta in parser.push(chunk))
         assert pushed - emitted <= longest - 1
 
 
 def test_held_back_tail_before_a_bare_call_never_exceeds_the_longest_lead() -> None:
-    parser = OutputParser(ParserConfig(bare_json_tool_calls=True, stop=["END"]))
+    parser = OutputParser(ParserConfig(bare_json_tool_calls=True))
     longest = len("<|python_tag|>{")
     pushed = emitted = 0
     for chunk in ["<|py", "thon_", "tag|>", " ", "EN", "x", "<|python_tag|", "x", "\n"] * 3:
@@ -473,14 +433,6 @@ def test_arguments_stream_before_the_call_ends() -> None:
 def test_escape_split_across_chunks() -> None:
     chunks = ['<tool_call>{"name": "f", "arguments": {"a": "\\', '"}"}}</tool_call>']
     assert merged(FULL, chunks) == call(0, "f", '{"a": "\\"}"}')
-
-
-def test_nothing_after_a_stop() -> None:
-    parser = OutputParser(ParserConfig(stop=["\n\n"]))
-    assert parser.push("one\n") == [ContentDelta("one")]
-    assert parser.push("\ntwo") == [StopMatched("\n\n")]
-    assert parser.push("three") == []
-    assert parser.finish() == []
 
 
 def test_merge_deltas_joins_same_kind_and_index_only() -> None:
@@ -517,16 +469,11 @@ def test_tool_call_ids_look_like_openai_ids() -> None:
         {"starts_in_reasoning": True},
         {"reasoning": Delimiters("<x>", "<x>")},
         {"tool_calls": Delimiters("", "</x>")},
-        {"stop": ["ok", ""]},
     ],
 )
 def test_config_rejects_unusable_settings(kwargs) -> None:
     with pytest.raises(ValueError):
         ParserConfig(**kwargs)
-
-
-def test_single_stop_string_is_not_split_into_characters() -> None:
-    assert ParserConfig(stop="END").stop == ("END",)
 
 
 TWO_CALLS = (

@@ -214,7 +214,6 @@ def test_prepare_builds_the_wire_request(ctx: PreparationContext):
     assert wire.sampling.max_tokens == 7
     assert wire.sampling.temperature == 1.0  # OpenAI's default when unset
     assert wire.sampling.stop == ["\n"]
-    assert wire.parsing.stop == ["\n"]
     assert wire.parsing.reasoning is None and wire.parsing.tool_calls is None
     assert prepared.context.system_fingerprint.startswith("fp_")
     assert PreparedRequest.from_dict(wire.to_dict()) == wire
@@ -460,7 +459,7 @@ def test_tool_choice_none_ends_the_answer_at_a_calls_markup(ctx: PreparationCont
     body = {"model": "default", "tools": ["f"], "tool_choice": "none", "stop": ["END"]}
     prepared = prepare(MINIMAL, body, ctx)
     assert prepared.wire.sampling.stop == ["END", HERMES_TOOL_CALL.open]
-    assert prepared.wire.parsing.stop == ["END"] and prepared.wire.parsing.tool_calls is None
+    assert prepared.wire.parsing.tool_calls is None
 
 
 def test_a_prompt_too_long_by_its_length_alone_is_refused_before_encoding(ctx: PreparationContext):

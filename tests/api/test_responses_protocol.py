@@ -22,7 +22,6 @@ from api.output_parser import (
     ContentDelta,
     Delta,
     ReasoningDelta,
-    StopMatched,
     ToolCallArgsDelta,
     ToolCallEnd,
     ToolCallStart,
@@ -565,7 +564,7 @@ def test_length_ends_incomplete() -> None:
 
 
 def test_stop_sequence_completes_and_abort_is_incomplete_without_reason() -> None:
-    builder, chunks = run([ContentDelta("a"), StopMatched("END")], kind="stop_sequence")
+    builder, chunks = run([ContentDelta("a")], kind="stop_sequence")
     assert Response.model_validate(builder.response()).status == "completed"
     assert_stream_equals_response(builder, chunks)
     builder, chunks = run([ContentDelta("a")], kind="abort")

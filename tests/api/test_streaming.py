@@ -176,17 +176,6 @@ def test_the_end_of_the_one_allowed_tool_call_ends_the_response(tokenizer):
     assert processor.push(_text('_call>{"name": "g"')) == []
 
 
-def test_a_stop_string_found_by_the_parser_ends_the_response_at_once(tokenizer):
-    processor, builder = _processor(tokenizer, ParserConfig(stop=["STOP"]))
-    _push_all(processor, [Ready(RID, 3, 0), _text("abc ST"), _text("OP and more")])
-    assert processor.done
-    assert builder.deltas() == [ContentDelta("abc ")]
-    kind, usage, stop = builder.finished()
-    assert (kind, stop, usage.completion_tokens) == ("stop_sequence", "STOP", 2)
-    assert processor.push(_text("ignored")) == []  # the engine's late events change nothing
-    assert processor.push(Finish(RID, FinishReason.STOP, 9)) == []
-
-
 def test_reasoning_tokens_are_counted_for_usage(tokenizer):
     processor, builder = _processor(tokenizer, ParserConfig(reasoning=THINK))
     events = [
@@ -288,8 +277,10 @@ def test_sse_stream_ends_with_the_done_marker_and_closes_the_events(tokenizer):
 
 
 def test_sse_stream_stops_reading_when_the_parser_stops(tokenizer):
-    processor, _ = _processor(tokenizer, ParserConfig(stop=["."]))
-    events = ScriptedEvents([Ready(RID, 3, 0), _text("One. Two"), _text(" three")])
+    config = ParserConfig(tool_calls=HERMES_TOOL_CALL, single_tool_call=True)
+    processor, _ = _processor(tokenizer, config)
+    call = '<tool_call>{"name": "f", "arguments": {}}</tool_call>'
+    events = ScriptedEvents([Ready(RID, 3, 0), _text(call + " Two"), _text(" three")])
     _run(_drain(sse_stream(processor, events)))
     assert events.closed and events._events == [_text(" three")]  # not read: cancelled
 

@@ -29,7 +29,7 @@ def full_job() -> QueuedRequest:
     )  # fmt: skip
     parsing = ParsingOptions(
         reasoning=("<think>", "</think>"), starts_in_reasoning=True,
-        tool_calls=("<tool_call>", "</tool_call>"), stop=["END"], single_tool_call=True,
+        tool_calls=("<tool_call>", "</tool_call>"), single_tool_call=True,
     )  # fmt: skip
     request = PreparedRequest(
         "chatcmpl-wire", "smollm2", list(range(5000)), sampling, parsing, priority=3, created=12.5
