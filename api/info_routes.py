@@ -31,7 +31,7 @@ from api.protocols.chat_completions_request import (
 )
 from api.protocols.completions_request import CompletionPrompt
 from api.protocols.openai_common import Fields
-from api.protocols.openai_request_parts import OpenBody
+from api.protocols.openai_request_parts import ClosedBody
 from api.serving import Serving
 from shared.registry import ModelSpec
 from shared.version import package_version
@@ -49,7 +49,7 @@ _MODEL = Field(None, description="A served model; may be left out when one is se
 _TOKEN_STRS = Field(None, description="Also answer each token's string.")
 
 
-class TokenizePrompt(OpenBody):
+class TokenizePrompt(ClosedBody):
     """A prompt, read as ``/v1/completions`` reads it."""
 
     model: str | None = _MODEL
@@ -58,7 +58,7 @@ class TokenizePrompt(OpenBody):
     return_token_strs: bool | None = _TOKEN_STRS
 
 
-class TokenizeMessages(OpenBody):
+class TokenizeMessages(ClosedBody):
     """Messages, read as ``/v1/chat/completions`` reads them."""
 
     model: str | None = _MODEL
@@ -77,7 +77,7 @@ class TokenizeRequest(RootModel[TokenizePrompt | TokenizeMessages]):
     model_config = ConfigDict(json_schema_extra={"examples": [{"prompt": "Hello world"}]})
 
 
-class DetokenizeRequest(OpenBody):
+class DetokenizeRequest(ClosedBody):
     """``POST /detokenize``: token ids to decode."""
 
     model_config = ConfigDict(json_schema_extra={"examples": [{"tokens": [1, 2, 3]}]})

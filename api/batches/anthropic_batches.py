@@ -44,6 +44,8 @@ CUSTOM_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
 class BatchRequest(Strict):
+    """One request of a batch: its ``custom_id`` names its result."""
+
     custom_id: Annotated[str, Field(pattern=f"^{CUSTOM_ID.pattern}$")]
     params: CreateBody = Field(description="A Messages request body (no stream).")
 
@@ -52,6 +54,7 @@ class MessageBatchCreate(Strict):
     """``POST /v1/messages/batches``: Messages requests to run, each named by its custom_id."""
 
     model_config = ConfigDict(
+        extra="forbid",  # read_requests refuses any other field
         json_schema_extra={
             "examples": [
                 {
@@ -67,7 +70,7 @@ class MessageBatchCreate(Strict):
                     ]
                 }
             ]
-        }
+        },
     )
 
     requests: Annotated[list[BatchRequest], Field(min_length=1, max_length=MAX_REQUESTS)]

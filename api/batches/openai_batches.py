@@ -37,7 +37,7 @@ from api.cursors import id_cursor
 from api.errors import bad_request
 from api.jobs.records import read_metadata
 from api.openapi_bodies import json_body
-from api.protocols.openai_request_parts import Metadata, OpenBody
+from api.protocols.openai_request_parts import ClosedBody, Metadata
 from shared.heap import paused_collection
 
 API = "openai"
@@ -63,7 +63,7 @@ _TIMES = (
 )
 
 
-class BatchCreate(OpenBody):
+class BatchCreate(ClosedBody):
     """``POST /v1/batches``: run every request of an uploaded JSONL file."""
 
     model_config = ConfigDict(

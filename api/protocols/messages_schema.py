@@ -6,7 +6,8 @@ never coerced. The first validation error becomes one 400 whose message and
 (``messages.0.content.1.source.media_type: ...``). Block unions are chosen by
 their ``type`` (turns by their ``role``) through tagged unions whose tags are
 then left out of the path, so an error names the field inside the block rather
-than pydantic's union machinery.
+than pydantic's union machinery. The same models are the Messages bodies in
+``/openapi.json`` (``api.openapi_bodies``).
 """
 
 from __future__ import annotations

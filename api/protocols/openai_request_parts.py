@@ -4,8 +4,10 @@ The request models document bodies in ``/openapi.json``; the protocols' own read
 (``openai_common.Fields``) still validate every body and name the field of a 400.
 The models follow the OpenAI API reference for names and types, and list the values
 this server serves where it serves fewer (a custom tool, ``n`` beyond a synchronous
-request). Unknown fields are allowed: the server reports them as ignored, or refuses
-them by name (``api.protocols.unsupported``).
+request). Unknown fields of a protocol body are allowed: the server reports them as
+ignored, or refuses them by name (``api.protocols.unsupported``). An envelope whose
+reader refuses every field it does not name (``/tokenize``, ``/v1/batches``) is a
+``ClosedBody``.
 """
 
 from __future__ import annotations
@@ -24,6 +26,12 @@ class OpenBody(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
 
 
+class ClosedBody(OpenBody):
+    """A wire shape whose reader refuses the fields it does not name (an envelope)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
 ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
 ImageDetail = Literal["auto", "low", "high", "original"]
 Metadata = Annotated[
@@ -31,7 +39,8 @@ Metadata = Annotated[
     Field(max_length=16, description="Up to 16 string pairs, echoed in the response."),
 ]
 TokenIds = Annotated[list[int], Field(min_length=1)]
-Stop = str | Annotated[list[str], Field(max_length=MAX_STOP_SEQUENCES)]
+_StopString = Annotated[str, Field(min_length=1)]
+Stop = _StopString | Annotated[list[_StopString], Field(max_length=MAX_STOP_SEQUENCES)]
 TopLogprobs = Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)]
 
 

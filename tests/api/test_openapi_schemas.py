@@ -20,6 +20,7 @@ import openai
 import pytest
 from fastapi import FastAPI
 from fastapi.routing import APIRoute, iter_route_contexts
+from fastapi.testclient import TestClient
 from pydantic import BaseModel, ValidationError
 
 try:  # newer SDKs run on their own fork of httpx, with the same API
@@ -31,7 +32,8 @@ from api.app import create_app
 from api.batches.anthropic_batches import MessageBatchCreate
 from api.batches.openai_batches import ENDPOINTS, BatchCreate
 from api.errors import ApiError
-from api.jobs.routes import JobSubmission
+from api.info_routes import DetokenizeRequest, TokenizeRequest
+from api.jobs.routes import JobBatch, JobSubmission
 from api.openapi_bodies import REF_PREFIX
 from api.protocols import chat_completions, completions, messages, responses
 from api.protocols.messages_schema import CountTokensBody
@@ -51,7 +53,12 @@ MODELS: dict[str, type[BaseModel]] = {
     messages.COUNT_TOKENS_PATH: CountTokensBody,
     "/v1/batches": BatchCreate,
     "/v1/messages/batches": MessageBatchCreate,
+    "/v1/jobs": JobSubmission,
+    "/v1/jobs/batch": JobBatch,
+    "/tokenize": TokenizeRequest,
+    "/detokenize": DetokenizeRequest,
 }
+FORMS = {"/v1/files"}  # multipart/form-data; every other body is JSON
 READERS: dict[str, Callable[[dict[str, Any]], Any]] = {
     **{protocol.path: protocol.parse for protocol in PROTOCOLS},
     messages.COUNT_TOKENS_PATH: messages.parse_count_tokens,
@@ -126,13 +133,26 @@ def test_every_post_route_with_a_body_documents_an_object_schema(
             assert "requestBody" not in operation, route.path
             continue
         assert "requestBody" in operation, f"{route.path} documents no request body"
-        _, schema = _body_schema(document, route.path)
+        media_type, schema = _body_schema(document, route.path)
+        form = route.path in FORMS
+        assert media_type == ("multipart/form-data" if form else "application/json"), route.path
         assert _is_object(document, schema), route.path
     assert {route.path for route in posts} >= NO_BODY
 
 
+def test_the_served_document_is_the_one_checked_here(
+    app: FastAPI, document: dict[str, Any]
+) -> None:
+    """``/openapi.json`` serves ``app.openapi()``, under a proxy's root path too."""
+    served = TestClient(app, root_path="/llm").get("/openapi.json").json()
+    assert served["servers"] == [{"url": "/llm"}]
+    assert served["paths"] == document["paths"]
+    assert served["components"] == document["components"]
+
+
 def test_every_documented_example_fits_its_schema(document: dict[str, Any]) -> None:
     """The example ``/docs`` fills a form with is a body the schema accepts."""
+    examples = 0
     for path, operations in document["paths"].items():
         body = operations.get("post", {}).get("requestBody")
         if body is None:
@@ -140,6 +160,10 @@ def test_every_documented_example_fits_its_schema(document: dict[str, Any]) -> N
         for media in body["content"].values():
             if "example" in media:
                 _validate_published(document, path, media["example"])
+                if path in MODELS:
+                    MODELS[path].model_validate(media["example"])
+                examples += 1
+    assert examples >= len(MODELS)
 
 
 def test_the_endpoints_a_job_or_batch_names_are_the_served_ones() -> None:
@@ -389,7 +413,10 @@ def sdk_bodies() -> list[tuple[str, Any]]:
 def test_the_sdks_requests_fit_the_route_models_and_the_published_schemas(
     sdk_bodies: list[tuple[str, Any]], document: dict[str, Any]
 ) -> None:
-    assert {path for path, _ in sdk_bodies} == set(MODELS)
+    assert {path for path, _ in sdk_bodies} == set(READERS) | {
+        "/v1/batches",
+        "/v1/messages/batches",
+    }
     for path, body in sdk_bodies:
         MODELS[path].model_validate(body)
         _validate_published(document, path, body)
@@ -451,6 +478,33 @@ def test_a_body_of_the_wrong_shape_fits_neither_model_nor_schema_nor_reader(
     with pytest.raises(ApiError) as refused:
         READERS[path](body)
     assert refused.value.status == 400
+
+
+JOB = {"endpoint": "/v1/completions", "body": {"model": "default", "prompt": "Hi"}}
+WRONG_ENVELOPES: list[tuple[str, Any]] = [
+    ("/v1/jobs", {**JOB, "endpoint": "/v1/embeddings"}),
+    ("/v1/jobs", {**JOB, "body": "Hi"}),
+    ("/v1/jobs/batch", {"jobs": []}),
+    ("/v1/jobs/batch", [{**JOB, "metadata": {"n": 1}}]),
+    ("/tokenize", {"prompt": {"text": "Hi"}}),
+    ("/tokenize", {"messages": "Hi"}),
+    ("/detokenize", {"tokens": "Hi"}),
+    ("/v1/batches", {"input_file_id": "file-1", "endpoint": "/v1/chat/completions"}),
+    ("/v1/batches", {"input_file_id": "f", "endpoint": "/v1/completions", "window": "24h"}),
+    ("/tokenize", {"prompt": "Hi", "stream": True}),
+    ("/v1/messages/batches", {"requests": [{"custom_id": "a b", "params": _messages()}]}),
+    ("/v1/messages/batches", {"requests": [{"custom_id": "a", "params": {"model": "m"}}]}),
+]
+
+
+@pytest.mark.parametrize(("path", "body"), WRONG_ENVELOPES)
+def test_an_envelope_of_the_wrong_shape_fits_neither_model_nor_schema(
+    path: str, body: Any, document: dict[str, Any]
+) -> None:
+    with pytest.raises(ValidationError):
+        MODELS[path].model_validate(body)
+    with pytest.raises(jsonschema.ValidationError):
+        _validate_published(document, path, body)
 
 
 def test_the_models_allow_fields_they_do_not_name() -> None:
