@@ -41,9 +41,11 @@ from api.jobs.responses import StoredResponses, responses_router
 from api.jobs.routes import jobs_router
 from api.jobs.store import JobStore, MemoryJobStore
 from api.limits import Limits
+from api.openapi_bodies import document_bodies, json_body
 from api.preparation import Prepared, encode_request, new_request_id
 from api.protocols import messages, responses
 from api.protocols.base import Protocol
+from api.protocols.messages_schema import CountTokensBody
 from api.protocols.openai_common import choices_per_prompt
 from api.protocols.table import BY_PATH, PROTOCOLS, error_shape, route_path
 from api.rate_limits import MemoryRateLimiter, RateLimiter, RedisRateLimiter
@@ -91,9 +93,15 @@ def create_app(settings: Settings | None = None, backend: Backend | None = None)
             route = _choices_route(protocol, serving)
         else:
             route = _generation_route(protocol, serving)
-        app.add_api_route(protocol.path, route, methods=["POST"])
+        body = json_body(protocol.request_model)
+        app.add_api_route(protocol.path, route, methods=["POST"], openapi_extra=body)
     app.include_router(responses_router(stored))
-    app.add_api_route(messages.COUNT_TOKENS_PATH, _count_tokens_route(serving), methods=["POST"])
+    app.add_api_route(
+        messages.COUNT_TOKENS_PATH,
+        _count_tokens_route(serving),
+        methods=["POST"],
+        openapi_extra=json_body(CountTokensBody),
+    )
     app.include_router(info_router(serving))
     app.mount("/playground", StaticFiles(directory=PLAYGROUND, html=True), name="playground")
     app.add_api_route("/", _to_playground, methods=["GET"], include_in_schema=False)
@@ -104,6 +112,7 @@ def create_app(settings: Settings | None = None, backend: Backend | None = None)
     keys = KeyRing.configured(settings.api_keys, settings.api_keys_file)
     _add_batches(app, manager, keys, settings)
     _install_error_handlers(app, serving)
+    document_bodies(app)
     log.info("%s", keys.describe())
     app.add_middleware(Authentication, keys=keys, metrics_token=settings.metrics_token)
     if settings.allowed_origins:  # outside authentication: a preflight carries no key

@@ -14,15 +14,24 @@ from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
+from pydantic import ConfigDict, Field, RootModel
 
 from api.errors import bad_request, not_found
+from api.openapi_bodies import json_body
 from api.preparation import encode_request, resolve_model
 from api.protocols import chat_completions, completions
+from api.protocols.chat_completions_request import (
+    ChatCompletionRequest,
+    ChatFunctionTool,
+    ChatMessage,
+)
+from api.protocols.completions_request import CompletionPrompt
 from api.protocols.openai_common import Fields
+from api.protocols.openai_request_parts import ClosedBody
 from api.serving import Serving
 from shared.registry import ModelSpec
 from shared.version import package_version
@@ -36,6 +45,45 @@ MESSAGES_FORM = frozenset(
         "add_special_tokens", "chat_template_kwargs", "tools", "return_token_strs",
     }
 )  # fmt: skip
+_MODEL = Field(None, description="A served model; may be left out when one is served.")
+_TOKEN_STRS = Field(None, description="Also answer each token's string.")
+
+
+class TokenizePrompt(ClosedBody):
+    """A prompt, read as ``/v1/completions`` reads it."""
+
+    model: str | None = _MODEL
+    prompt: CompletionPrompt
+    add_special_tokens: bool | None = None
+    return_token_strs: bool | None = _TOKEN_STRS
+
+
+class TokenizeMessages(ClosedBody):
+    """Messages, read as ``/v1/chat/completions`` reads them."""
+
+    model: str | None = _MODEL
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool | None = None
+    add_special_tokens: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ChatFunctionTool] | None = None
+    return_token_strs: bool | None = _TOKEN_STRS
+
+
+class TokenizeRequest(RootModel[TokenizePrompt | TokenizeMessages]):
+    """``POST /tokenize``: either a ``prompt`` or ``messages``."""
+
+    model_config = ConfigDict(json_schema_extra={"examples": [{"prompt": "Hello world"}]})
+
+
+class DetokenizeRequest(ClosedBody):
+    """``POST /detokenize``: token ids to decode."""
+
+    model_config = ConfigDict(json_schema_extra={"examples": [{"tokens": [1, 2, 3]}]})
+
+    model: str | None = _MODEL
+    tokens: list[Annotated[int, Field(ge=0)]]
 
 
 def info_router(serving: Serving) -> APIRouter:
@@ -73,9 +121,12 @@ def info_router(serving: Serving) -> APIRouter:
     async def server_version() -> Response:
         return JSONResponse({"version": package_version()})
 
-    router.add_api_route("/v1/tokenize", _chat_tokenize(serving), methods=["POST"])
-    router.add_api_route("/tokenize", _tokenize(serving), methods=["POST"])
-    router.add_api_route("/detokenize", _detokenize(serving), methods=["POST"])
+    for path, route, model in (
+        ("/v1/tokenize", _chat_tokenize(serving), ChatCompletionRequest),
+        ("/tokenize", _tokenize(serving), TokenizeRequest),
+        ("/detokenize", _detokenize(serving), DetokenizeRequest),
+    ):
+        router.add_api_route(path, route, methods=["POST"], openapi_extra=json_body(model))
     return router
 
 

@@ -20,10 +20,11 @@ import secrets
 import time
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime
-from typing import Any
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
+from pydantic import ConfigDict, Field
 
 from api.auth import caller_name
 from api.batches.files import KIND as FILE_KIND
@@ -32,7 +33,9 @@ from api.batches.openai_batches import jsonl
 from api.batches.service import Batches, Line, Outcome, refuse_unknown
 from api.cursors import id_cursor
 from api.errors import bad_request
+from api.openapi_bodies import json_body
 from api.protocols import messages
+from api.protocols.messages_schema import CreateBody, Strict
 from shared.heap import paused_collection
 
 API = "anthropic"
@@ -40,10 +43,43 @@ MAX_REQUESTS = 100_000
 CUSTOM_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
+class BatchRequest(Strict):
+    """One request of a batch: its ``custom_id`` names its result."""
+
+    custom_id: Annotated[str, Field(pattern=f"^{CUSTOM_ID.pattern}$")]
+    params: CreateBody = Field(description="A Messages request body (no stream).")
+
+
+class MessageBatchCreate(Strict):
+    """``POST /v1/messages/batches``: Messages requests to run, each named by its custom_id."""
+
+    model_config = ConfigDict(
+        extra="forbid",  # read_requests refuses any other field
+        json_schema_extra={
+            "examples": [
+                {
+                    "requests": [
+                        {
+                            "custom_id": "first",
+                            "params": {
+                                "model": "default",
+                                "max_tokens": 256,
+                                "messages": [{"role": "user", "content": "Hi"}],
+                            },
+                        }
+                    ]
+                }
+            ]
+        },
+    )
+
+    requests: Annotated[list[BatchRequest], Field(min_length=1, max_length=MAX_REQUESTS)]
+
+
 def anthropic_batches_router(batches: Batches, files: Files, window_s: float) -> APIRouter:
     router = APIRouter(prefix=f"{messages.PROTOCOL.path}/batches")
 
-    @router.post("")
+    @router.post("", openapi_extra=json_body(MessageBatchCreate))
     async def create(request: Request) -> Response:
         now = int(time.time())
         record = {

@@ -19,21 +19,43 @@ from __future__ import annotations
 
 import secrets
 import time
-from typing import Any
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
+from pydantic import Field
 from starlette.datastructures import UploadFile
 
 from api.auth import caller_name
 from api.batches.objects import ObjectStore, Quota, QuotaExceeded, visible
 from api.cursors import id_cursor
 from api.errors import ApiError, bad_request
+from api.openapi_bodies import form_body
+from api.protocols.openai_request_parts import OpenBody
 from api.request_body import read_body
 
 KIND = "file"
 PURPOSES = ("batch",)
 MIN_EXPIRY_S, MAX_EXPIRY_S = 3600, 30 * 86_400
+ExpirySeconds = Annotated[int, Field(ge=MIN_EXPIRY_S, le=MAX_EXPIRY_S)]
+
+
+class ExpiresAfter(OpenBody):
+    """When a file expires: ``seconds`` after it was created."""
+
+    anchor: Literal["created_at"]
+    seconds: ExpirySeconds
+
+
+class FileUpload(OpenBody):
+    """``POST /v1/files``: a JSONL file of batch requests, as ``multipart/form-data``."""
+
+    file: bytes = Field(description="The file's content.")
+    purpose: Literal["batch"]
+    expires_after_anchor: Literal["created_at"] | None = Field(None, alias="expires_after[anchor]")
+    expires_after_seconds: ExpirySeconds | None = Field(None, alias="expires_after[seconds]")
+
+
 MULTIPART_OVERHEAD = 64 * 1024  # headers and boundaries around the file's bytes
 DEFAULT_LIST_LIMIT, MAX_LIST_LIMIT = 20, 10_000
 
@@ -122,7 +144,7 @@ class Files:
 def files_router(files: Files) -> APIRouter:
     router = APIRouter(prefix="/v1/files")
 
-    @router.post("")
+    @router.post("", openapi_extra=form_body(FileUpload))
     async def upload(request: Request) -> Response:
         limit = files.max_file_bytes + MULTIPART_OVERHEAD
         try:

@@ -24,17 +24,20 @@ import json
 import secrets
 import time
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
+from pydantic import ConfigDict, Field
 
 from api.auth import caller_name
-from api.batches.files import Files, expiry_seconds, list_page
+from api.batches.files import ExpiresAfter, Files, expiry_seconds, list_page
 from api.batches.service import Batches, Line, Outcome, refuse_unknown
 from api.cursors import id_cursor
 from api.errors import bad_request
 from api.jobs.records import read_metadata
+from api.openapi_bodies import json_body
+from api.protocols.openai_request_parts import ClosedBody, Metadata
 from shared.heap import paused_collection
 
 API = "openai"
@@ -60,12 +63,34 @@ _TIMES = (
 )
 
 
+class BatchCreate(ClosedBody):
+    """``POST /v1/batches``: run every request of an uploaded JSONL file."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "examples": [
+                {
+                    "input_file_id": "file-abc123",
+                    "endpoint": "/v1/chat/completions",
+                    "completion_window": "24h",
+                }
+            ]
+        }
+    )
+
+    input_file_id: str = Field(description="A file uploaded with purpose 'batch'.")
+    endpoint: Literal["/v1/chat/completions", "/v1/completions", "/v1/responses"]
+    completion_window: Literal["24h"]
+    metadata: Metadata | None = None
+    output_expires_after: ExpiresAfter | None = None
+
+
 def openai_batches_router(batches: Batches, files: Files, window_s: float) -> APIRouter:
     """The routes; a batch's requests that have not ended ``window_s`` after it was created
     expire (OpenAI's 24 h ``completion_window``; ``--batch-completion-window`` sets it)."""
     router = APIRouter(prefix="/v1/batches")
 
-    @router.post("")
+    @router.post("", openapi_extra=json_body(BatchCreate))
     async def create(request: Request) -> Response:
         body = await batches.manager.serving.read_json(request)
         refuse_unknown(body, CREATE_FIELDS)

@@ -24,10 +24,11 @@ places at once: it holds no connection, and the server's queue bounds it.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
+from pydantic import ConfigDict, Field, RootModel
 from sse_starlette import ServerSentEvent
 
 from api.auth import caller_key, caller_name
@@ -35,7 +36,9 @@ from api.cursors import event_cursor, id_cursor
 from api.errors import ApiError, bad_request
 from api.jobs.manager import JobManager, JobRequest, SubmitError
 from api.jobs.records import JobRecord, JobStatus, StoredChunk, read_metadata
+from api.openapi_bodies import json_body
 from api.protocols.base import Protocol
+from api.protocols.openai_request_parts import Metadata, OpenBody
 from api.sse import SSEResponse
 
 if TYPE_CHECKING:
@@ -44,6 +47,30 @@ if TYPE_CHECKING:
 
 DEFAULT_LIST_LIMIT = 20
 MAX_LIST_LIMIT = 100
+_EXAMPLE = {
+    "endpoint": "/v1/chat/completions",
+    "body": {"model": "default", "messages": [{"role": "user", "content": "Hi"}]},
+}
+
+
+class JobSubmission(OpenBody):
+    """``POST /v1/jobs``: a body for a generation endpoint, run later."""
+
+    model_config = ConfigDict(json_schema_extra={"examples": [_EXAMPLE]})
+
+    endpoint: Literal["/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages"]
+    body: dict[str, Any] = Field(description="The request body that endpoint takes.")
+    metadata: Metadata | None = None
+
+
+class JobList(OpenBody):
+    jobs: Annotated[list[JobSubmission], Field(min_length=1)]
+
+
+class JobBatch(RootModel[JobList | Annotated[list[JobSubmission], Field(min_length=1)]]):
+    """``POST /v1/jobs/batch``: jobs as ``{"jobs": [...]}`` or a bare array; all or none."""
+
+    model_config = ConfigDict(json_schema_extra={"examples": [{"jobs": [_EXAMPLE]}]})
 
 
 def jobs_router(manager: JobManager, settings: Settings) -> APIRouter:
@@ -55,12 +82,12 @@ def jobs_router(manager: JobManager, settings: Settings) -> APIRouter:
     protocols, serving = manager.protocols, manager.serving
     router = APIRouter(prefix="/v1/jobs", lifespan=manager.lifespan)
 
-    @router.post("")
+    @router.post("", openapi_extra=json_body(JobSubmission))
     async def submit_job(request: Request) -> Response:
         jobs = [_job_request(await serving.read_json(request), protocols, "")]
         return await _submitted(manager, jobs, caller_key(request), batch=False)
 
-    @router.post("/batch")
+    @router.post("/batch", openapi_extra=json_body(JobBatch))
     async def submit_jobs(request: Request) -> Response:
         items = _batch_items(await serving.read_json(request, value=True), settings.max_batch_jobs)
         jobs = [_job_request(item, protocols, f"jobs[{i}].") for i, item in enumerate(items)]

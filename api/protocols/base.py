@@ -15,6 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from pydantic import BaseModel
+
 from api.errors import ApiError
 from api.output_parser import Delta
 from shared.conversation import Conversation
@@ -171,6 +173,8 @@ class Protocol:
     parse: Callable[[dict[str, Any]], GenerationRequest]  # raises ApiError (400) naming the field
     builder: Callable[[GenerationRequest, ResponseContext], ResponseBuilder]
     error_body: Callable[[ApiError], dict[str, Any]]
+    # The body as the API reference defines it, for /openapi.json; ``parse`` still validates.
+    request_model: type[BaseModel]
     done_marker: str | None = None  # Chat Completions ends its stream with "[DONE]"
     # For a protocol whose response holds several choices (``n``, several prompts): a body's
     # one body per choice (``api.choices``), and the ``object`` of its streamed chunks.

@@ -45,6 +45,7 @@ from api.protocols.base import (
     SSEChunk,
     Usage,
 )
+from api.protocols.chat_completions_request import ChatCompletionRequest
 from api.protocols.openai_common import (
     MAX_TOP_LOGPROBS,
     Fields,
@@ -497,6 +498,7 @@ PROTOCOL = Protocol(
     parse=parse,
     builder=ChatCompletionBuilder,
     error_body=error_body,
+    request_model=ChatCompletionRequest,
     done_marker="[DONE]",
     choice_bodies=copies,
     chunk_object="chat.completion.chunk",

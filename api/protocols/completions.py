@@ -38,6 +38,7 @@ from api.protocols.base import (
     Usage,
 )
 from api.protocols.chat_completions import FINISH_REASONS, include_usage, read_sampling
+from api.protocols.completions_request import CompletionRequest
 from api.protocols.openai_common import (
     MAX_TOP_LOGPROBS,
     Fields,
@@ -276,6 +277,7 @@ PROTOCOL = Protocol(
     parse=parse,
     builder=CompletionBuilder,
     error_body=error_body,
+    request_model=CompletionRequest,
     done_marker="[DONE]",
     choice_bodies=choice_bodies,
     chunk_object="text_completion",

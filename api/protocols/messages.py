@@ -11,6 +11,7 @@ from __future__ import annotations
 from api.protocols.base import Protocol
 from api.protocols.messages_request import parse, parse_count_tokens
 from api.protocols.messages_response import MessagesResponseBuilder, error_body
+from api.protocols.messages_schema import CreateBody
 
 COUNT_TOKENS_PATH = "/v1/messages/count_tokens"
 
@@ -21,6 +22,7 @@ PROTOCOL = Protocol(
     parse=parse,
     builder=MessagesResponseBuilder,
     error_body=error_body,
+    request_model=CreateBody,
     anthropic_rate_limit_headers=True,
 )
 

@@ -6,7 +6,8 @@ never coerced. The first validation error becomes one 400 whose message and
 (``messages.0.content.1.source.media_type: ...``). Block unions are chosen by
 their ``type`` (turns by their ``role``) through tagged unions whose tags are
 then left out of the path, so an error names the field inside the block rather
-than pydantic's union machinery.
+than pydantic's union machinery. The same models are the Messages bodies in
+``/openapi.json`` (``api.openapi_bodies``).
 """
 
 from __future__ import annotations
@@ -54,6 +55,14 @@ def _text_shorthand(value: Any) -> Any:
     return [{"type": "text", "text": value}] if isinstance(value, str) else value
 
 
+def _blocks(block: Any) -> Any:
+    """A list of ``block``, or a plain string for one text block (so the JSON schema says)."""
+    return Annotated[
+        list[block],
+        BeforeValidator(_text_shorthand, json_schema_input_type=str | list[block]),
+    ]
+
+
 _NonEmptyStr = Annotated[str, Field(min_length=1)]
 
 
@@ -81,9 +90,7 @@ class ImageBlock(Strict):
     source: _ImageSourceField
 
 
-_ResultBlocks = Annotated[
-    list[_by("type", TextBlock, ImageBlock)], BeforeValidator(_text_shorthand)
-]
+_ResultBlocks = _blocks(_by("type", TextBlock, ImageBlock))
 
 
 class ToolResultBlock(Strict):
@@ -117,12 +124,12 @@ _AssistantBlock = _by("type", TextBlock, ToolUseBlock, ThinkingBlock, RedactedTh
 
 class UserTurn(Strict):
     role: Literal["user"]
-    content: Annotated[list[_UserBlock], BeforeValidator(_text_shorthand)]
+    content: _blocks(_UserBlock)
 
 
 class AssistantTurn(Strict):
     role: Literal["assistant"]
-    content: Annotated[list[_AssistantBlock], BeforeValidator(_text_shorthand)]
+    content: _blocks(_AssistantBlock)
 
 
 class ToolDefinition(Strict):
@@ -189,12 +196,17 @@ class Metadata(Strict):
     user_id: str | None = None
 
 
+_EXAMPLE = {"model": "default", "messages": [{"role": "user", "content": "Hi"}]}
+
+
 class CountTokensBody(Strict):
     """The fields ``/v1/messages/count_tokens`` shares with message creation."""
 
+    model_config = ConfigDict(json_schema_extra={"examples": [_EXAMPLE]})
+
     model: _NonEmptyStr
     messages: Annotated[list[_TurnField], Field(min_length=1)]
-    system: Annotated[list[TextBlock], BeforeValidator(_text_shorthand)] = []
+    system: _blocks(TextBlock) = []
     tools: list[ToolDefinition] = []
     tool_choice: _ToolChoiceField | None = None
     thinking: _ThinkingField | None = None
@@ -202,6 +214,10 @@ class CountTokensBody(Strict):
 
 
 class CreateBody(CountTokensBody):
+    """``POST /v1/messages``: a conversation to answer."""
+
+    model_config = ConfigDict(json_schema_extra={"examples": [{**_EXAMPLE, "max_tokens": 256}]})
+
     max_tokens: Annotated[int, Field(ge=1)]
     stream: bool = False
     stop_sequences: list[_NonEmptyStr] = []

@@ -64,6 +64,7 @@ from api.protocols.openai_common import (
     token_logprob,
     validated,
 )
+from api.protocols.responses_request import ResponsesRequest
 from api.protocols.unsupported import refuse
 from api.protocols.vllm_extensions import read_structured_outputs
 from shared.conversation import (
@@ -611,4 +612,5 @@ PROTOCOL = Protocol(
     parse=parse,
     builder=ResponsesBuilder,
     error_body=error_body,
+    request_model=ResponsesRequest,
 )

@@ -12,6 +12,7 @@ from typing import Any
 
 import llguidance
 import pytest
+from pydantic import BaseModel
 
 from api.backends.base import ServedModel
 from api.errors import ApiError, bad_request
@@ -84,6 +85,7 @@ MINIMAL = Protocol(
     parse=_parse,
     builder=_no_builder,
     error_body=lambda error: {"error": error.message},
+    request_model=BaseModel,
 )
 
 
