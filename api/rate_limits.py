@@ -26,17 +26,20 @@ import math
 import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from importlib import resources
 from typing import TYPE_CHECKING, Protocol
 
 from api.errors import ApiError
-from shared import keys
+from shared import keys, lua
 
 if TYPE_CHECKING:
     from redis.asyncio import Redis
 
 MINUTE_S = 60.0
 CONCURRENCY_TTL_S = 3600  # a concurrent place whose release was lost frees itself after this
+
+RATE_LIMIT = lua.load("api", "rate_limit")  # defines rate_acquire() for the scripts that admit
+_ACQUIRE = lua.load("api", "rate_acquire", RATE_LIMIT)
+_RELEASE = lua.load("api", "rate_release")
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,14 +163,14 @@ class MemoryRateLimiter:
 class RedisRateLimiter:
     """Buckets in Redis, shared by every API replica; one script per admission.
 
-    The request queue's submit script runs the same checks (``RATE_LIMIT_LUA``)
+    The request queue's submit script runs the same checks (``RATE_LIMIT``, its prelude)
     for a request whose share rides on its submission.
     """
 
     def __init__(self, redis: Redis) -> None:
         self._redis = redis
-        self._acquire = redis.register_script(RATE_LIMIT_LUA + _script("rate_acquire.lua"))
-        self._release = redis.register_script(_script("rate_release.lua"))
+        self._acquire = _ACQUIRE.bind(redis)
+        self._release = _RELEASE.bind(redis)
 
     async def acquire(self, key: str, limits: KeyLimits, tokens: int) -> Verdict:
         share = KeyShare(key, limits, tokens)
@@ -316,13 +319,6 @@ def _keys(key: str) -> list[str]:
 
 def _arg(limit: int | None) -> int:
     return -1 if limit is None else limit
-
-
-def _script(name: str) -> str:
-    return resources.files("api").joinpath("scripts", name).read_text()
-
-
-RATE_LIMIT_LUA = _script("rate_limit.lua")  # defines rate_acquire() for the scripts that admit
 
 
 def _duration(seconds: float) -> str:

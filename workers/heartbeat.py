@@ -6,7 +6,7 @@ load report (``keys.worker_loads``), which the API reads for backpressure,
 ``/metrics`` and readiness. A clean exit removes both and hands back what
 the worker still holds.
 
-The same script (``scripts/beat.lua``) hands back the jobs of the worker's
+The same script (``broker/scripts/beat.lua``) hands back the jobs of the worker's
 own queue (``keys.own_queue``) whose hand-back time has passed, or all of
 them once the worker drains, renews the worker's cache summary
 (``workers.cache_summary``; a summary Redis lost is written again whole),
@@ -70,6 +70,7 @@ class Heartbeat:
         summary: CacheSummary | None = None,
     ) -> None:
         self._client = client
+        self._beat = BEAT.bind(client)
         self._identity = identity
         self._snapshot = snapshot
         self._draining = draining
@@ -143,7 +144,7 @@ class Heartbeat:
         args += [keys.TAKEN_PREFIX, identity.shared_queue, keys.own_queue(identity.model, "")]
         args += [keys.queue_wake(""), keys.CACHE_SUMMARY_PREFIX, SUMMARY_TTL_S]
         args += [int(report.draining), *BINDING_PREFIXES, *list_suffixes()]
-        dead, restored, handed, summary_kept = BEAT(self._client, self._keys, args)
+        dead, restored, handed, summary_kept = self._beat(keys=self._keys, args=args)
         if handed:
             self.handed_back += handed
             log.info("handed back %d job(s) of this worker's own queue", handed)
@@ -180,7 +181,8 @@ def leave(client: redis.Redis, identity: WorkerIdentity) -> int:
     script_keys = [keys.workers(model), keys.worker_loads(model), keys.workers_alive_since(model)]
     script_keys += [keys.taken(worker_id), keys.cache_summary(worker_id)]
     queues = [identity.shared_queue, identity.own_queue, keys.queue_wake("")]
-    return LEAVE(client, script_keys, [worker_id, *queues, *BINDING_PREFIXES, *list_suffixes()])
+    args = [worker_id, *queues, *BINDING_PREFIXES, *list_suffixes()]
+    return LEAVE.bind(client)(keys=script_keys, args=args)
 
 
 def _text(value: bytes | str) -> str:

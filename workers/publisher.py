@@ -3,7 +3,7 @@
 A request can have two live writers: a worker that lost its broker
 connection (or was merely slow) and the worker its redelivered job went to.
 Each run holds an attempt number; ``lease(request_id)`` holds the current
-one. One Lua script writes a whole engine step, every request's events,
+one. One Lua script (``scripts/publish.lua``) writes a whole engine step, every request's events,
 in one round trip, and checks each request's lease before its ``XADD``s, so
 the check and the write are atomic on the server: a stale attempt's events
 are dropped there, and the script names those requests so the worker stops
@@ -17,79 +17,12 @@ from dataclasses import dataclass
 
 import redis
 
-from shared import keys
+from shared import keys, lua
 from shared.event_codec import encode_event
 from shared.events import Error, Finish, InferenceEvent
 
-# KEYS: the model's in-flight set, then (lease, stream) per request.
-# ARGV: maxlen, ttl, "1" if this write may repeat one that already ran,
-#   REFRESH_EVERY, then per request: attempt, the first event's sequence
-#   number, event count, its id if the events end it (else ""), and per
-#   event: field count n, then n field/value pairs.
-# A current lease and its stream get the time to live of a finished stream
-# when an attempt starts writing, every REFRESH_EVERY events and at the end
-# (not at every write, which would double the script's cost), so both
-# outlive any generation that keeps writing and a stream whose writer died
-# expires on its own. A repeated write (sent again after its reply was lost) skips the events the
-# stream's last entry says this attempt already wrote. A request's end takes
-# it out of the in-flight set, as its API does when it reads the end: an API
-# that died would leave it counted against the model's bound until its
-# deadline. Returns the 1-based indexes of the requests whose lease is not
-# their attempt.
-REFRESH_EVERY = 64
-_PUBLISH_SCRIPT = """
-local maxlen, ttl, repeated, every = ARGV[1], ARGV[2], ARGV[3] == '1', tonumber(ARGV[4])
-local fenced = {}
-local pos = 5
-
-local function written(stream, attempt)
-  local tail = redis.call('XREVRANGE', stream, '+', '-', 'COUNT', 1)[1]
-  if not tail then return 0 end
-  local fields, a, s = tail[2], nil, 0
-  for f = 1, #fields, 2 do
-    if fields[f] == 'a' then a = fields[f + 1] elseif fields[f] == 's' then s = fields[f + 1] end
-  end
-  if a == attempt then return tonumber(s) end
-  return 0
-end
-
-local function refreshes(seq, count, ends)
-  local crossed = math.floor((seq + count - 1) / every) > math.floor((seq - 1) / every)
-  return seq == 1 or ends ~= '' or crossed
-end
-
-for i = 2, #KEYS, 2 do
-  local attempt, seq = ARGV[pos], tonumber(ARGV[pos + 1])
-  local count, ends = tonumber(ARGV[pos + 2]), ARGV[pos + 3]
-  pos = pos + 4
-  local current = redis.call('GET', KEYS[i]) == attempt
-  local done = 0
-  if current and repeated then
-    done = written(KEYS[i + 1], attempt)
-  elseif not current then
-    fenced[#fenced + 1] = i / 2
-  end
-  for e = 0, count - 1 do
-    local nfields = tonumber(ARGV[pos])
-    if current and seq + e > done then
-      local entry = {'XADD', KEYS[i + 1], 'MAXLEN', '~', maxlen, '*'}
-      for f = pos + 1, pos + 2 * nfields do
-        entry[#entry + 1] = ARGV[f]
-      end
-      redis.call(unpack(entry))
-    end
-    pos = pos + 1 + 2 * nfields
-  end
-  if current and refreshes(seq, count, ends) then
-    redis.call('EXPIRE', KEYS[i], ttl)
-    redis.call('EXPIRE', KEYS[i + 1], ttl)
-    if ends ~= '' then
-      redis.call('ZREM', KEYS[1], ends)
-    end
-  end
-end
-return fenced
-"""
+REFRESH_EVERY = 64  # the events between refreshes of a stream's time to live (publish.lua)
+PUBLISH = lua.load("workers", "publish")
 
 
 @dataclass(slots=True)
@@ -130,7 +63,7 @@ class EventPublisher:
         ttl_s: int = keys.FINISHED_STREAM_TTL_S,
     ) -> None:
         self._client = client
-        self._script = client.register_script(_PUBLISH_SCRIPT)
+        self._script = PUBLISH.bind(client)
         self._inflight = keys.inflight(model)
         self._maxlen = maxlen
         self._ttl_s = ttl_s
@@ -164,14 +97,14 @@ class EventPublisher:
         ``repeated`` says the same write may have run already (its reply was
         lost): the script then skips the events the streams already hold.
         """
-        self._send(connection, "EVALSHA", self._script.sha, batches, check_health, repeated)
+        self._send(connection, "EVALSHA", PUBLISH.sha, batches, check_health, repeated)
 
     def receive(self, connection: redis.Connection, batches: Sequence[Batch]) -> set[Attempt]:
         """The reply to ``send(connection, batches)``: the attempts fenced out."""
         try:
             reply = connection.read_response()
         except redis.exceptions.NoScriptError:  # nothing was written: send the script itself
-            self._send(connection, "EVAL", self._script.script, batches, False, True)
+            self._send(connection, "EVAL", PUBLISH.source, batches, False, True)
             reply = connection.read_response()
         return _fenced(batches, reply)
 

@@ -246,7 +246,7 @@ class RequestChannel:
         try:
             async with asyncio.timeout(CLEANUP_TIMEOUT_S):
                 async with self.redis.pipeline(transaction=False) as pipe:
-                    self._queue_end(pipe, request_id, end)
+                    await self._queue_end(pipe, request_id, end)
                     await pipe.execute()
         except (RedisError, OSError, TimeoutError) as exc:
             log.warning("ending %s in Redis failed, to retry: %s", request_id, exc)
@@ -254,13 +254,13 @@ class RequestChannel:
             if len(self._unsent_ends) > MAX_UNSENT_ENDS:  # a long outage under load
                 del self._unsent_ends[next(iter(self._unsent_ends))]  # the oldest
 
-    def _queue_end(self, pipe: Pipeline, request_id: str, end: _End) -> None:
+    async def _queue_end(self, pipe: Pipeline, request_id: str, end: _End) -> None:
         if end.cancel:
             ttl = math.ceil(self.limits.total_timeout_s) + 60
             pipe.set(keys.cancel_flag(request_id), "1", ex=ttl)
             pipe.publish(keys.CANCEL_CHANNEL, request_id)
             if end.untaken is not None:
-                withdraw(pipe, end.untaken)
+                await withdraw(pipe, end.untaken)
         if end.model:
             pipe.zrem(keys.inflight(end.model), request_id)
 
@@ -288,7 +288,7 @@ class RequestChannel:
             return
         async with self.redis.pipeline(transaction=False) as pipe:
             for request_id, end in pending:
-                self._queue_end(pipe, request_id, end)
+                await self._queue_end(pipe, request_id, end)
             await pipe.execute()
         for request_id, _ in pending:  # the bound may have let some go meanwhile
             self._unsent_ends.pop(request_id, None)

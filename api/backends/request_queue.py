@@ -33,70 +33,15 @@ from redis.asyncio.client import Pipeline
 
 from api.backends.event_reader import INTERRUPT_TTL_S
 from api.backends.placement import SHARED, Placement
-from api.rate_limits import RATE_LIMIT_LUA, KeyShare, Verdict
-from shared import keys
+from api.rate_limits import RATE_LIMIT, KeyShare, Verdict
+from shared import keys, lua
 from shared.task_message import TaskMessage, task_message
 from shared.wire import PreparedRequest, QueuedRequest
 
 SEND_TIMEOUT_S = 10.0
 
-SUBMIT_SCRIPT = (
-    RATE_LIMIT_LUA
-    + """
--- KEYS: the model's in-flight set, the queue's list, its wake list; then, if ARGV[9] is '1',
--- the key's rate-limit keys (rate_limit.lua); then the event reader's interrupt stream if
--- ARGV[7] is '1'; then the job's origin key when it has one.
--- ARGV: now, the bound (0: none), the job's in-flight score, its request id, its message,
--- the origin key's TTL, whether to interrupt the reader's read, the interrupt stream's TTL,
--- whether a key's share is taken, then rate_acquire's six arguments.
--- Returns {1} if queued, {0} if refused by the bound (the set already counted it); with a
--- share, {1 or -1 (refused by the key's limits), then rate_acquire's verdict}.
-local rated = ARGV[9] == '1'
-local next_key = rated and 7 or 4
-if ARGV[7] == '1' then  -- whether queued or refused: the reader reads this job's stream next
-  redis.call('XADD', KEYS[next_key], 'MAXLEN', 1, '*', 'w', '1')
-  redis.call('EXPIRE', KEYS[next_key], ARGV[8])
-  next_key = next_key + 1
-end
-local bound = tonumber(ARGV[2])
-if bound > 0 and redis.call('ZCOUNT', KEYS[1], ARGV[1], '+inf') >= bound then
-  return {0}
-end
-local verdict = nil
-if rated then
-  verdict = rate_acquire(KEYS[4], KEYS[5], KEYS[6], tonumber(ARGV[10]), tonumber(ARGV[11]),
-                         tonumber(ARGV[12]), tonumber(ARGV[13]), tonumber(ARGV[14]),
-                         tonumber(ARGV[15]))
-  if verdict[1] == 0 then
-    return {-1, verdict[2], verdict[3], verdict[4], verdict[5]}
-  end
-end
-redis.call('ZADD', KEYS[1], ARGV[3], ARGV[4])
-redis.call('LPUSH', KEYS[2], ARGV[5])
-redis.call('LPUSH', KEYS[3], '1')
-if KEYS[next_key] then
-  redis.call('SET', KEYS[next_key], '1', 'EX', ARGV[6])
-end
-if verdict then
-  return {1, verdict[2], verdict[3], verdict[4], verdict[5]}
-end
-return {1}
-"""
-)
-
-
-WITHDRAW_SCRIPT = """
--- KEYS: the job's list, its wake list, then the shared queue's list and wake list its
--- message moves to if handed back from a worker's own queue. ARGV: its message.
--- Removes a job no worker has taken yet, and a wake token with it. Returns 1 if removed.
-for i = 1, 3, 2 do
-  if redis.call('LREM', KEYS[i], 1, ARGV[1]) == 1 then
-    redis.call('RPOP', KEYS[i + 1])
-    return 1
-  end
-end
-return 0
-"""
+SUBMIT = lua.load("api.backends", "submit", RATE_LIMIT)
+WITHDRAW = lua.load("api.backends", "withdraw")
 
 
 class Submission(NamedTuple):
@@ -112,7 +57,7 @@ class RequestQueue:
     """Queues jobs from the event loop, each at once; see the module docstring."""
 
     def __init__(self, client: Redis) -> None:
-        self._script = client.register_script(SUBMIT_SCRIPT)
+        self._script = SUBMIT.bind(client)
 
     async def put(
         self,
@@ -164,17 +109,18 @@ class RequestQueue:
         return Submission(message if outcome == 1 else None, verdict)
 
 
-def withdraw(pipe: Pipeline, message: TaskMessage) -> None:
+async def withdraw(pipe: Pipeline, message: TaskMessage) -> None:
     """Queue on ``pipe`` the removal of a job's message, if no worker has taken it yet.
 
     A request given up on before its first event (the client left, the queue
     deadline passed) would otherwise stay queued until a worker popped it only
     to drop it, counted meanwhile as queued work (``sluice_desired_workers``).
     Once taken, the message is not in the list and this removes nothing; the
-    cancel flag stops it then.
+    cancel flag stops it then. Awaiting it sends nothing: ``pipe`` loads the script
+    before it executes if Redis lacks it (redis-py's pipeline scripts).
     """
     script_keys = [message.key, message.wake, message.shared_key, message.shared_wake]
-    pipe.eval(WITHDRAW_SCRIPT, len(script_keys), *script_keys, message.body)
+    await WITHDRAW.bind(pipe)(keys=script_keys, args=[message.body])
 
 
 def with_seed(request: PreparedRequest) -> PreparedRequest:

@@ -42,6 +42,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from shared import lua
+
 PREFIX = "sluice"
 LIST_BATCH = 100
 LAPSE_BATCH = 1000  # expired charges given back per write, at most: a write stays short
@@ -283,95 +285,12 @@ class MemoryObjects:
                     held.bytes, held.count = held.bytes - kept.charge, held.count - 1
 
 
-# KEYS: lease. ARGV: holder, ttl ms. Takes a free lease or renews one's own.
-_CLAIM = """
-local holder = redis.call('GET', KEYS[1])
-if holder and holder ~= ARGV[1] then return 0 end
-redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
-return 1
-"""
-
-_UPDATE = """
-if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
-redis.call('HSET', KEYS[1], 'record', ARGV[1])
-return 1
-"""
-
-# Gives back the charges of the owner's objects whose time is up (at most LAPSE_BATCH).
-# KEYS: held, lapse, owner index. ARGV: now (unix s). Defines lapse() for the scripts below.
-_LAPSE = f"""
-local function lapse(held, lapsing, owned, now)
-  local gone = redis.call('ZRANGEBYSCORE', lapsing, '-inf', now, 'LIMIT', 0, {LAPSE_BATCH})
-  for _, id in ipairs(gone) do
-    local size = redis.call('HGET', held, id)
-    if size then
-      redis.call('HINCRBY', held, 'bytes', 0 - tonumber(size))
-      redis.call('HINCRBY', held, 'count', -1)
-      redis.call('HDEL', held, id)
-    end
-    redis.call('ZREM', lapsing, id)
-    redis.call('ZREM', owned, id)
-  end
-end
-"""
-
-# KEYS: object, owner index, held, lapse. ARGV: id, record JSON, created_at, kept_until (ms,
-# or ""), blob ("" and ARGV[8] = 0: none), size, quota bytes (-1: not charged), quota count,
-# has blob (1/0), now (s). Returns {1} when written, {0, bytes held, count held} when refused.
-_PUT = (
-    _LAPSE
-    + """
-local charged = tonumber(ARGV[7]) >= 0
-local size = tonumber(ARGV[6])
-if charged then
-  lapse(KEYS[3], KEYS[4], KEYS[2], ARGV[10])
-  local bytes = tonumber(redis.call('HGET', KEYS[3], 'bytes') or '0')
-  local count = tonumber(redis.call('HGET', KEYS[3], 'count') or '0')
-  if bytes + size > tonumber(ARGV[7]) or count + 1 > tonumber(ARGV[8]) then
-    return {0, bytes, count}
-  end
-end
-if ARGV[9] == '1' then
-  redis.call('HSET', KEYS[1], 'record', ARGV[2], 'blob', ARGV[5])
-else
-  redis.call('HSET', KEYS[1], 'record', ARGV[2])
-end
-if ARGV[4] ~= '' then redis.call('PEXPIREAT', KEYS[1], ARGV[4]) end
-redis.call('ZADD', KEYS[2], ARGV[3], ARGV[1])
-if charged then
-  redis.call('HINCRBY', KEYS[3], 'bytes', size)
-  redis.call('HINCRBY', KEYS[3], 'count', 1)
-  redis.call('HSET', KEYS[3], ARGV[1], size)
-  if ARGV[4] ~= '' then redis.call('ZADD', KEYS[4], tonumber(ARGV[4]) / 1000, ARGV[1]) end
-end
-return {1}
-"""
-)
-
-# KEYS: object, lease, active, owner index, held, lapse. ARGV: id.
-_DELETE = """
-local deleted = redis.call('DEL', KEYS[1], KEYS[2])
-redis.call('SREM', KEYS[3], ARGV[1])
-redis.call('ZREM', KEYS[4], ARGV[1])
-redis.call('ZREM', KEYS[6], ARGV[1])
-local size = redis.call('HGET', KEYS[5], ARGV[1])
-if size then
-  redis.call('HINCRBY', KEYS[5], 'bytes', 0 - tonumber(size))
-  redis.call('HINCRBY', KEYS[5], 'count', -1)
-  redis.call('HDEL', KEYS[5], ARGV[1])
-end
-return deleted
-"""
-
-# KEYS: held, lapse, owner index. ARGV: now (s). Returns {bytes, count}.
-_HELD = (
-    _LAPSE
-    + """
-lapse(KEYS[1], KEYS[2], KEYS[3], ARGV[1])
-return {tonumber(redis.call('HGET', KEYS[1], 'bytes') or '0'),
-        tonumber(redis.call('HGET', KEYS[1], 'count') or '0')}
-"""
-)
+_LAPSE = lua.load("api.batches", "lapse")  # defines lapse() for the scripts that charge
+_CLAIM = lua.load("api.batches", "claim")
+_UPDATE = lua.load("api.batches", "update")
+_PUT = lua.load("api.batches", "put", _LAPSE)
+_DELETE = lua.load("api.batches", "delete")
+_HELD = lua.load("api.batches", "held", _LAPSE)
 
 
 class RedisObjects:
@@ -383,11 +302,11 @@ class RedisObjects:
         from redis.asyncio import Redis  # distributed mode only; embedded never loads it
 
         self._redis = Redis.from_url(redis_url, socket_timeout=10, socket_connect_timeout=2)
-        self._claim = self._redis.register_script(_CLAIM)
-        self._update = self._redis.register_script(_UPDATE)
-        self._put = self._redis.register_script(_PUT)
-        self._delete = self._redis.register_script(_DELETE)
-        self._held = self._redis.register_script(_HELD)
+        self._claim = _CLAIM.bind(self._redis)
+        self._update = _UPDATE.bind(self._redis)
+        self._put = _PUT.bind(self._redis)
+        self._delete = _DELETE.bind(self._redis)
+        self._held = _HELD.bind(self._redis)
 
     async def put(
         self,
@@ -412,6 +331,7 @@ class RedisObjects:
                 -1 if quota is None else quota.count,
                 0 if blob is None else 1,
                 time.time(),
+                LAPSE_BATCH,
             ],
         )
         if not int(reply[0]):
@@ -440,7 +360,7 @@ class RedisObjects:
 
     async def held(self, kind: str, owner: str | None) -> tuple[int, int]:
         owned, held, lapsing = _owner_keys(kind, owner)
-        counts = await self._held(keys=[held, lapsing, owned], args=[time.time()])
+        counts = await self._held(keys=[held, lapsing, owned], args=[time.time(), LAPSE_BATCH])
         return int(counts[0]), int(counts[1])
 
     async def list(

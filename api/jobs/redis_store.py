@@ -31,7 +31,7 @@ from redis.asyncio import Redis
 from api.cursors import MAX_EVENT
 from api.jobs.records import JobOutcome, JobRecord, JobStatus, StoredChunk
 from api.jobs.store import DEFAULT_RETENTION_S, JobEnded, check_read_start
-from shared import keys
+from shared import keys, lua
 
 LEASE_TTL_S = 10.0  # a runner renews its lease every LEASE_TTL_S / 3
 END_ID = f"{MAX_EVENT + 1}-0"  # the end entry's: after any chunk and any cursor
@@ -41,59 +41,11 @@ INDEX = keys.JOB_INDEX
 ACTIVE = keys.JOB_ACTIVE
 _MUTABLE = ("started_at", "finished_at", "usage", "result", "error")
 
-# KEYS: record, events, active. ARGV: job id, status, the end entry's id, field/value pairs.
-_FINISH = """
-local status = redis.call('HGET', KEYS[1], 'status')
-if status ~= 'queued' and status ~= 'running' then return 0 end
-redis.call('HSET', KEYS[1], 'status', ARGV[2], unpack(ARGV, 4))
-redis.call('XADD', KEYS[2], ARGV[3], 'end', ARGV[2])
-redis.call('PEXPIREAT', KEYS[2], redis.call('HGET', KEYS[1], 'expires_ms'))
-redis.call('SREM', KEYS[3], ARGV[1])
-return 1
-"""
-# KEYS: record, events. ARGV: index of the first chunk, then data/event pairs ("": no event).
-# Refused (0) once the job ended or expired, or when an index is taken.
-_APPEND = """
-local expires = redis.call('HGET', KEYS[1], 'expires_ms')
-local status = redis.call('HGET', KEYS[1], 'status')
-if (not expires) or (status ~= 'queued' and status ~= 'running') then return 0 end
-local index = tonumber(ARGV[1])
-for i = 2, #ARGV, 2 do
-  local reply
-  if ARGV[i + 1] == '' then
-    reply = redis.pcall('XADD', KEYS[2], index .. '-0', 'd', ARGV[i])
-  else
-    reply = redis.pcall('XADD', KEYS[2], index .. '-0', 'd', ARGV[i], 'e', ARGV[i + 1])
-  end
-  if type(reply) == 'table' and reply.err then return 0 end
-  index = index + 1
-end
-redis.call('PEXPIREAT', KEYS[2], expires)
-return 1
-"""
-# KEYS: record. ARGV: started_at.
-_MARK_RUNNING = """
-if redis.call('HGET', KEYS[1], 'status') ~= 'queued' then return 0 end
-redis.call('HSET', KEYS[1], 'status', 'running', 'started_at', ARGV[1])
-return 1
-"""
-# KEYS: leases. ARGV: holder, ttl (ms). Returns 1/0 per lease: still held.
-_RENEW = """
-local held = {}
-for i, key in ipairs(KEYS) do
-  if redis.call('GET', key) == ARGV[1] then
-    redis.call('PEXPIRE', key, ARGV[2])
-    held[i] = 1
-  else
-    held[i] = 0
-  end
-end
-return held
-"""
-_RELEASE = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
-return 0
-"""
+_FINISH = lua.load("api.jobs", "finish")
+_APPEND = lua.load("api.jobs", "append")
+_MARK_RUNNING = lua.load("api.jobs", "mark_running")
+_RENEW = lua.load("api.jobs", "renew")
+_RELEASE = lua.load("api.jobs", "release")
 
 
 class RedisJobStore:
@@ -118,11 +70,11 @@ class RedisJobStore:
         self._blocking = Redis.from_url(
             redis_url, socket_timeout=READ_BLOCK_MS / 1000 + 5, **options
         )
-        self._append = self._redis.register_script(_APPEND)
-        self._finish = self._redis.register_script(_FINISH)
-        self._mark_running = self._redis.register_script(_MARK_RUNNING)
-        self._renew = self._redis.register_script(_RENEW)
-        self._release = self._redis.register_script(_RELEASE)
+        self._append = _APPEND.bind(self._redis)
+        self._finish = _FINISH.bind(self._redis)
+        self._mark_running = _MARK_RUNNING.bind(self._redis)
+        self._renew = _RENEW.bind(self._redis)
+        self._release = _RELEASE.bind(self._redis)
 
     @property
     def client(self) -> Redis:

@@ -75,7 +75,7 @@ def take(server: RedisServer, worker_id: str, count: int) -> None:
     assert server.client.rpop(wake) is not None, "no job on the queue"
     taken_key = keys.taken(worker_id)
     script_keys = [taken_key, wake, *queue_lists(keys.queue_name(DEFAULT_MODEL))]
-    taken, started = TAKE(server.client, script_keys, [count, 1, *START_ARGS])
+    taken, started = TAKE.bind(server.client)(keys=script_keys, args=[count, 1, *START_ARGS])
     assert len(taken) == 2 * count and len(started) == 2 * count  # every job named and started
     assert server.client.hlen(taken_key) == count  # recorded as the worker's
 

@@ -228,7 +228,7 @@ def test_a_placed_job_is_withdrawn_from_its_own_queue_or_the_shared_one(
                 client.lmove(message.key, message.shared_key, "RIGHT", "RIGHT")
                 client.lmove(message.wake, message.shared_wake, "RIGHT", "RIGHT")
             async with redis.pipeline(transaction=False) as pipe:
-                withdraw(pipe, message)
+                await withdraw(pipe, message)
                 (removed,) = await pipe.execute()
             assert removed == 1
             return message.key, message.shared_key, message.body

@@ -254,7 +254,9 @@ def take_as_a_worker(client: redis.Redis, starts: TakenStarts, jobs: list[Queued
     for job in jobs:
         client.lpush(queue, task_message(job).body)
     taken = keys.taken(f"test-taker-{uuid.uuid4().hex}")
-    _, started = TAKE(client, [taken, f"{queue}:wake", queue], [len(jobs), 1, *START_ARGS])
+    _, started = TAKE.bind(client)(
+        keys=[taken, f"{queue}:wake", queue], args=[len(jobs), 1, *START_ARGS]
+    )
     client.delete(taken)
     for request_id, replies in zip(started[::2], started[1::2], strict=True):
         starts.put(request_id.decode(), _taken_start(replies))

@@ -51,7 +51,9 @@ def hold(client: redis.Redis, worker_id: str, queue: str, bodies: list[str]) -> 
     """``worker_id`` takes ``bodies`` from ``queue`` with the real take script."""
     messages = [json.dumps({"properties": {"delivery_tag": body}, "body": body}) for body in bodies]
     client.lpush(queue, *messages)
-    taken, _ = TAKE(client, [keys.taken(worker_id), f"{queue}:wake", queue], [len(bodies), 1])
+    taken, _ = TAKE.bind(client)(
+        keys=[keys.taken(worker_id), f"{queue}:wake", queue], args=[len(bodies), 1]
+    )
     assert len(taken) == 2 * len(bodies) and client.llen(queue) == 0
 
 
@@ -274,7 +276,9 @@ def test_a_dead_worker_s_own_queue_and_held_jobs_go_to_the_shared_queue(
     shared, own = keys.queue_name(model), keys.own_queue(model, dead)
     later = redis_now(client) + 60
     place(client, model, dead, [("held", later)])
-    hold_messages = TAKE(client, [keys.taken(dead), keys.queue_wake(own), own], [1, 1])
+    hold_messages = TAKE.bind(client)(
+        keys=[keys.taken(dead), keys.queue_wake(own), own], args=[1, 1]
+    )
     assert len(hold_messages[0]) == 2
     place(client, model, dead, [("waiting", later)])
     client.sadd(keys.cache_summary(dead), b"x" * 16)

@@ -141,13 +141,15 @@ class QoS(kombu_redis.QoS):
     def restore_by_tag(self, tag: str, client: Any = None, leftmost: bool = False) -> None:
         """Put one taken message back: at its queue's head, or its tail if ``leftmost``."""
         with self.channel.conn_or_acquire(client) as client:
-            RESTORE(client, [self._link.taken_key], ["tail" if leftmost else "head", tag])
+            RESTORE.bind(client)(
+                keys=[self._link.taken_key], args=["tail" if leftmost else "head", tag]
+            )
 
     def restore_unacked(self, client: Any = None) -> None:
         """Every message this worker still holds goes back to the head of its queue."""
         self.flush_acks()
         with self.channel.conn_or_acquire(client) as client:
-            RESTORE(client, [self._link.taken_key], ["head"])
+            RESTORE.bind(client)(keys=[self._link.taken_key], args=["head"])
         self._delivered.clear()
 
     def restore_visible(self, *args: Any, **kwargs: Any) -> None:
@@ -182,7 +184,7 @@ class QoS(kombu_redis.QoS):
         for position, tag in enumerate(requeued):
             try:
                 with self.channel.conn_or_acquire() as client:
-                    RESTORE(client, [taken], ["tail", tag])
+                    RESTORE.bind(client)(keys=[taken], args=["tail", tag])
             except Exception as exc:
                 self._retry_requeues(requeued[position:], exc)
                 return
