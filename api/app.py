@@ -40,7 +40,6 @@ from api.jobs.manager import JobManager
 from api.jobs.responses import StoredResponses, responses_router
 from api.jobs.routes import jobs_router
 from api.jobs.store import JobStore, MemoryJobStore
-from api.limits import Limits
 from api.openapi_bodies import document_bodies, json_body
 from api.preparation import Prepared, encode_request, new_request_id
 from api.protocols import messages, responses
@@ -134,7 +133,7 @@ def _request_channel(settings: Settings) -> RequestChannel | None:
         return None
     from api.backends.channel import RequestChannel
 
-    return RequestChannel(settings.redis_url, Limits.of(settings))
+    return RequestChannel(settings.redis_url, settings.limits)
 
 
 def _default_backend(
@@ -208,18 +207,9 @@ def _add_batches(app: FastAPI, manager: JobManager, keys: KeyRing, settings: Set
 def _embedded_backend(spec: ModelSpec, settings: Settings) -> Backend:
     from api.backends.embedded import EmbeddedBackend, engine_args_for
 
-    args = engine_args_for(
-        spec,
-        dtype=settings.dtype,
-        quantization=settings.quantization,
-        enforce_eager=settings.enforce_eager,
-        max_model_len=settings.max_model_len,
-        max_num_seqs=settings.max_num_seqs,
-        kv_cache_bytes=settings.kv_cache_bytes,
-        gpu_memory_utilization=settings.gpu_memory_utilization,
-        registry_file=str(settings.config) if settings.config else None,
-    )
-    return EmbeddedBackend(spec, args, limits=Limits.of(settings))
+    registry_file = str(settings.config) if settings.config else None
+    args = engine_args_for(spec, settings.engine, registry_file=registry_file)
+    return EmbeddedBackend(spec, args, limits=settings.limits)
 
 
 # --- routes --------------------------------------------------------------------

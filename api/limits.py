@@ -2,38 +2,77 @@
 
 from __future__ import annotations
 
+import argparse
 import time
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
 
+from shared.flags import at_least_one, flag
+from shared.keys import FINISHED_STREAM_TTL_S
 from shared.wire import Deadlines
 
-if TYPE_CHECKING:
-    from api.settings import Settings
+
+def generation_time(text: str) -> float:
+    """``--total-timeout``: seconds, less than a request stream's lifetime.
+
+    Workers give a request's stream and lease an hour to live when its run
+    starts and renew it only every few dozen events: a run allowed longer
+    could lose them while waiting without events.
+    """
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+    if not 0 < value < FINISHED_STREAM_TTL_S:
+        raise argparse.ArgumentTypeError(
+            f"must be more than 0 and less than {FINISHED_STREAM_TTL_S} s, got {value:g}"
+        )
+    return value
 
 
 @dataclass(frozen=True, slots=True)
 class Limits:
-    """Admission bound and deadlines (seconds), from ``Settings``.
+    """Admission bound and deadlines (seconds): flags of ``sluice serve`` (``Settings.limits``).
 
     ``queue_timeout_s`` bounds the wait for a worker to start the job (and,
     at admission, for a live worker to exist); ``first_token_timeout_s`` and
     ``total_timeout_s`` are counted from submission.
     """
 
-    queue_timeout_s: float = 30.0
-    first_token_timeout_s: float = 60.0
-    total_timeout_s: float = 600.0
-    max_inflight: int = 256
-
-    @classmethod
-    def of(cls, settings: Settings) -> Limits:
-        return cls(
-            queue_timeout_s=settings.queue_timeout_s,
-            first_token_timeout_s=settings.first_token_timeout_s,
-            total_timeout_s=settings.total_timeout_s,
-            max_inflight=settings.max_inflight,
-        )
+    queue_timeout_s: float = field(
+        default=30.0,
+        metadata=flag(
+            "503 if no worker (or the embedded engine) starts a request within S seconds",
+            names=("--queue-timeout",),
+            parse=float,
+            metavar="S",
+        ),
+    )
+    first_token_timeout_s: float = field(
+        default=60.0,
+        metadata=flag(
+            "504 without a first token after S seconds",
+            names=("--first-token-timeout",),
+            parse=float,
+            metavar="S",
+        ),
+    )
+    total_timeout_s: float = field(
+        default=600.0,
+        metadata=flag(
+            "504 if a generation runs longer than S seconds",
+            names=("--total-timeout",),
+            parse=generation_time,
+            metavar="S",
+        ),
+    )
+    max_inflight: int = field(
+        default=256,
+        metadata=flag(
+            "429 beyond N queued + running requests per model",
+            parse=at_least_one,
+            metavar="N",
+        ),
+    )
 
     def deadlines(self, start: float) -> Deadlines:
         return Deadlines(

@@ -14,85 +14,277 @@ from api.connection_limits import (
 )
 from api.images.budget import DEFAULT_IMAGE_TOKEN_BUDGET
 from api.images.resolution import ImageOptions
+from api.limits import Limits
 from api.preparation_pool import DEFAULT_MAX_WAITING, DEFAULT_PREPARE_TIMEOUT_S
 from api.request_body import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES
 from api.stall_guard import DEFAULT_STALL_TIMEOUT_S
-from shared.execution import default_enforce_eager
-from shared.precision import default_dtype
+from shared.engine_options import EngineOptions
+from shared.flags import at_least_one, flag, group, optional_path, true_or_false
+from shared.prompting.base import CONTENT_FORMATS
 from shared.prompting.jinja import read_chat_template
-from shared.registry import ModelRegistry, ModelSpec, default_registry
+from shared.registry import REASONING_PARSERS, ModelRegistry, ModelSpec, default_registry
+from shared.tool_syntax import TOOL_CALL_SYNTAXES
+
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
 
 @dataclass(slots=True)
 class Settings:
-    """How ``sluice serve`` runs; ``config`` is a TOML model registry.
+    """How ``sluice serve`` runs: each flagged field is one of its flags (``shared.flags``).
 
     ``models`` are the names served; none: every entry of ``config``, else the default model.
     """
 
-    models: tuple[str, ...] = ()
-    config: Path | None = None
-    host: str = "127.0.0.1"
-    port: int = 8000
-    root_path: str = ""  # behind a proxy that serves the API under this path prefix
-    ssl_keyfile: Path | None = None  # HTTPS with both, as uvicorn takes them
-    ssl_certfile: Path | None = None
-    log_level: str = "info"  # the project's lines
-    uvicorn_log_level: str = "info"  # uvicorn's own lines (vLLM's --uvicorn-log-level)
-    dtype: str = field(default_factory=default_dtype)
-    quantization: str = "auto"
-    enforce_eager: bool = field(default_factory=default_enforce_eager)  # see shared.execution
-    max_model_len: int | None = None
-    max_num_seqs: int = 64
-    kv_cache_bytes: int | None = None  # --kv-cache-memory; None: sized from the two above
-    gpu_memory_utilization: float | None = None  # --gpu-memory-utilization, on CUDA
+    models: tuple[str, ...] = field(
+        default=(),
+        metadata=flag(
+            "a model to serve: registry name, alias, path or hub id (org/name[@revision]); "
+            "repeat it to serve several (default: every entry of --config, else the default "
+            "model)",
+            names=("--model",),
+            repeat=True,
+        ),
+    )
+    config: Path | None = field(
+        default=None,
+        metadata=flag("TOML model registry ([models.<name>])", into=optional_path),
+    )
+    engine: EngineOptions = field(default_factory=EngineOptions, metadata=group())
+    host: str = field(default="127.0.0.1", metadata=flag("the address to listen on"))
+    port: int = field(default=8000, metadata=flag("the port to listen on", parse=int))
+    root_path: str = field(
+        default="", metadata=flag("the path prefix a proxy serves the API under")
+    )
+    ssl_keyfile: Path | None = field(  # HTTPS with both, as uvicorn takes them
+        default=None, metadata=flag("HTTPS: the private key file", into=optional_path)
+    )
+    ssl_certfile: Path | None = field(
+        default=None, metadata=flag("HTTPS: the certificate file", into=optional_path)
+    )
+    log_level: str = field(default="info", metadata=flag("Sluice's lines", choices=LOG_LEVELS))
+    uvicorn_log_level: str = field(
+        default="info", metadata=flag("uvicorn's own lines", choices=LOG_LEVELS)
+    )
+    log_format: str = field(
+        default="text",
+        metadata=flag("one object per line (json), for log shippers", choices=("text", "json")),
+    )
     preparation_threads: int = 8  # concurrent preparations; more wait their turn
-    max_preparing: int = DEFAULT_MAX_WAITING  # preparations waiting for a thread before a 503
-    prepare_timeout_s: float = DEFAULT_PREPARE_TIMEOUT_S  # one preparation step, waiting included
-    header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S  # headers slower to arrive: a 408
-    max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES  # a larger request head is a 431
-    keep_alive_timeout_s: float = DEFAULT_KEEP_ALIVE_TIMEOUT_S  # an idle connection is closed
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # a larger request body is a 413
-    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S  # a body slower to arrive is a 408
-    stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S  # a client not reading this long is dropped
-    images: ImageOptions = field(default_factory=ImageOptions)  # fetch policy, quota, timeout
-    image_token_budget: int = DEFAULT_IMAGE_TOKEN_BUDGET  # running requests' image tokens
+    max_preparing: int = field(
+        default=DEFAULT_MAX_WAITING,
+        metadata=flag(
+            "503 when N requests already wait for a preparation thread",
+            parse=at_least_one,
+            metavar="N",
+        ),
+    )
+    prepare_timeout_s: float = field(
+        default=DEFAULT_PREPARE_TIMEOUT_S,
+        metadata=flag(
+            "503 if preparing a request (waiting for a thread included) takes over S seconds",
+            names=("--prepare-timeout",),
+            parse=float,
+            metavar="S",
+        ),
+    )
+    header_timeout_s: float = field(
+        default=DEFAULT_HEADER_TIMEOUT_S,
+        metadata=flag(
+            "answer 408 to a request whose headers are not in S seconds after its first byte",
+            names=("--header-timeout",),
+            parse=float,
+            metavar="S",
+        ),
+    )
+    max_header_bytes: int = field(
+        default=DEFAULT_MAX_HEADER_BYTES,
+        metadata=flag(
+            "answer 431 to a request whose request line and headers pass N bytes",
+            parse=at_least_one,
+            metavar="N",
+        ),
+    )
+    keep_alive_timeout_s: float = field(
+        default=DEFAULT_KEEP_ALIVE_TIMEOUT_S,
+        metadata=flag(
+            "close a kept-alive connection idle for S seconds",
+            names=("--keep-alive-timeout",),
+            parse=float,
+            metavar="S",
+        ),
+    )
+    max_body_bytes: int = field(
+        default=DEFAULT_MAX_BODY_BYTES,
+        metadata=flag(
+            "refuse a request body larger than N bytes with a 413",
+            parse=at_least_one,
+            metavar="N",
+        ),
+    )
+    body_timeout_s: float = field(
+        default=DEFAULT_BODY_TIMEOUT_S,
+        metadata=flag(
+            "answer 408 to a request whose body has not arrived S seconds after it began",
+            names=("--body-timeout",),
+            parse=float,
+            metavar="S",
+        ),
+    )
+    stall_timeout_s: float = field(
+        default=DEFAULT_STALL_TIMEOUT_S,
+        metadata=flag(
+            "end a response whose client has taken nothing of it for S seconds",
+            names=("--stall-timeout",),
+            parse=float,
+            metavar="S",
+        ),
+    )
+    images: ImageOptions = field(default_factory=ImageOptions, metadata=group())
+    image_token_budget: int = field(
+        default=DEFAULT_IMAGE_TOKEN_BUDGET,
+        metadata=flag(
+            "image tokens the requests running at once may hold together; past it a request "
+            "with images is a 503 to retry later",
+            parse=at_least_one,
+            metavar="N",
+        ),
+    )
     # Distributed mode (workers behind Redis) when set; see api/admission.py and api/limits.py.
-    redis_url: str | None = None
-    queue_timeout_s: float = 30.0  # a worker must start the request by then: 503
-    first_token_timeout_s: float = 60.0  # the first token must come by then: 504
-    total_timeout_s: float = 600.0  # the whole generation must end by then: 504
-    max_inflight: int = 256  # queued + in-flight requests per model before a 429
-    placement: PlacementPolicy = field(default_factory=PlacementPolicy)  # which worker's queue
-    # Async jobs (api/jobs): kept this long after submission; a batch holds at most this many.
-    job_retention_s: float = 86_400.0
-    max_batch_jobs: int = 100
-    # Files and batches (api/batches): a file's size, a key's files together (bytes and how
-    # many), a batch's lines running at once, and how long they may take before what is left
-    # expires.
-    max_file_bytes: int = 64 * 2**20
-    max_file_bytes_per_key: int = 512 * 2**20
-    max_files_per_key: int = 10_000
-    batch_concurrency: int = 32
-    batch_completion_window_s: float = 86_400.0
-    # Who may call (api/auth.py): plain keys, a TOML file of named keys, the /metrics token.
-    api_keys: tuple[str, ...] = ()
-    api_keys_file: Path | None = None
-    metrics_token: str | None = None
-    log_format: str = "text"  # or "json": one object per line, for log shippers
-    allowed_origins: tuple[str, ...] = ()  # CORS for browser clients; none: CORS off
-    # What an object schema that leaves out additionalProperties allows (shared/constraints.py).
-    default_additional_properties: bool = False
-    # How chat templates get message content; None: each registry entry's own (shared/registry.py).
-    chat_template_content_format: str | None = None
-    # The syntax of tool calls (vLLM's --tool-call-parser); None: each registry entry's own.
-    tool_call_parser: str | None = None
-    # vLLM's --reasoning-parser: the served model reasons in <think> blocks; None: as its entry.
-    reasoning_parser: str | None = None
-    # vLLM's --chat-template: a Jinja template file, or the template itself, for the served models.
-    chat_template: str | None = None
-    # vLLM's --served-model-name: the names clients use for the one served model; the first shows.
-    served_model_names: tuple[str, ...] = ()
+    redis_url: str | None = field(
+        default=None,
+        metadata=flag("run on workers behind this Redis", names=("--redis",), metavar="URL"),
+    )
+    limits: Limits = field(default_factory=Limits, metadata=group())
+    placement: PlacementPolicy = field(default_factory=PlacementPolicy, metadata=group())
+    # Async jobs (api/jobs).
+    job_retention_s: float = field(
+        default=86_400.0,
+        metadata=flag(
+            "async jobs and their events are kept S seconds after submission",
+            names=("--job-retention",),
+            parse=float,
+            metavar="S",
+        ),
+    )
+    max_batch_jobs: int = field(
+        default=100,
+        metadata=flag("POST /v1/jobs/batch: at most N", parse=at_least_one, metavar="N"),
+    )
+    # Files and batches (api/batches).
+    max_file_bytes: int = field(
+        default=64 * 2**20,
+        metadata=flag("POST /v1/files: a larger file is a 413", parse=at_least_one, metavar="N"),
+    )
+    max_file_bytes_per_key: int = field(
+        default=512 * 2**20,
+        metadata=flag(
+            "what one API key's files may hold together", parse=at_least_one, metavar="N"
+        ),
+    )
+    max_files_per_key: int = field(
+        default=10_000,
+        metadata=flag(
+            "how many files one API key may hold (batch outputs are not counted)",
+            parse=at_least_one,
+            metavar="N",
+        ),
+    )
+    batch_concurrency: int = field(
+        default=32,
+        metadata=flag(
+            "a batch runs at most N of its requests at once", parse=at_least_one, metavar="N"
+        ),
+    )
+    batch_completion_window_s: float = field(
+        default=86_400.0,
+        metadata=flag(
+            "a batch's requests not done S seconds after it was created expire",
+            names=("--batch-completion-window",),
+            parse=float,
+            metavar="S",
+        ),
+    )
+    # Who may call (api/auth.py).
+    api_keys: tuple[str, ...] = field(
+        default=(),
+        metadata=flag(
+            "require this API key (repeatable)", names=("--api-key",), repeat=True, metavar="KEY"
+        ),
+    )
+    api_keys_file: Path | None = field(
+        default=None,
+        metadata=flag(
+            "TOML file of named keys stored as SHA-256 hashes ([keys.<name>])",
+            names=("--api-keys",),
+            metavar="FILE",
+            into=optional_path,
+        ),
+    )
+    metrics_token: str | None = field(
+        default=None,
+        metadata=flag("GET /metrics needs this bearer token", metavar="TOKEN"),
+    )
+    allowed_origins: tuple[str, ...] = field(
+        default=(),
+        metadata=flag(
+            "allow browser clients from this origin (repeatable; * for any); CORS is off without",
+            repeat=True,
+            metavar="ORIGIN",
+        ),
+    )
+    default_additional_properties: bool = field(
+        default=False,
+        metadata=flag(
+            "what a JSON schema object that names properties and leaves out "
+            "additionalProperties allows in structured outputs and forced tool calls: false "
+            "(the default) keeps to the named keys; true reads it as JSON Schema does",
+            parse=true_or_false,
+            choices=(False, True),
+            metavar="{false,true}",
+        ),
+    )
+    chat_template_content_format: str | None = field(
+        default=None,
+        metadata=flag(
+            "how the chat template gets message content: one string for text, or a list of "
+            "typed parts (openai); auto (the default) decides from the template",
+            choices=CONTENT_FORMATS,
+        ),
+    )
+    tool_call_parser: str | None = field(
+        default=None,
+        metadata=flag(
+            "the syntax the served models write tool calls in, as vLLM's (default: each "
+            "registry entry's tool_parser)",
+            choices=TOOL_CALL_SYNTAXES,
+        ),
+    )
+    reasoning_parser: str | None = field(
+        default=None,
+        metadata=flag(
+            "the served models reason in <think> blocks, answered as reasoning apart from the "
+            "content (default: as each registry entry's capabilities say)",
+            choices=REASONING_PARSERS,
+        ),
+    )
+    chat_template: str | None = field(
+        default=None,
+        metadata=flag(
+            "a Jinja chat template for the served models, replacing their own: a file, or the "
+            "template in one line (\\n for a line break)",
+            metavar="FILE|TEMPLATE",
+        ),
+    )
+    served_model_names: tuple[str, ...] = field(
+        default=(),
+        metadata=flag(
+            "the names clients use for the served model instead of its own (one --model); the "
+            "first is the one /v1/models and the metrics show",
+            names=("--served-model-name",),
+            several=True,
+            metavar="NAME",
+        ),
+    )
 
 
 def load_models(settings: Settings) -> tuple[ModelRegistry, list[ModelSpec]]:

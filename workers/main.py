@@ -27,17 +27,11 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from shared import keys, logs
-from shared.execution import ENFORCE_EAGER_HELP, default_enforce_eager
+from shared.engine_options import EngineOptions
 from shared.flag_environment import apply_environment
+from shared.flags import add_flags, at_least_one, from_flags
 from shared.heap import freeze_startup_heap
-from shared.precision import (
-    DTYPE_HELP,
-    QUANTIZATION_CHOICES,
-    QUANTIZATION_HELP,
-    default_dtype,
-)
 from shared.registry import ModelRegistry, ModelSpec, default_registry
-from shared.sizes import add_gpu_memory_utilization, byte_size_argument
 from workers.broker.app import create_app
 from workers.heartbeat import WorkerIdentity
 
@@ -89,43 +83,15 @@ def build_parser() -> argparse.ArgumentParser:
         default=[],
         help="extra queues to consume besides the model's own (names, or comma-separated)",
     )
-    parser.add_argument(
-        "--dtype",
-        default=default_dtype(),
-        help=DTYPE_HELP,
-    )
-    parser.add_argument(
-        "--quantization",
-        default="auto",
-        choices=QUANTIZATION_CHOICES,
-        help=QUANTIZATION_HELP,
-    )
-    parser.add_argument(
-        "--enforce-eager",
-        action=argparse.BooleanOptionalAction,
-        default=default_enforce_eager(),
-        help=ENFORCE_EAGER_HELP,
-    )
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument(
-        "--max-num-seqs", type=int, default=64, help="engine batch size = jobs taken at once"
-    )
+    add_flags(parser, EngineOptions)
     parser.add_argument(
         "--num-kv-blocks",
-        type=int,
+        type=at_least_one,
         default=None,
         metavar="N",
-        help="KV cache blocks of 16 tokens (default: --max-num-seqs sequences of --max-model-len, "
-        "within a fixed memory cap)",
+        help="KV cache blocks of 16 tokens, in place of --kv-cache-memory (default: sized as "
+        "--kv-cache-memory's default)",
     )
-    parser.add_argument(
-        "--kv-cache-memory",
-        type=byte_size_argument,
-        default=None,
-        metavar="SIZE",
-        help="the KV cache's size, e.g. 512MiB or 2GiB (--num-kv-blocks wins when both are given)",
-    )
-    add_gpu_memory_utilization(parser)
     parser.add_argument("--worker-id", default=None, help="default: <hostname>-<pid>")
     parser.add_argument(
         "--drain-grace",
@@ -183,16 +149,8 @@ def own_engine_args(spec: ModelSpec, args: argparse.Namespace) -> EngineArgs:
     """This project's engine's arguments from the command line."""
     if args.engine_arg:
         raise ValueError("--engine-arg sets vLLM's engine arguments: it needs --engine vllm")
-    engine_args = engine_args_for(
-        spec, args.dtype, args.max_model_len, args.max_num_seqs, args.quantization
-    )
-    return dataclasses.replace(
-        engine_args,
-        num_kv_blocks=args.num_kv_blocks,
-        kv_cache_bytes=args.kv_cache_memory,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        enforce_eager=args.enforce_eager,
-    )
+    engine_args = engine_args_for(spec, from_flags(EngineOptions, args))
+    return dataclasses.replace(engine_args, num_kv_blocks=args.num_kv_blocks)
 
 
 def load_vllm_engine(spec: ModelSpec, args: argparse.Namespace) -> VllmEngine:
@@ -215,7 +173,8 @@ def load_vllm_engine(spec: ModelSpec, args: argparse.Namespace) -> VllmEngine:
         )
     from workers.vllm_engine import VllmArgs, VllmEngine  # vLLM is imported only here
 
-    engine_args: dict[str, Any] = {"dtype": args.dtype, "enforce_eager": args.enforce_eager}
+    options = from_flags(EngineOptions, args)
+    engine_args: dict[str, Any] = {"dtype": options.dtype, "enforce_eager": options.enforce_eager}
     engine_args |= dict(args.engine_arg)
     log.info("loading %s on vLLM", spec.weights)
     return VllmEngine(
@@ -324,13 +283,7 @@ def worker_queues(registry: ModelRegistry, spec: ModelSpec, extra: Sequence[str]
     return [keys.queue_name(spec.name), *extra]
 
 
-def engine_args_for(
-    spec: ModelSpec,
-    dtype: str,
-    max_model_len: int | None,
-    max_num_seqs: int,
-    quantization: str = "auto",
-) -> EngineArgs:
+def engine_args_for(spec: ModelSpec, options: EngineOptions) -> EngineArgs:
     """Engine arguments that load ``spec``.
 
     The engine resolves names through the built-in registry only, so a model
@@ -342,10 +295,13 @@ def engine_args_for(
     builtin = spec.name in default_registry().names()
     return EngineArgs(
         model=spec.name if builtin else str(spec.weights),
-        dtype=dtype,
-        quantization=quantization,
-        max_model_len=max_model_len or spec.context_length or None,
-        max_num_seqs=max_num_seqs,
+        dtype=options.dtype,
+        quantization=options.quantization,
+        enforce_eager=options.enforce_eager,
+        max_model_len=options.max_model_len or spec.context_length or None,
+        max_num_seqs=options.max_num_seqs,
+        kv_cache_bytes=options.kv_cache_bytes,
+        gpu_memory_utilization=options.gpu_memory_utilization,
     )
 
 

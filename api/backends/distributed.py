@@ -26,7 +26,6 @@ from api.backends.fleet import FleetCollector, FleetWatcher
 from api.backends.fleet_snapshot import FleetSnapshot
 from api.backends.placement import Placer
 from api.error_kinds import api_error
-from api.limits import Limits
 from shared import keys
 from shared.events import InferenceEvent
 from shared.generation_config import NO_DEFAULTS, sampling_defaults
@@ -59,15 +58,15 @@ class DistributedBackend(Backend):
         channel: RequestChannel | None = None,
     ) -> None:
         self._spec = spec
-        self._max_model_len = settings.max_model_len
-        self._limits = Limits.of(settings)
+        self._max_model_len = settings.engine.max_model_len
+        self._limits = settings.limits
         self._channel = channel or RequestChannel(redis_url, self._limits)
         self._fleet = FleetWatcher(self._channel.redis, spec.name)
         self._admission = Admission(self._limits, lambda: self.snapshot, self._count_outstanding)
         placer = Placer(self._channel.redis, spec.name, lambda: self.snapshot, settings.placement)
         self._channel.placers[spec.name] = placer
         self._collector = FleetCollector(
-            spec.served_name, lambda: self.snapshot, settings.max_num_seqs, placer.placed
+            spec.served_name, lambda: self.snapshot, settings.engine.max_num_seqs, placer.placed
         )
         self._tokenizer: LoadedTokenizer | None = None
         self._sampling_defaults = NO_DEFAULTS

@@ -36,11 +36,10 @@ from api.error_kinds import api_error, rate_limited_message
 from api.limits import Limits
 from engine.config import EngineArgs
 from shared.engine_metrics import EngineLoad, EngineLoadCollector
+from shared.engine_options import EngineOptions
 from shared.events import Error, Finish, InferenceEvent, Ready, Text
-from shared.execution import default_enforce_eager
 from shared.generation_config import sampling_defaults
 from shared.heap import freeze_startup_heap
-from shared.precision import default_dtype
 from shared.registry import ModelSpec
 from shared.wire import Deadlines, PreparedRequest
 
@@ -54,31 +53,23 @@ EngineFactory = Callable[[], "LLMEngine"]
 
 
 def engine_args_for(
-    spec: ModelSpec,
-    *,
-    dtype: str | None = None,
-    quantization: str = "auto",
-    enforce_eager: bool | None = None,
-    max_model_len: int | None = None,
-    max_num_seqs: int = 64,
-    kv_cache_bytes: int | None = None,
-    gpu_memory_utilization: float | None = None,
-    registry_file: str | None = None,
+    spec: ModelSpec, options: EngineOptions | None = None, *, registry_file: str | None = None
 ) -> EngineArgs:
     """Engine arguments that load ``spec`` from the same registry the API answers with.
 
-    The registry's context length is the limit unless one is given.
+    The registry's context length is the limit unless the options give one.
     """
+    options = options or EngineOptions()
     return EngineArgs(
         model=spec.name,
         registry_file=registry_file,
-        dtype=dtype or default_dtype(),
-        quantization=quantization,
-        enforce_eager=default_enforce_eager() if enforce_eager is None else enforce_eager,
-        max_model_len=max_model_len or spec.context_length or None,
-        max_num_seqs=max_num_seqs,
-        kv_cache_bytes=kv_cache_bytes,
-        gpu_memory_utilization=gpu_memory_utilization,
+        dtype=options.dtype,
+        quantization=options.quantization,
+        enforce_eager=options.enforce_eager,
+        max_model_len=options.max_model_len or spec.context_length or None,
+        max_num_seqs=options.max_num_seqs,
+        kv_cache_bytes=options.kv_cache_bytes,
+        gpu_memory_utilization=options.gpu_memory_utilization,
     )
 
 

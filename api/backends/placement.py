@@ -30,17 +30,19 @@ the later job then waits on the own queue until a slot frees or its hand-back.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import logging
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
 from api.backends.fleet_snapshot import FleetSnapshot
 from api.store_errors import store_errors
 from shared import keys
+from shared.flags import flag
 from shared.prefix_hash import ImageSpan, digest, prefix_hashes
 from shared.wire import WorkerLoad
 
@@ -56,14 +58,56 @@ READ_TIMEOUT_S = 2.0
 KINDS = ("prefix", "load", "shared")
 
 
+def _prefix_or_shared(text: str) -> bool:
+    """``--placement``: whether prefix placement is on."""
+    if text not in ("prefix", "shared"):
+        raise argparse.ArgumentTypeError(f"expected prefix or shared, got {text!r}")
+    return text == "prefix"
+
+
 @dataclass(frozen=True, slots=True)
 class PlacementPolicy:
     """The placement's knobs (``sluice serve --placement-*``)."""
 
-    enabled: bool = True
-    load_cost: float = DEFAULT_LOAD_COST  # cached prompt tokens one more job held outweighs
-    min_match: int = DEFAULT_MIN_MATCH  # matched tokens below this place nothing
-    wait_s: float = DEFAULT_WAIT_S  # on a worker's own queue at most this long
+    enabled: bool = field(
+        default=True,
+        metadata=flag(
+            "with --redis: prefix puts a request on the worker caching its prompt's prefix "
+            "unless it is busier than the cache is worth; shared puts every one on the shared "
+            "queue",
+            names=("--placement",),
+            parse=_prefix_or_shared,
+            choices=(True, False),
+            metavar="{prefix,shared}",
+        ),
+    )
+    load_cost: float = field(
+        default=DEFAULT_LOAD_COST,
+        metadata=flag(
+            "cached prompt tokens that one more job held by a worker outweighs",
+            names=("--placement-load-cost",),
+            parse=float,
+            metavar="TOKENS",
+        ),
+    )
+    min_match: int = field(
+        default=DEFAULT_MIN_MATCH,
+        metadata=flag(
+            "a worker caching fewer of the prompt's tokens is no reason to place there",
+            names=("--placement-min-match",),
+            parse=int,
+            metavar="TOKENS",
+        ),
+    )
+    wait_s: float = field(
+        default=DEFAULT_WAIT_S,
+        metadata=flag(
+            "a job placed on a worker's own queue goes to the shared queue after S seconds",
+            names=("--placement-wait",),
+            parse=float,
+            metavar="S",
+        ),
+    )
 
 
 class Placement(NamedTuple):

@@ -32,6 +32,7 @@ from api.errors import ApiError, bad_request
 from api.images.budget import DecodingBudget
 from api.images.destinations import DestinationPolicy
 from shared.conversation import ImageDetail, ImageSource
+from shared.flags import at_least_one, flag, group
 from shared.images.decoding import (
     DecodedImage,
     InvalidImage,
@@ -54,18 +55,61 @@ DEFAULT_FETCH_TIMEOUT_S = 10.0
 class ImageQuota:
     """What one request's images may add up to; each is a flag of ``sluice serve``."""
 
-    images: int = DEFAULT_MAX_IMAGES  # --max-images
-    bytes: int = DEFAULT_MAX_IMAGE_BYTES  # --max-image-bytes: encoded, inline and fetched
-    pixels: int = DEFAULT_MAX_IMAGE_PIXELS  # --max-image-pixels: decoded, all images together
+    images: int = field(
+        default=DEFAULT_MAX_IMAGES,
+        metadata=flag(
+            "images one request may hold; more is a 400",
+            names=("--max-images",),
+            parse=at_least_one,
+            metavar="N",
+        ),
+    )
+    bytes: int = field(
+        default=DEFAULT_MAX_IMAGE_BYTES,
+        metadata=flag(
+            "encoded bytes one request's images may hold together, inline and fetched",
+            names=("--max-image-bytes",),
+            parse=at_least_one,
+            metavar="N",
+        ),
+    )
+    pixels: int = field(
+        default=DEFAULT_MAX_IMAGE_PIXELS,
+        metadata=flag(
+            "decoded pixels one request's images may hold together",
+            names=("--max-image-pixels",),
+            parse=at_least_one,
+            metavar="N",
+        ),
+    )
 
 
 @dataclass(frozen=True, slots=True)
 class ImageOptions:
     """How images are resolved: where from (``policy``), how much, and how fast."""
 
-    policy: DestinationPolicy = field(default_factory=DestinationPolicy)
-    quota: ImageQuota = field(default_factory=ImageQuota)
-    fetch_timeout_s: float = DEFAULT_FETCH_TIMEOUT_S  # --image-fetch-timeout: all fetches
+    policy: DestinationPolicy = field(
+        default_factory=DestinationPolicy,
+        metadata=flag(
+            "image URLs may reach this host name, address or network although it is not "
+            "public (repeatable; loopback, private, link-local and metadata addresses are "
+            "refused)",
+            names=("--image-allow",),
+            repeat=True,
+            metavar="HOST|NET",
+            into=DestinationPolicy.allowing,
+        ),
+    )
+    quota: ImageQuota = field(default_factory=ImageQuota, metadata=group())
+    fetch_timeout_s: float = field(
+        default=DEFAULT_FETCH_TIMEOUT_S,
+        metadata=flag(
+            "fetching a request's image URLs must end within S seconds, or it is a 504",
+            names=("--image-fetch-timeout",),
+            parse=float,
+            metavar="S",
+        ),
+    )
     # The process's decoded bytes in flight, shared by every request these options resolve.
     decoding: DecodingBudget = field(default_factory=DecodingBudget, compare=False)
 

