@@ -11,6 +11,11 @@ Once warm, it drops the pages of libtorch's code that only the start ran
 (``shared.heap.drop_code_pages``).
 Callbacks run on the engine thread: they may call the engine directly but
 must not block for long, since every request waits for them.
+
+This module owns the thread and the order of work on it; what a host does
+with the engine in its commands and callbacks (adding a request, ending every
+request after a failed step, reading the load) is ``engine.engine_host``'s,
+and the rest is the host's: ``api.backends.embedded`` or ``workers.host``.
 """
 
 from __future__ import annotations

@@ -18,13 +18,21 @@ from prometheus_client.registry import Collector
 
 @dataclass(frozen=True, slots=True)
 class EngineLoad:
-    """One model's engine load: its engine's, or the sum of its workers' engines."""
+    """One model's engine load: its engine's, or the sum of its workers' engines.
+
+    An engine's host reads it with ``engine.engine_host.read_load``. The fleet
+    view (``api.backends.fleet.fleet_load``) fills the first five and leaves
+    the counts of steps, tokens and aborts at 0: no series here exposes them.
+    """
 
     running: int = 0  # sequences in the running batch
     waiting: int = 0  # admitted but not yet scheduled (distributed: queued ones included)
     kv_blocks_used: int = 0
     kv_blocks_total: int = 0
     preemptions: int = 0  # since start
+    steps: int = 0  # since start, as every count below
+    generated_tokens: int = 0
+    aborted: int = 0  # requests the engine stopped early
 
 
 def engine_families(model: str, load: EngineLoad) -> list[Metric]:

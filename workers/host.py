@@ -3,7 +3,10 @@
 Task threads (one per Celery job) hand a ``Run`` to the host and block until
 it resolves. Everything that touches the engine happens on the engine
 thread (``engine.engine_thread.EngineThread``): adds, cancels, hand-backs and
-stopping runs whose writes failed. After each step the engine thread hands
+stopping runs whose writes failed. Adding a request, ending every run after a
+failed step and reading the engine's load are ``engine.engine_host``'s, as in
+embedded mode; this module owns the runs, the outbox and its fencing, drains,
+cancels and hand-backs. After each step the engine thread hands
 every run's events to the ``Outbox``, which sends them (fenced) at once or
 with the write after the one in flight, and reads the reply on a thread of
 its own while the engine steps on.
@@ -43,7 +46,9 @@ from typing import TYPE_CHECKING
 
 import redis
 
+from engine.engine_host import add_request, end_after_failed_step, read_load
 from engine.engine_thread import EngineThread
+from shared.engine_metrics import EngineLoad
 from shared.events import Error, Finish, InferenceEvent, Ready
 from shared.wire import PreparedRequest
 from workers.broker.intake import Intake
@@ -122,22 +127,15 @@ def engine_id(request_id: str, attempt: int) -> str:
     return f"{request_id}/{attempt}"
 
 
-@dataclass(frozen=True, slots=True)
-class HostSnapshot:
-    """The engine's load, as of the last step or command (read by the heartbeat)."""
+@dataclass(frozen=True, slots=True, kw_only=True)
+class HostSnapshot(EngineLoad):
+    """The engine's load (``engine.engine_host.read_load``) with this host's own numbers,
+    as of the last step or command (read by the heartbeat and ``/metrics``)."""
 
     capacity: int
     max_model_len: int
-    kv_blocks_total: int
     block_size: int = 0
     intake_open: bool = True  # False while the engine waits for KV blocks
-    running: int = 0
-    waiting: int = 0
-    kv_blocks_used: int = 0
-    steps: int = 0
-    generated_tokens: int = 0
-    aborted: int = 0
-    preemptions: int = 0
     runs: int = 0
 
 
@@ -284,28 +282,19 @@ class WorkerHost:
         if stale is not None:  # redelivered here while the old attempt still ran
             self._drop(engine, stale, Outcome.FENCED)
         resume = run.resume or Resume([], 0)
-        request = run.request
         with self._idle:
             self._current[run.request_id] = run
-        try:
-            engine.add_request(
-                run.engine_id,
-                request.prompt_token_ids,
-                request.sampling,
-                request.priority,
-                generated_token_ids=resume.generated_token_ids,
-                emitted_chars=resume.emitted_chars,
-                images=request.images,
-            )
-        except ValueError as exc:  # the engine refuses what it cannot run
-            self._publish([(run, [Error(run.request_id, str(exc), "invalid_request")])])
-        except Exception as exc:  # tracked already: unresolved, it would hold its slot for good
-            log.exception("adding %s to the engine failed", run.request_id)
-            engine.abort(run.engine_id)  # in case it got in before failing
-            self._publish([(run, [Error(run.request_id, f"the engine failed: {exc}")])])
-        else:
-            if self._early_cancels.pop(run.request_id, None) is not None:
-                self._cancel(engine, run.request_id)
+        error = add_request(  # tracked already: unresolved, it would hold its slot for good
+            engine,
+            run.request,
+            run.engine_id,
+            generated_token_ids=resume.generated_token_ids,
+            emitted_chars=resume.emitted_chars,
+        )
+        if error is not None:
+            self._publish([(run, [error])])
+        elif self._early_cancels.pop(run.request_id, None) is not None:
+            self._cancel(engine, run.request_id)
         self._refresh(engine)
 
     def _cancel(self, engine: LLMEngine, request_id: str) -> None:
@@ -345,12 +334,14 @@ class WorkerHost:
         self._refresh(engine)
 
     def _on_step_failure(self, engine: LLMEngine, exc: Exception) -> None:
-        """End every run with an Error: a failed step leaves the batch's state unknown."""
-        message = f"the engine failed: {exc}"
-        runs = list(self._runs.values())
-        for run in runs:
-            engine.abort(run.engine_id)  # frees the blocks; its Finish(abort) is dropped
-        self._publish([(run, [Error(run.request_id, message)]) for run in runs if not run.ended])
+        """End every run with an Error: a failed step leaves the batch's state unknown.
+
+        Every run not yet ended gets one, in the engine or not: a run cancelled
+        just before the step lost its Finish(abort) with the step's events.
+        """
+        runs = [run for run in self._runs.values() if not run.ended]
+        errors = end_after_failed_step(engine, exc, [run.request_id for run in runs])
+        self._publish([(run, [error]) for run, error in zip(runs, errors, strict=True)])
         self._refresh(engine)
 
     def _publish(self, runs: list[tuple[Run, list[InferenceEvent]]]) -> None:
@@ -430,20 +421,12 @@ class WorkerHost:
             self._on_cache_changes(engine.block_manager.take_changes())
 
     def _take_snapshot(self, engine: LLMEngine) -> HostSnapshot:
-        blocks = engine.block_manager
-        stats = engine.stats
-        return HostSnapshot(
+        return read_load(
+            engine,
+            HostSnapshot,
             capacity=engine.args.max_num_seqs,
             max_model_len=engine.max_model_len,
-            kv_blocks_total=blocks.num_blocks,
-            block_size=blocks.block_size,
+            block_size=engine.block_manager.block_size,
             intake_open=not engine.scheduler.kv_bound,
-            running=len(engine.scheduler.running),
-            waiting=len(engine.scheduler.waiting),
-            kv_blocks_used=blocks.num_blocks - blocks.num_free_blocks,
-            steps=stats.steps,
-            generated_tokens=stats.tokens,
-            aborted=stats.aborted,
-            preemptions=stats.preemptions,
             runs=len(self._runs),
         )

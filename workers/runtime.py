@@ -28,7 +28,7 @@ from redis.backoff import ExponentialWithJitterBackoff
 from redis.retry import Retry
 
 from shared import keys
-from shared.engine_metrics import EngineLoad, EngineLoadCollector
+from shared.engine_metrics import EngineLoadCollector
 from workers.broker import BrokerLink
 from workers.cache_summary import CacheSummary
 from workers.cancellation import CancellationWatcher
@@ -131,21 +131,12 @@ class WorkerRuntime:
 
     def serve_metrics(self, port: int) -> None:
         """This worker's engine load on ``http://0.0.0.0:port/metrics`` (a thread of
-        prometheus_client's), under vLLM's names (``shared.engine_metrics``)."""
+        prometheus_client's), under vLLM's names (``shared.engine_metrics``): the host's
+        snapshot is an ``EngineLoad``."""
         registry = CollectorRegistry(auto_describe=True)
-        registry.register(EngineLoadCollector(self.identity.model, self._engine_load))
+        registry.register(EngineLoadCollector(self.identity.model, lambda: self.host.snapshot))
         start_http_server(port, registry=registry)
         log.info("engine metrics on http://0.0.0.0:%d/metrics", port)
-
-    def _engine_load(self) -> EngineLoad:
-        snapshot = self.host.snapshot
-        return EngineLoad(
-            running=snapshot.running,
-            waiting=snapshot.waiting,
-            kv_blocks_used=snapshot.kv_blocks_used,
-            kv_blocks_total=snapshot.kv_blocks_total,
-            preemptions=snapshot.preemptions,
-        )
 
     def drain_in_background(self, grace_s: float) -> threading.Thread:
         """Start the drain without blocking (it is begun from a signal handler)."""

@@ -2,7 +2,10 @@
 
 ``LLMEngine`` is not thread-safe, so one ``engine.engine_thread.EngineThread`` owns it:
 it applies the adds and aborts that the event loop queues for it and steps
-while there is work, sleeping when idle. The model loads on a worker thread
+while there is work, sleeping when idle. What any host does with the engine,
+adding a request, ending every request after a failed step and reading the
+load, is ``engine.engine_host``'s; this module owns the rest: delivery to the
+event loop, admission and deadlines. The model loads on a worker thread
 while the server already answers (``/ready`` says 503 until then, and while
 the engine thread compiles its decode step). A model that fails to load, or an
 engine thread that dies, ends the backend for good: ``failure()`` returns the
@@ -35,6 +38,7 @@ from api.backends.base import Backend, BackendHealth, Place, ServedModel
 from api.error_kinds import api_error, rate_limited_message
 from api.limits import Limits
 from engine.config import EngineArgs
+from engine.engine_host import add_request, end_after_failed_step, read_load
 from shared.engine_metrics import EngineLoad, EngineLoadCollector
 from shared.engine_options import EngineOptions
 from shared.events import Error, Finish, InferenceEvent, Ready, Text
@@ -217,20 +221,9 @@ class EmbeddedBackend(Backend):
     # --- on the engine thread --------------------------------------------------
 
     def _add(self, engine: LLMEngine, request: PreparedRequest) -> None:
-        try:
-            engine.add_request(
-                request.request_id,
-                request.prompt_token_ids,
-                request.sampling,
-                request.priority,
-                images=request.images,
-            )
-        except ValueError as exc:  # the engine refuses what it cannot run
-            self._send([Error(request.request_id, str(exc), "invalid_request")])
-        except Exception as exc:  # its client would otherwise wait for events that never come
-            log.exception("adding %s to the engine failed", request.request_id)
-            engine.abort(request.request_id)
-            self._send([Error(request.request_id, f"the engine failed: {exc}")])
+        error = add_request(engine, request)
+        if error is not None:
+            self._send([error])
 
     def _on_events(self, engine: LLMEngine, events: list[InferenceEvent]) -> None:
         if events:
@@ -239,11 +232,7 @@ class EmbeddedBackend(Backend):
 
     def _on_step_failure(self, engine: LLMEngine, exc: Exception) -> None:
         """End every request the engine holds with an Error; free their blocks."""
-        request_ids = list(engine.sequences)
-        for request_id in request_ids:
-            engine.abort(request_id)
-        engine.step()  # drains the abort finishes, which reach no one
-        self._send([Error(request_id, f"the engine failed: {exc}") for request_id in request_ids])
+        self._send(end_after_failed_step(engine, exc))
 
     def _on_death(self, exc: BaseException) -> None:
         """End every open stream, and the backend: nothing steps the engine any more."""
@@ -262,16 +251,12 @@ class EmbeddedBackend(Backend):
 
     def _publish(self, engine: LLMEngine) -> None:
         """Refresh the snapshots the event loop reads (one assignment each)."""
-        scheduler, stats, blocks = engine.scheduler, engine.stats, engine.block_manager
-        self._engine_load = EngineLoad(
-            running=len(scheduler.running),
-            waiting=len(scheduler.waiting),
-            kv_blocks_used=blocks.num_blocks - blocks.num_free_blocks,
-            kv_blocks_total=blocks.num_blocks,
-            preemptions=stats.preemptions,
-        )
+        load = self._engine_load = read_load(engine, EngineLoad)
         self._health = BackendHealth(
-            ready=True, aborted=stats.aborted, steps=stats.steps, generated_tokens=stats.tokens
+            ready=True,
+            aborted=load.aborted,
+            steps=load.steps,
+            generated_tokens=load.generated_tokens,
         )
 
 

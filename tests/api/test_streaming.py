@@ -350,7 +350,15 @@ class FakeEngine:
         self.threads.add(threading.get_ident())
 
     def add_request(
-        self, request_id: str, ids: list[int], params: Any, priority: int, images: Any = ()
+        self,
+        request_id: str,
+        ids: list[int],
+        params: Any,
+        priority: int,
+        *,
+        generated_token_ids: list[int] | None = None,
+        emitted_chars: int = 0,
+        images: Any = (),
     ) -> None:
         self.threads.add(threading.get_ident())
         if not ids:
