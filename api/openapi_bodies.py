@@ -1,8 +1,10 @@
 """Request bodies in ``/openapi.json`` for routes whose handlers read the body themselves.
 
-Every POST handler takes the raw ``Request`` and reads its body with the protocol's
-own reader, which refuses a bad field with the exact 400 that protocol's clients
-expect. FastAPI therefore sees no body parameter and documents none. ``json_body``
+Every POST handler takes the raw ``Request`` and hands its body to the protocol's
+own parser, which validates it (against the very model documented here, where the
+protocol has one that validates) and refuses a bad field with the exact 400 that
+protocol's clients expect. FastAPI therefore sees no body parameter and documents
+none. ``json_body``
 and ``form_body`` give a route the ``openapi_extra`` that documents a pydantic
 model as its body without FastAPI validating anything, and ``document_bodies``
 moves the models' shared definitions into ``components.schemas`` where ``/docs``

@@ -173,7 +173,8 @@ class Protocol:
     parse: Callable[[dict[str, Any]], GenerationRequest]  # raises ApiError (400) naming the field
     builder: Callable[[GenerationRequest, ResponseContext], ResponseBuilder]
     error_body: Callable[[ApiError], dict[str, Any]]
-    # The body as the API reference defines it, for /openapi.json; ``parse`` still validates.
+    # The body as the API reference defines it, for /openapi.json; ``parse`` validates a body
+    # against it, except Responses', whose parser reads the body with ``openai_common.Fields``.
     request_model: type[BaseModel]
     done_marker: str | None = None  # Chat Completions ends its stream with "[DONE]"
     # For a protocol whose response holds several choices (``n``, several prompts): a body's

@@ -1,7 +1,8 @@
 """OpenAI Chat Completions: ``POST /v1/chat/completions``.
 
-Parsing turns the body into a protocol-free ``GenerationRequest``; every
-rejected field gets a 400 that names its path, its value and what is accepted.
+Parsing validates the body against ``ChatCompletionRequest`` and maps it to a
+protocol-free ``GenerationRequest``; every rejected field gets a 400 that names
+its path, its value and what is accepted.
 Unknown fields are ignored, as the OpenAI API does. Extensions accepted
 besides the official fields: vLLM's ``top_k``, ``min_p``,
 ``repetition_penalty``, ``continue_final_message`` and
@@ -45,40 +46,43 @@ from api.protocols.base import (
     SSEChunk,
     Usage,
 )
-from api.protocols.chat_completions_request import ChatCompletionRequest
+from api.protocols.body_validation import openai_error, validated
+from api.protocols.chat_completions_request import (
+    ChatAssistantMessage,
+    ChatCompletionRequest,
+    ChatImagePart,
+    ChatImageUrl,
+    ChatJsonSchemaFormat,
+    ChatMessage,
+    ChatNamedToolChoice,
+    ChatRefusalPart,
+    ChatReminderMessage,
+    ChatResponseFormat,
+    ChatTemplateKwargs,
+    ChatTextPart,
+    ChatToolCall,
+    ChatToolMessage,
+    ChatUserMessage,
+)
 from api.protocols.openai_common import (
-    MAX_TOP_LOGPROBS,
-    Fields,
     apply_effort,
     chat_usage,
     copies,
     error_body,
-    image_detail,
     image_source,
-    read_effort,
-    read_function,
-    read_json_schema,
-    read_metadata,
-    read_stop,
-    read_tool_choice,
     refuse_several_choices,
     show,
     token_logprob,
-    validated,
+    tool_choice,
+    validated_conversation,
 )
+from api.protocols.openai_request_parts import FunctionDefinition
 from api.protocols.unsupported import refuse
-from api.protocols.vllm_extensions import (
-    read_logit_bias,
-    read_structured_outputs,
-    read_token_ids,
-)
 from shared.conversation import (
-    RESPONSE_FORMAT_TYPES,
     AssistantMessage,
     ContentPart,
     Conversation,
     ImagePart,
-    ImageSource,
     Message,
     ReminderMessage,
     ResponseFormat,
@@ -86,20 +90,11 @@ from shared.conversation import (
     TextPart,
     Tool,
     ToolCall,
+    ToolChoice,
     ToolMessage,
     UserMessage,
 )
 
-ROLES = ("system", "developer", "user", "assistant", "tool", "latest_reminder")
-# Content part types each role may send; a refusal an assistant gave is kept as its text.
-_PART_TYPES: dict[str, tuple[str, ...]] = {
-    "system": ("text",),
-    "developer": ("text",),
-    "user": ("text", "image_url"),
-    "assistant": ("text", "refusal"),
-    "tool": ("text",),
-    "latest_reminder": ("text",),
-}
 FINISH_REASONS: dict[str, str] = {
     "stop": "stop",
     "stop_sequence": "stop",
@@ -111,77 +106,51 @@ FINISH_REASONS: dict[str, str] = {
 
 def parse(body: Any) -> GenerationRequest:
     """A Chat Completions body, validated, as a protocol-free request."""
-    fields = Fields(body)
-    model = fields.string("model", required=True, non_empty=True) or ""
-    _reject_unsupported(fields)
-    tools = _tools(fields)
+    refused = refuse(body, unsupported.CHAT_COMPLETIONS)
+    fields = validated(ChatCompletionRequest, body, openai_error)
+    extra = fields.model_extra or {}
+    _reject_unsupported(fields, extra)
+    tools = [_tool(tool.function) for tool in fields.tools or ()]
     conversation = Conversation(
         messages=_messages(fields),
         tools=tools,
-        tool_choice=read_tool_choice(fields, tools, nested=True),
-        response_format=_response_format(fields),
+        tool_choice=_tool_choice(fields, tools),
+        response_format=_response_format(fields.response_format),
     )
-    apply_effort(conversation, read_effort(fields, "reasoning_effort"))
-    _apply_thinking(fields, conversation)
-    _apply_template_kwargs(fields, conversation)
+    apply_effort(conversation, fields.reasoning_effort)
+    if fields.thinking is not None:
+        conversation.thinking = fields.thinking.type == "enabled"
+    _apply_template_kwargs(fields.chat_template_kwargs, conversation)
     thinking_param = next(
         (
             name
             for name in ("chat_template_kwargs", "thinking", "reasoning_effort")
-            if fields.has(name)
+            if getattr(fields, name) is not None
         ),
         "thinking",
     )
     max_tokens, max_tokens_param = _max_tokens(fields)
-    stream = bool(fields.boolean("stream"))
-    usage = include_usage(fields)  # read either way, so a malformed value is a 400
     request = GenerationRequest(
-        model=model,
-        conversation=validated(conversation),
-        stream=stream,
+        model=fields.model,
+        conversation=validated_conversation(conversation),
+        stream=bool(fields.stream),
         max_tokens=max_tokens,
         max_tokens_param=max_tokens_param,
         thinking_param=thinking_param,
         logprobs=_logprobs(fields),
-        include_usage=stream and usage,
-        **read_sampling(fields),
-        metadata=read_metadata(fields),
-        echo={
-            "user": fields.string("user"),
-            "parallel_tool_calls": fields.boolean("parallel_tool_calls") is not False,
-        },
+        include_usage=fields.include_usage(),
+        **fields.sampling(),
+        metadata=dict(fields.metadata or {}),
+        echo={"user": fields.user, "parallel_tool_calls": fields.parallel_tool_calls is not False},
     )
-    request.ignored_fields = fields.unread()
+    request.ignored_fields = [name for name in extra if name not in refused]
     return request
 
 
-def read_sampling(fields: Fields) -> dict[str, Any]:
-    """The sampling fields Chat Completions and Completions share, with vLLM's extensions."""
-    return {
-        "temperature": fields.number("temperature", 0, 2),
-        "top_p": fields.number("top_p", 0, 1, low_open=True),
-        "top_k": _top_k(fields),
-        "min_p": fields.number("min_p", 0, 1),
-        "seed": fields.integer("seed"),
-        "presence_penalty": fields.number("presence_penalty", -2, 2) or 0.0,
-        "frequency_penalty": fields.number("frequency_penalty", -2, 2) or 0.0,
-        "repetition_penalty": fields.number("repetition_penalty", 0, low_open=True),
-        "stop": read_stop(fields),
-        "skip_special_tokens": fields.boolean("skip_special_tokens") is not False,
-        "priority": fields.integer("priority"),
-        "stop_token_ids": read_token_ids(fields, "stop_token_ids"),
-        "min_tokens": fields.integer("min_tokens", low=0) or 0,
-        "ignore_eos": bool(fields.boolean("ignore_eos")),
-        "logit_bias": read_logit_bias(fields),
-        "structured_outputs": read_structured_outputs(fields.get("structured_outputs")),
-    }
-
-
-def _reject_unsupported(fields: Fields) -> None:
+def _reject_unsupported(fields: ChatCompletionRequest, extra: dict[str, Any]) -> None:
     """Fields whose meaning we cannot honour get a 400 rather than being ignored."""
-    fields.read.update(refuse(fields.body, unsupported.CHAT_COMPLETIONS))
-    refuse_several_choices(fields)
-    if fields.has("functions"):
+    refuse_several_choices(fields.n)
+    if extra.get("functions") is not None:
         raise bad_request(
             "functions is not supported: send the functions as tools "
             '([{"type": "function", "function": {...}}])',
@@ -189,48 +158,48 @@ def _reject_unsupported(fields: Fields) -> None:
         )
 
 
-def _messages(fields: Fields) -> list[Message]:
-    if not fields.array("messages", required=True):
+def _messages(fields: ChatCompletionRequest) -> list[Message]:
+    if not fields.messages:
         raise bad_request("messages must contain at least one message, got []", "messages")
-    messages = [_message(item) for item in fields.objects("messages")]
-    if fields.boolean("continue_final_message"):
+    messages = [
+        _message(message, f"messages[{index}]") for index, message in enumerate(fields.messages)
+    ]
+    if fields.continue_final_message:
         last = messages[-1]
         if not isinstance(last, AssistantMessage):
             raise bad_request(
                 "continue_final_message needs the last message to be an assistant message, "
-                f"got role {show(fields.get('messages')[-1].get('role'))}",
+                f"got role {show(fields.messages[-1].role)}",
                 "continue_final_message",
             )
         last.prefix = True
     return messages
 
 
-def _message(item: Fields) -> Message:
-    item.required("role")
-    role = item.choice("role", ROLES)
-    if role == "user":
-        return UserMessage(_content(item, role, required=True))
-    if role == "assistant":
-        return _assistant(item)
-    if role == "latest_reminder":
-        return ReminderMessage(_content(item, role, required=True))
-    if role == "tool":
-        return ToolMessage(
-            tool_call_id=item.string("tool_call_id", required=True, non_empty=True) or "",
-            content=_content(item, role, required=True),
-            name=item.string("name"),
-        )
-    return SystemMessage(_content(item, role, required=True), role=role)  # type: ignore[arg-type]
+def _message(message: ChatMessage, where: str) -> Message:
+    content = _content(message.content, f"{where}.content")
+    match message:
+        case ChatUserMessage():
+            return UserMessage(content)
+        case ChatAssistantMessage():
+            return _assistant(message, content)
+        case ChatReminderMessage():
+            return ReminderMessage(content)
+        case ChatToolMessage():
+            return ToolMessage(
+                tool_call_id=message.tool_call_id, content=content, name=message.name
+            )
+    return SystemMessage(content, role=message.role)
 
 
-def _assistant(item: Fields) -> AssistantMessage:
+def _assistant(message: ChatAssistantMessage, content: list[ContentPart]) -> AssistantMessage:
     """An earlier assistant turn; ``reasoning`` is read too, the name newer vLLM uses."""
-    reasoning = item.string("reasoning_content")
+    reasoning = message.reasoning_content
     return AssistantMessage(
-        content=_content(item, "assistant", required=False),
-        reasoning=reasoning if reasoning is not None else item.string("reasoning"),
-        tool_calls=[_tool_call(call) for call in item.objects("tool_calls")],
-        prefix=bool(item.boolean("prefix")),
+        content=content,
+        reasoning=reasoning if reasoning is not None else message.reasoning,
+        tool_calls=[_tool_call(call) for call in message.tool_calls or ()],
+        prefix=bool(message.prefix),
     )
 
 
@@ -240,132 +209,88 @@ def _reasoning_fields(text: str | None) -> dict[str, str | None]:
     return {"reasoning": text, "reasoning_content": text}
 
 
-def _tool_call(call: Fields) -> ToolCall:
-    call.choice("type", ("function",))
-    function = Fields(call.required("function"), call.where("function"))
-    return ToolCall(
-        id=call.string("id", required=True, non_empty=True) or "",
-        name=function.string("name", required=True, non_empty=True) or "",
-        arguments=_arguments(function),
-    )
+def _tool_call(call: ChatToolCall) -> ToolCall:
+    """A call's arguments as JSON text: an object some clients send instead is serialised."""
+    arguments = call.function.arguments
+    if arguments is None:
+        arguments = "{}"
+    elif isinstance(arguments, dict):
+        arguments = json.dumps(arguments, ensure_ascii=False)
+    return ToolCall(id=call.id, name=call.function.name, arguments=arguments)
 
 
-def _arguments(function: Fields) -> str:
-    """The JSON text of the arguments; an object some clients send instead is serialised."""
-    value = function.get("arguments")
-    if value is None:
-        return "{}"
-    if isinstance(value, dict):
-        return json.dumps(value, ensure_ascii=False)
-    if not isinstance(value, str):
-        raise function.error("arguments", "a JSON string")
-    return value
-
-
-def _content(item: Fields, role: str, *, required: bool) -> list[ContentPart]:
-    value = item.required("content") if required else item.get("content")
-    if value is None:
+def _content(content: str | list[Any] | None, where: str) -> list[ContentPart]:
+    if content is None:
         return []
-    if isinstance(value, str):
-        return [TextPart(value)]
-    if not isinstance(value, list):
-        raise item.error("content", "a string or an array of content parts")
-    return [_part(part, role) for part in item.objects("content")]
+    if isinstance(content, str):
+        return [TextPart(content)]
+    return [_part(part, f"{where}[{index}]") for index, part in enumerate(content)]
 
 
-def _part(part: Fields, role: str) -> ContentPart:
-    accepted = _PART_TYPES[role]
-    kind = part.string("type", required=True)
-    if kind not in accepted:
-        names = ", ".join(repr(name) for name in accepted)
-        raise bad_request(
-            f"{part.where('type')} must be one of {names} in a {role} message, got {show(kind)}",
-            part.where("type"),
-        )
-    if kind == "image_url":
-        return ImagePart(_image(part))
-    return TextPart(part.string(kind if kind == "refusal" else "text", required=True) or "")
+def _part(part: ChatTextPart | ChatImagePart | ChatRefusalPart, where: str) -> ContentPart:
+    match part:
+        case ChatImagePart(image_url=str() as url):
+            return ImagePart(image_source(url, f"{where}.image_url"))
+        case ChatImagePart(image_url=ChatImageUrl() as image):
+            source = image_source(image.url, f"{where}.image_url.url", image.detail or "auto")
+            return ImagePart(source)
+        case ChatRefusalPart():
+            return TextPart(part.refusal)
+    return TextPart(part.text)
 
 
-def _image(part: Fields) -> ImageSource:
-    """``image_url`` is ``{"url": ...}``; a bare URL string is accepted too."""
-    value = part.required("image_url")
-    if isinstance(value, str):
-        return image_source(value, part.where("image_url"))
-    image = Fields(value, part.where("image_url"))
-    return image_source(image.required("url"), image.where("url"), image_detail(image))
+def _tool(function: FunctionDefinition) -> Tool:
+    """A function's name, description and JSON schema parameters (none: no arguments)."""
+    tool = Tool(name=function.name, description=function.description, strict=bool(function.strict))
+    if function.parameters is not None:
+        tool.parameters = function.parameters
+    return tool
 
 
-def _tools(fields: Fields) -> list[Tool]:
-    tools = []
-    for tool in fields.objects("tools"):
-        if tool.get("type") != "function":
-            raise tool.error("type", "'function' (custom tools are not supported)")
-        tools.append(read_function(Fields(tool.required("function"), tool.where("function"))))
-    return tools
+def _tool_choice(fields: ChatCompletionRequest, tools: list[Tool]) -> ToolChoice:
+    """``tool_choice``: a mode, or a named function that must be among ``tools``;
+    ``parallel_tool_calls`` false allows one call per turn."""
+    name = None
+    if isinstance(fields.tool_choice, ChatNamedToolChoice):
+        name = fields.tool_choice.function.name
+    mode = "function" if name is not None else fields.tool_choice
+    return tool_choice(mode, name, tools, fields.parallel_tool_calls, "tool_choice.function.name")
 
 
-def _response_format(fields: Fields) -> ResponseFormat:
-    response_format = fields.object("response_format")
-    if response_format is None:
-        return ResponseFormat()
-    response_format.required("type")
-    kind = response_format.choice("type", RESPONSE_FORMAT_TYPES)
-    if kind != "json_schema":
-        return ResponseFormat(kind)  # type: ignore[arg-type]
-    spec = response_format.required("json_schema")
-    return read_json_schema(Fields(spec, response_format.where("json_schema")))
+def _response_format(value: ChatResponseFormat | None) -> ResponseFormat:
+    match value:
+        case None:
+            return ResponseFormat()
+        case ChatJsonSchemaFormat(json_schema=spec):
+            return spec.response_format("response_format.json_schema.schema")
+    return ResponseFormat(value.type)
 
 
-def _apply_thinking(fields: Fields, conversation: Conversation) -> None:
-    """A top-level ``thinking: {"type": "enabled" | "disabled"}`` switches reasoning."""
-    thinking = fields.object("thinking")
-    if thinking is not None:
-        thinking.required("type")
-        conversation.thinking = thinking.choice("type", ("enabled", "disabled")) == "enabled"
-
-
-def _apply_template_kwargs(fields: Fields, conversation: Conversation) -> None:
+def _apply_template_kwargs(kwargs: ChatTemplateKwargs | None, conversation: Conversation) -> None:
     """vLLM's ``chat_template_kwargs.enable_thinking`` (or ``thinking``) switches reasoning."""
-    kwargs = fields.object("chat_template_kwargs")
     if kwargs is None:
         return
-    for name in ("enable_thinking", "thinking"):
-        value = kwargs.boolean(name)
+    for value in (kwargs.enable_thinking, kwargs.thinking):
         if value is not None:
             conversation.thinking = value
             return
 
 
-def _max_tokens(fields: Fields) -> tuple[int | None, str]:
+def _max_tokens(fields: ChatCompletionRequest) -> tuple[int | None, str]:
     """``max_completion_tokens`` wins over the older ``max_tokens`` when both are sent."""
-    newer = fields.integer("max_completion_tokens", low=1)
-    older = fields.integer("max_tokens", low=1)
-    if newer is not None:
-        return newer, "max_completion_tokens"
-    return older, "max_tokens"
+    if fields.max_completion_tokens is not None:
+        return fields.max_completion_tokens, "max_completion_tokens"
+    return fields.max_tokens, "max_tokens"
 
 
-def _top_k(fields: Fields) -> int | None:
-    """vLLM spells "no top-k" -1; the sampler spells it 0."""
-    top_k = fields.integer("top_k", low=-1)
-    return 0 if top_k == -1 else top_k
-
-
-def _logprobs(fields: Fields) -> int | None:
-    wanted = fields.boolean("logprobs")
-    top = fields.integer("top_logprobs", 0, MAX_TOP_LOGPROBS)
-    if top is not None and not wanted:
+def _logprobs(fields: ChatCompletionRequest) -> int | None:
+    top = fields.top_logprobs
+    if top is not None and not fields.logprobs:
         raise bad_request(
-            f"top_logprobs needs logprobs: true, got logprobs {show(fields.get('logprobs'))}",
+            f"top_logprobs needs logprobs: true, got logprobs {show(fields.logprobs)}",
             "top_logprobs",
         )
-    return (top or 0) if wanted else None
-
-
-def include_usage(fields: Fields) -> bool:
-    options = fields.object("stream_options")
-    return bool(options and options.boolean("include_usage"))
+    return (top or 0) if fields.logprobs else None
 
 
 class ChatCompletionBuilder(ResponseBuilder):

@@ -6,8 +6,9 @@ spellings in the text are plain text unless the model's registry entry opts
 out. ``echo`` starts the text with the prompt; with ``logprobs`` too, the
 prompt's tokens come with their log-probabilities (the first token has none),
 which is what loglikelihood evaluation reads; ``max_tokens: 0`` with ``echo``
-scores the prompt and generates nothing. Sampling fields and vLLM's
-extensions are read as Chat Completions reads them.
+scores the prompt and generates nothing. The body is validated against
+``CompletionRequest``; its sampling fields and vLLM's extensions are those
+Chat Completions takes (``SamplingFields``).
 
 A list of several prompts is one choice per prompt, in order (``split``
 makes one body per prompt; the route runs them together and joins their
@@ -37,11 +38,10 @@ from api.protocols.base import (
     SSEChunk,
     Usage,
 )
-from api.protocols.chat_completions import FINISH_REASONS, include_usage, read_sampling
+from api.protocols.body_validation import openai_error, validated
+from api.protocols.chat_completions import FINISH_REASONS
 from api.protocols.completions_request import CompletionRequest
 from api.protocols.openai_common import (
-    MAX_TOP_LOGPROBS,
-    Fields,
     chat_usage,
     copies,
     error_body,
@@ -57,30 +57,27 @@ DEFAULT_MAX_TOKENS = 16  # OpenAI's default for this route
 
 def parse(body: Any) -> GenerationRequest:
     """A Completions body, validated, as a protocol-free request."""
-    fields = Fields(body)
-    model = fields.string("model", required=True, non_empty=True) or ""
-    _reject_unsupported(fields)
-    echo = bool(fields.boolean("echo"))
-    logprobs = fields.integer("logprobs", 0, MAX_TOP_LOGPROBS)
-    max_tokens = fields.integer("max_tokens", low=0)
+    refused = refuse(body, unsupported.COMPLETIONS)
+    fields = validated(CompletionRequest, body, openai_error)
+    _refuse_several(fields)
+    echo = bool(fields.echo)
+    max_tokens, logprobs = fields.max_tokens, fields.logprobs
     if max_tokens == 0 and not echo:
         raise bad_request("max_tokens must be at least 1 unless echo is true, got 0", "max_tokens")
-    stream = bool(fields.boolean("stream"))
-    usage = include_usage(fields)
     request = GenerationRequest(
-        model=model,
+        model=fields.model,
         conversation=Conversation(messages=[], thinking=False),
-        prompt=RawPrompt(**_prompt(fields), echo=echo),
-        stream=stream,
+        prompt=RawPrompt(**_prompt(fields.prompt), echo=echo),
+        stream=bool(fields.stream),
         max_tokens=DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens,
         logprobs=logprobs,
         # the prompt is scored when its logprobs are shown, or when it is all there is to do
         prompt_logprobs=logprobs if echo and logprobs is not None else _if_zero(max_tokens),
-        include_usage=stream and usage,
-        echo={"user": fields.string("user")},
-        **read_sampling(fields),
+        include_usage=fields.include_usage(),
+        echo={"user": fields.user},
+        **fields.sampling(),
     )
-    request.ignored_fields = fields.unread()
+    request.ignored_fields = [name for name in fields.model_extra or () if name not in refused]
     return request
 
 
@@ -88,15 +85,16 @@ def _if_zero(max_tokens: int | None) -> int | None:
     return 0 if max_tokens == 0 else None
 
 
-def _reject_unsupported(fields: Fields) -> None:
-    fields.read.update(refuse(fields.body, unsupported.COMPLETIONS))
-    refuse_several_choices(fields)
-    best_of = fields.integer("best_of", low=1)
-    if best_of is not None and best_of > 1:
+def _refuse_several(fields: CompletionRequest) -> None:
+    """``n`` and ``best_of`` above 1, and a ``suffix``, ask for what is not served here."""
+    refuse_several_choices(fields.n)
+    if fields.best_of is not None and fields.best_of > 1:
         raise bad_request(
-            f"best_of > 1 is not supported, got {best_of}", "best_of", "unsupported_parameter"
+            f"best_of > 1 is not supported, got {fields.best_of}",
+            "best_of",
+            "unsupported_parameter",
         )
-    if fields.string("suffix"):
+    if fields.suffix:
         raise bad_request(
             "suffix is not supported by this server", "suffix", "unsupported_parameter"
         )
@@ -130,10 +128,9 @@ def _several(value: Any) -> bool:
     )
 
 
-def _prompt(fields: Fields) -> dict[str, Any]:
+def _prompt(prompt: str | list[int] | list[str | list[int]]) -> dict[str, Any]:
     """``text`` or ``token_ids`` of the one prompt the body holds."""
-    value = fields.required("prompt")
-    accepted = "a string, an array of token ids, or an array holding one of either"
+    value = prompt
     if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str | list):
         value = value[0]  # a batch of one prompt
     elif _several(value):  # only the synchronous route splits a body (``split``)
@@ -145,13 +142,10 @@ def _prompt(fields: Fields) -> dict[str, Any]:
         )
     if isinstance(value, str):
         return {"text": value}
-    if isinstance(value, list) and value and all(_is_token_id(v) for v in value):
+    if value and all(isinstance(token, int) for token in value):
         return {"token_ids": list(value)}
-    raise bad_request(f"prompt must be {accepted}, got {show(fields.get('prompt'))}", "prompt")
-
-
-def _is_token_id(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+    accepted = "a string, an array of token ids, or an array holding one of either"
+    raise bad_request(f"prompt must be {accepted}, got {show(prompt)}", "prompt")
 
 
 class CompletionBuilder(ResponseBuilder):

@@ -1,6 +1,7 @@
 """Anthropic Messages requests converted to a protocol-free ``GenerationRequest``.
 
-Validation lives in ``messages_schema``; this module only maps valid bodies.
+A body is validated against the ``messages_schema`` models (``body_validation``,
+with the ``anthropic_error`` phrasing); this module only maps valid bodies.
 
 Mapping choices:
 
@@ -30,6 +31,7 @@ from typing import Any
 from api.errors import bad_request
 from api.protocols import unsupported
 from api.protocols.base import GenerationRequest
+from api.protocols.body_validation import anthropic_error, validated
 from api.protocols.messages_schema import (
     AssistantTurn,
     CountTokensBody,
@@ -49,7 +51,6 @@ from api.protocols.messages_schema import (
     ToolUseBlock,
     UrlSource,
     UserTurn,
-    validated,
 )
 from api.protocols.unsupported import refuse
 from api.protocols.vllm_extensions import read_structured_outputs
@@ -74,7 +75,7 @@ from shared.conversation import (
 
 def parse(body: dict[str, Any]) -> GenerationRequest:
     """Validate a ``POST /v1/messages`` body; raise a 400 naming the first bad field."""
-    request = validated(CreateBody, body)
+    request = validated(CreateBody, body, anthropic_error)
     thinking = request.thinking
     if isinstance(thinking, ThinkingEnabled) and thinking.budget_tokens >= request.max_tokens:
         raise bad_request(
@@ -103,7 +104,7 @@ def parse(body: dict[str, Any]) -> GenerationRequest:
 
 def parse_count_tokens(body: dict[str, Any]) -> GenerationRequest:
     """Validate a ``POST /v1/messages/count_tokens`` body (no max_tokens, no stream)."""
-    request = validated(CountTokensBody, body)
+    request = validated(CountTokensBody, body, anthropic_error)
     return GenerationRequest(model=request.model, conversation=_conversation(request))
 
 

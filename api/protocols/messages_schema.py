@@ -1,53 +1,26 @@
-"""Anthropic Messages request bodies as pydantic models, and their errors as one 400.
+"""Anthropic Messages request bodies as pydantic models.
 
 The models mirror the wire shapes: unknown fields are ignored and values are
-never coerced. The first validation error becomes one 400 whose message and
-``param`` name the field path the way the Anthropic API does
-(``messages.0.content.1.source.media_type: ...``). Block unions are chosen by
-their ``type`` (turns by their ``role``) through tagged unions whose tags are
-then left out of the path, so an error names the field inside the block rather
-than pydantic's union machinery. The same models are the Messages bodies in
-``/openapi.json`` (``api.openapi_bodies``).
+never coerced. ``body_validation.validated`` checks a body against them with
+the ``anthropic_error`` phrasing, whose 400 names the field path the way the
+Anthropic API does (``messages.0.content.1.source.media_type: ...``). Block
+unions are chosen by their ``type`` (turns by their ``role``). The same models
+are the Messages bodies in ``/openapi.json`` (``api.openapi_bodies``).
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, TypeVar, Union, get_args
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag
-from pydantic import ValidationError as PydanticValidationError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
-from api.errors import ApiError, bad_request
-
-_TAG_SEPARATOR = "="  # union tags read "type=text"; no field name contains it
-_UNKNOWN = "unknown_"  # error type prefix when no union member has that type or role
+from api.protocols.body_validation import tagged_union
 
 
 class Strict(BaseModel):
     """Wire shapes: unknown fields are ignored, values are never coerced."""
 
     model_config = ConfigDict(extra="ignore", strict=True, frozen=True)
-
-
-def _by(field: str, *models: type[Strict]) -> Any:
-    """A union of ``models`` chosen by the value of ``field`` (``type`` or ``role``)."""
-    values = [get_args(model.model_fields[field].annotation)[0] for model in models]
-    members = tuple(
-        Annotated[model, Tag(f"{field}{_TAG_SEPARATOR}{value}")]
-        for model, value in zip(models, values, strict=True)
-    )
-
-    def tag(value: Any) -> str | None:
-        return f"{field}{_TAG_SEPARATOR}{value.get(field)}" if isinstance(value, dict) else None
-
-    # The error type carries the field (a dict context would make the type unhashable).
-    expected = ", ".join(map(repr, values))
-    discriminator = Discriminator(
-        tag,
-        custom_error_type=f"{_UNKNOWN}{field}",
-        custom_error_message=f"must be one of {expected}",
-    )
-    return Annotated[Union[members], discriminator]  # noqa: UP007 - a tuple built at runtime
 
 
 def _text_shorthand(value: Any) -> Any:
@@ -82,7 +55,7 @@ class UrlSource(Strict):
     url: _NonEmptyStr
 
 
-_ImageSourceField = _by("type", Base64Source, UrlSource)
+_ImageSourceField = tagged_union("type", Base64Source, UrlSource)
 
 
 class ImageBlock(Strict):
@@ -90,7 +63,7 @@ class ImageBlock(Strict):
     source: _ImageSourceField
 
 
-_ResultBlocks = _blocks(_by("type", TextBlock, ImageBlock))
+_ResultBlocks = _blocks(tagged_union("type", TextBlock, ImageBlock))
 
 
 class ToolResultBlock(Strict):
@@ -118,8 +91,10 @@ class RedactedThinkingBlock(Strict):
     data: str = ""
 
 
-_UserBlock = _by("type", TextBlock, ImageBlock, ToolResultBlock)
-_AssistantBlock = _by("type", TextBlock, ToolUseBlock, ThinkingBlock, RedactedThinkingBlock)
+_UserBlock = tagged_union("type", TextBlock, ImageBlock, ToolResultBlock)
+_AssistantBlock = tagged_union(
+    "type", TextBlock, ToolUseBlock, ThinkingBlock, RedactedThinkingBlock
+)
 
 
 class UserTurn(Strict):
@@ -160,7 +135,9 @@ class ToolChoiceNone(Strict):
     type: Literal["none"]
 
 
-_ToolChoiceField = _by("type", ToolChoiceAuto, ToolChoiceAny, ToolChoiceTool, ToolChoiceNone)
+_ToolChoiceField = tagged_union(
+    "type", ToolChoiceAuto, ToolChoiceAny, ToolChoiceTool, ToolChoiceNone
+)
 
 
 class ThinkingEnabled(Strict):
@@ -178,8 +155,8 @@ class ThinkingAdaptive(Strict):
 
 ToolChoiceBody = ToolChoiceAuto | ToolChoiceAny | ToolChoiceTool | ToolChoiceNone
 ThinkingBody = ThinkingEnabled | ThinkingDisabled | ThinkingAdaptive
-_ThinkingField = _by("type", ThinkingEnabled, ThinkingDisabled, ThinkingAdaptive)
-_TurnField = _by("role", UserTurn, AssistantTurn)
+_ThinkingField = tagged_union("type", ThinkingEnabled, ThinkingDisabled, ThinkingAdaptive)
+_TurnField = tagged_union("role", UserTurn, AssistantTurn)
 
 
 class JsonFormat(Strict):
@@ -226,41 +203,3 @@ class CreateBody(CountTokensBody):
     top_k: Annotated[int, Field(ge=0)] | None = None  # 0 turns it off
     metadata: Metadata | None = None
     structured_outputs: dict[str, Any] | None = None  # vLLM's extension, read by its own reader
-
-
-_BodyT = TypeVar("_BodyT", bound=CountTokensBody)
-
-
-def validated(model: type[_BodyT], body: Any) -> _BodyT:
-    """The body as ``model``, or the ``ApiError`` (400) for its first invalid field."""
-    try:
-        return model.model_validate(body)
-    except PydanticValidationError as exc:
-        raise _first_error(exc) from None
-
-
-def _first_error(exc: PydanticValidationError) -> ApiError:
-    """One 400 for the first problem, phrased like the API: ``path: what is wrong``."""
-    error = exc.errors(include_url=False)[0]
-    parts = [str(part) for part in error["loc"] if _TAG_SEPARATOR not in str(part)]
-    value = error.get("input")
-    if error["type"].startswith(_UNKNOWN):
-        field = error["type"].removeprefix(_UNKNOWN)
-        if not isinstance(value, dict):
-            message = f"must be an object, got {_show(value)}"
-        else:
-            parts.append(field)
-            message = f"{error['msg']}, got {_show(value.get(field))}"
-    elif error["type"] == "missing":
-        message = "Field required"
-    else:
-        message = f"{error['msg']}, got {_show(value)}"
-    path = ".".join(parts)
-    if not path:
-        return bad_request(f"the request body must be a JSON object, got {_show(value)}")
-    return bad_request(f"{path}: {message}", path)
-
-
-def _show(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."

@@ -1,12 +1,14 @@
-"""What the two OpenAI protocols share: field reading, images, effort, usage, logprobs, errors.
+"""What the OpenAI protocols share: images, effort, tool choice, usage, logprobs, errors,
+and ``Fields``, the reader of bodies no pydantic model validates.
 
-Chat Completions and Responses spell messages differently but validate their
-scalars, data URLs and ``reasoning_effort`` the same way, report logprobs in
-the same token shape and render errors in the same ``{"error": {...}}`` body.
-Field reading is done by hand rather than with pydantic models so that every
-400 says, in one sentence, which field (as a path like ``messages[1].content``)
-holds which value and what would be accepted; pydantic's union errors would
-need translating back into that anyway.
+Completions and Chat Completions validate their bodies with pydantic models
+(``openai_request_parts``, ``body_validation``); Responses, ``/tokenize`` and
+``/detokenize`` read theirs with ``Fields``. Both say a refusal the same way, in
+one sentence naming the field (as a path like ``messages[1].content``), its value
+and what would be accepted: ``integer_range`` and ``number_range`` phrase the
+bounds for both. All of them split data URLs, map ``reasoning_effort`` and check a
+named tool choice alike, report logprobs in the same token shape and render errors
+in the same ``{"error": {...}}`` body.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from shared.conversation import (
 
 # OpenAI reports -9999.0 for a token the model all but ruled out; JSON has no -inf.
 _FLOOR_LOGPROB = -9999.0
-_LARGEST = 1e300  # numbers beyond are refused rather than overflowing a float
+LARGEST = 1e300  # numbers beyond are refused rather than overflowing a float
 _MAX_SHOWN = 80
 _DATA_URL = re.compile(r"data:(?P<media>[^;,]*)(?P<params>(?:;[^;,]*)*),(?P<data>.*)", re.DOTALL)
 _LEADING_PATH = re.compile(r"[A-Za-z_][\w.\[\]]*")
@@ -125,7 +127,7 @@ class Fields:
             or (low is not None and value < low)
             or (high is not None and value > high)
         ):
-            raise self.error(name, _integer_range(low, high))
+            raise self.error(name, integer_range(low, high))
         return value
 
     def number(
@@ -134,10 +136,10 @@ class Fields:
         value = self.get(name)
         if value is None:
             return None
-        ok = _is_number(value) and abs(value) <= _LARGEST and math.isfinite(value)
+        ok = _is_number(value) and abs(value) <= LARGEST and math.isfinite(value)
         ok = ok and (value > low if low_open else value >= low)
         if not ok or (high is not None and value > high):
-            raise self.error(name, _number_range(low, high, low_open))
+            raise self.error(name, number_range(low, high, low_open))
         return float(value)
 
     def choice(self, name: str, options: Any) -> str | None:
@@ -170,13 +172,13 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
 
-def _integer_range(low: int | None, high: int | None) -> str:
+def integer_range(low: int | None, high: int | None) -> str:
     if low is not None and high is not None:
         return f"an integer between {low} and {high}"
     return "an integer" if low is None else f"an integer >= {low}"
 
 
-def _number_range(low: float, high: float | None, low_open: bool) -> str:
+def number_range(low: float, high: float | None, low_open: bool) -> str:
     low_text, high_text = f"{low:g}", "" if high is None else f"{high:g}"
     if high is None:
         return f"a number {'>' if low_open else '>='} {low_text}"
@@ -205,10 +207,9 @@ def choices_per_prompt(body: dict[str, Any]) -> int:
     return n if _is_int(n) and n > 1 else 1
 
 
-def refuse_several_choices(fields: Fields) -> None:
-    """``n`` > 1 reaches a body's reader only where no route split it into choices (``copies``):
+def refuse_several_choices(n: int | None) -> None:
+    """``n`` > 1 reaches a body's parser only where no route split it into choices (``copies``):
     in a job or a batch line."""
-    n = fields.integer("n", low=1)
     if n is not None and n > 1:
         raise bad_request(
             f"n > 1 is only accepted by a synchronous request, not in a job or batch; got {n}",
@@ -233,24 +234,6 @@ def read_metadata(fields: Fields) -> dict[str, str]:
             "an object of at most 16 string values (keys up to 64, values up to 512 characters)",
         )
     return dict(value)
-
-
-def read_stop(fields: Fields) -> list[str]:
-    """``stop``: one string or a list of up to 16 non-empty strings (OpenAI allows 4)."""
-    value = fields.get("stop")
-    if value is None:
-        return []
-    stops = [value] if isinstance(value, str) else value
-    if (
-        not isinstance(stops, list)
-        or len(stops) > MAX_STOP_SEQUENCES
-        or not all(isinstance(stop, str) and stop for stop in stops)
-    ):
-        raise fields.error(
-            "stop",
-            f"a non-empty string or a list of at most {MAX_STOP_SEQUENCES} non-empty strings",
-        )
-    return list(stops)
 
 
 def read_function(fields: Fields) -> Tool:
@@ -330,7 +313,9 @@ def image_source(url: Any, where: str, detail: ImageDetail = "auto") -> ImageSou
     return ImageSource(data=match["data"], media_type=media_type, detail=detail)
 
 
-def validated(conversation: Conversation, *, param_from_message: bool = True) -> Conversation:
+def validated_conversation(
+    conversation: Conversation, *, param_from_message: bool = True
+) -> Conversation:
     """Run the conversation's own checks; their message already names the field.
 
     The parsers check what they can first, in the client's field names; this
@@ -406,15 +391,9 @@ def read_tool_choice(fields: Fields, tools: list[Tool], *, nested: bool) -> Tool
     {"name": ...}}``); Responses does not (``{"type": "function", "name": ...}``).
     """
     value = fields.get("tool_choice")
-    parallel = fields.boolean("parallel_tool_calls") is not False
-    if value is None:
-        return ToolChoice(parallel=parallel)
-    if isinstance(value, str) and value in ("none", "auto", "required"):
-        if value == "required" and not tools:
-            raise bad_request(
-                "tool_choice 'required' needs at least one tool in tools", "tool_choice"
-            )
-        return ToolChoice(value, parallel=parallel)  # type: ignore[arg-type]
+    parallel = fields.boolean("parallel_tool_calls")
+    if value is None or (isinstance(value, str) and value in ("none", "auto", "required")):
+        return tool_choice(value, None, tools, parallel)
     if not isinstance(value, dict) or value.get("type") != "function":
         named = '"function": {"name": ...}' if nested else '"name": ...'
         accepted = f"'none', 'auto', 'required' or {{\"type\": \"function\", {named}}}"
@@ -423,7 +402,27 @@ def read_tool_choice(fields: Fields, tools: list[Tool], *, nested: bool) -> Tool
     if nested:
         choice = Fields(choice.required("function"), "tool_choice.function")
     name = choice.string("name", required=True, non_empty=True)
+    return tool_choice("function", name, tools, parallel, choice.where("name"))
+
+
+def tool_choice(
+    mode: str | None,
+    name: str | None,
+    tools: list[Tool],
+    parallel: bool | None,
+    where: str = "tool_choice",
+) -> ToolChoice:
+    """A tool choice ``mode`` (``function``: the one ``name``d, at ``where``, which must be
+    among ``tools``); ``parallel`` false allows one call per turn."""
+    parallel_calls = parallel is not False
+    if mode is None:
+        return ToolChoice(parallel=parallel_calls)
+    if mode == "required" and not tools:
+        raise bad_request("tool_choice 'required' needs at least one tool in tools", "tool_choice")
+    if mode != "function":
+        return ToolChoice(mode, parallel=parallel_calls)  # type: ignore[arg-type]
     names = [tool.name for tool in tools]
     if name not in names:
-        raise choice.error("name", f"the name of a function in tools ({', '.join(names)})")
-    return ToolChoice("function", name, parallel)
+        accepted = f"the name of a function in tools ({', '.join(names)})"
+        raise bad_request(f"{where} must be {accepted}, got {show(name)}", where)
+    return ToolChoice("function", name, parallel_calls)

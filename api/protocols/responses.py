@@ -62,7 +62,7 @@ from api.protocols.openai_common import (
     responses_usage,
     show,
     token_logprob,
-    validated,
+    validated_conversation,
 )
 from api.protocols.responses_request import ResponsesRequest
 from api.protocols.unsupported import refuse
@@ -116,7 +116,7 @@ def parse(body: Any) -> GenerationRequest:
     apply_effort(conversation, effort)
     request = GenerationRequest(
         model=model,
-        conversation=validated(conversation, param_from_message=False),
+        conversation=validated_conversation(conversation, param_from_message=False),
         stream=bool(fields.boolean("stream")),
         max_tokens=fields.integer("max_output_tokens", low=1),
         max_tokens_param="max_output_tokens",

@@ -1,10 +1,9 @@
-"""vLLM's extension fields, read the same way by every protocol that accepts them.
+"""vLLM's ``structured_outputs``, read the same way by every protocol that accepts it.
 
-``structured_outputs`` is accepted on all three protocols, so
-``extra_body={"structured_outputs": {...}}`` works as it does against vLLM.
-``min_tokens``, ``ignore_eos``, ``stop_token_ids`` are Chat Completions
-extensions, as in vLLM. Token ids are checked against the vocabulary in
-preparation, where the model is known.
+It is accepted on every generation protocol, so
+``extra_body={"structured_outputs": {...}}`` works as it does against vLLM. The
+request models check its fields' types; this reader checks that exactly one
+known constraint is given and reads a JSON schema sent as text.
 """
 
 from __future__ import annotations
@@ -13,8 +12,8 @@ import json
 from typing import Any
 
 from api.errors import bad_request
-from api.protocols.openai_common import Fields, show
-from shared.sampling import MAX_LOGIT_BIAS, StructuredOutputs
+from api.protocols.openai_common import show
+from shared.sampling import StructuredOutputs
 
 STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
@@ -41,31 +40,6 @@ def read_structured_outputs(
         return StructuredOutputs(**given)
     except (TypeError, ValueError) as exc:
         raise bad_request(str(exc), where) from None
-
-
-def read_token_ids(fields: Fields, name: str) -> list[int]:
-    value = fields.array(name) or []
-    if not all(isinstance(item, int) and not isinstance(item, bool) for item in value):
-        raise fields.error(name, "an array of token ids (integers)")
-    return list(value)
-
-
-def read_logit_bias(fields: Fields) -> dict[int, float]:
-    """OpenAI's ``logit_bias``: token ids (as JSON object keys) to a bias in [-100, 100]."""
-    value = fields.get("logit_bias")
-    if value is None:
-        return {}
-    accepted = "an object mapping token ids to numbers between -100 and 100"
-    if not isinstance(value, dict):
-        raise fields.error("logit_bias", accepted)
-    bias: dict[int, float] = {}
-    for key, item in value.items():
-        ok = isinstance(key, str) and key.strip().lstrip("-").isdigit()
-        ok = ok and isinstance(item, int | float) and not isinstance(item, bool)
-        if not ok or abs(item) > MAX_LOGIT_BIAS:
-            raise fields.error("logit_bias", accepted)
-        bias[int(key)] = float(item)
-    return bias
 
 
 def _schema(text: str, where: str) -> dict[str, Any]:
