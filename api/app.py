@@ -205,10 +205,11 @@ def _add_batches(app: FastAPI, manager: JobManager, keys: KeyRing, settings: Set
 
 
 def _embedded_backend(spec: ModelSpec, settings: Settings) -> Backend:
-    from api.backends.embedded import EmbeddedBackend, engine_args_for
+    from api.backends.embedded import EmbeddedBackend
+    from engine.config import EngineArgs
 
     registry_file = str(settings.config) if settings.config else None
-    args = engine_args_for(spec, settings.engine, registry_file=registry_file)
+    args = EngineArgs.serving(spec, settings.engine, registry_file)
     return EmbeddedBackend(spec, args, limits=settings.limits)
 
 

@@ -27,15 +27,15 @@ def _warmup(args: argparse.Namespace) -> int:
     """Load each model ``sluice serve`` would serve with these options, as it would, compiling
     what its first start would: the compile cache then holds it for every later start on this
     machine (the same CPU and thread count)."""
-    from api.backends.embedded import engine_args_for
     from api.settings import Settings, load_models
+    from engine.config import EngineArgs
     from engine.llm_engine import LLMEngine
 
     options = dataclasses.replace(from_flags(EngineOptions, args), enforce_eager=False)
     config = Path(args.config) if args.config else None
     for spec in load_models(Settings(models=tuple(args.model or ()), config=config))[1]:
         started = time.perf_counter()
-        engine_args = engine_args_for(spec, options, registry_file=args.config)
+        engine_args = EngineArgs.serving(spec, options, args.config)
         try:
             engine = LLMEngine(engine_args)
             engine.warm_up()

@@ -9,11 +9,15 @@ file format the weights came in.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from shared.engine_options import EngineOptions
 from shared.execution import default_enforce_eager
 from shared.images.loading import VISION_ARCHITECTURES
 from shared.precision import default_dtype
+
+if TYPE_CHECKING:
+    from shared.registry import ModelSpec
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -118,6 +122,9 @@ def _rope_scaling(cfg: dict[str, Any]) -> RopeScaling | None:
     )
 
 
+_OPTIONS = EngineOptions()  # the flags' defaults, which an engine started from code shares
+
+
 @dataclass(slots=True)
 class EngineArgs:
     """Knobs shared by every entry point.
@@ -136,10 +143,10 @@ class EngineArgs:
     model: str = "default"  # a registry name or alias, or a local checkpoint path
     registry_file: str | None = None  # TOML registry adding models to the built-in ones
     dtype: str = field(default_factory=default_dtype)  # see engine.precision
-    quantization: str = "auto"  # auto, none, int8 or int4; see engine.precision
+    quantization: str = _OPTIONS.quantization  # auto, none, int8 or int4; see engine.precision
     device: str = "auto"
     max_model_len: int | None = None
-    max_num_seqs: int = 64
+    max_num_seqs: int = _OPTIONS.max_num_seqs
     max_num_batched_tokens: int = 2048
     kv_cache_bytes: int | None = None
     gpu_memory_utilization: float | None = None  # a fraction of a CUDA device, in (0, 1]
@@ -151,6 +158,26 @@ class EngineArgs:
     enforce_eager: bool = field(default_factory=default_enforce_eager)
     log_stats: bool = True  # the offline LLM turns it off
     extra: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def serving(
+        cls, spec: ModelSpec, options: EngineOptions, registry_file: str | None = None
+    ) -> EngineArgs:
+        """The arguments that load ``spec`` as ``sluice serve`` and ``sluice worker`` serve it:
+        by its name in the registry it came from (``registry_file``, else the built-in one;
+        a path or a hub id resolves as itself), with the entry's context length as the limit
+        unless the options give one."""
+        return cls(
+            model=spec.name,
+            registry_file=registry_file,
+            dtype=options.dtype,
+            quantization=options.quantization,
+            enforce_eager=options.enforce_eager,
+            max_model_len=options.max_model_len or spec.context_length or None,
+            max_num_seqs=options.max_num_seqs,
+            kv_cache_bytes=options.kv_cache_bytes,
+            gpu_memory_utilization=options.gpu_memory_utilization,
+        )
 
 
 DEFAULT_KV_CACHE_BYTES = 2 * 1024**3

@@ -149,7 +149,9 @@ def own_engine_args(spec: ModelSpec, args: argparse.Namespace) -> EngineArgs:
     """This project's engine's arguments from the command line."""
     if args.engine_arg:
         raise ValueError("--engine-arg sets vLLM's engine arguments: it needs --engine vllm")
-    engine_args = engine_args_for(spec, from_flags(EngineOptions, args))
+    from engine.config import EngineArgs
+
+    engine_args = EngineArgs.serving(spec, from_flags(EngineOptions, args), args.config)
     return dataclasses.replace(engine_args, num_kv_blocks=args.num_kv_blocks)
 
 
@@ -281,28 +283,6 @@ def worker_queues(registry: ModelRegistry, spec: ModelSpec, extra: Sequence[str]
                 f"a worker of {spec.name!r} cannot run them"
             )
     return [keys.queue_name(spec.name), *extra]
-
-
-def engine_args_for(spec: ModelSpec, options: EngineOptions) -> EngineArgs:
-    """Engine arguments that load ``spec``.
-
-    The engine resolves names through the built-in registry only, so a model
-    from a registry file is handed over as its weights path, with the
-    registry's context length as the limit unless one is given.
-    """
-    from engine.config import EngineArgs
-
-    builtin = spec.name in default_registry().names()
-    return EngineArgs(
-        model=spec.name if builtin else str(spec.weights),
-        dtype=options.dtype,
-        quantization=options.quantization,
-        enforce_eager=options.enforce_eager,
-        max_model_len=options.max_model_len or spec.context_length or None,
-        max_num_seqs=options.max_num_seqs,
-        kv_cache_bytes=options.kv_cache_bytes,
-        gpu_memory_utilization=options.gpu_memory_utilization,
-    )
 
 
 def load_engine(args: EngineArgs) -> LLMEngine:

@@ -56,27 +56,6 @@ log = logging.getLogger(__name__)
 EngineFactory = Callable[[], "LLMEngine"]
 
 
-def engine_args_for(
-    spec: ModelSpec, options: EngineOptions | None = None, *, registry_file: str | None = None
-) -> EngineArgs:
-    """Engine arguments that load ``spec`` from the same registry the API answers with.
-
-    The registry's context length is the limit unless the options give one.
-    """
-    options = options or EngineOptions()
-    return EngineArgs(
-        model=spec.name,
-        registry_file=registry_file,
-        dtype=options.dtype,
-        quantization=options.quantization,
-        enforce_eager=options.enforce_eager,
-        max_model_len=options.max_model_len or spec.context_length or None,
-        max_num_seqs=options.max_num_seqs,
-        kv_cache_bytes=options.kv_cache_bytes,
-        gpu_memory_utilization=options.gpu_memory_utilization,
-    )
-
-
 def _default_factory(args: EngineArgs) -> EngineFactory:
     def build() -> LLMEngine:
         from engine.llm_engine import LLMEngine  # torch is imported only here
@@ -99,7 +78,9 @@ class EmbeddedBackend(Backend):
         self._spec = spec
         self._limits = limits or Limits()
         self._admitted = 0  # admitted and not yet ended
-        self._factory = engine_factory or _default_factory(engine_args or engine_args_for(spec))
+        self._factory = engine_factory or _default_factory(
+            engine_args or EngineArgs.serving(spec, EngineOptions())
+        )
         self._host: EngineThread | None = None
         self._loading: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
