@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import logging
 import os
 import socket
@@ -27,13 +26,13 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from shared import keys, logs
-from shared.engine_options import EngineOptions
 from shared.flag_environment import apply_environment
-from shared.flags import add_flags, at_least_one, from_flags
+from shared.flags import add_flags, from_flags
 from shared.heap import freeze_startup_heap
 from shared.registry import ModelRegistry, ModelSpec, default_registry
 from workers.broker.app import create_app
 from workers.heartbeat import WorkerIdentity
+from workers.settings import DEFAULT_DRAIN_GRACE_S, WorkerSettings
 
 if TYPE_CHECKING:
     from engine.config import EngineArgs
@@ -42,9 +41,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("workers")
 
-ENGINES = ("sluice", "vllm")
-
-DEFAULT_DRAIN_GRACE_S = 30.0
 EXIT_ENGINE_DIED = 1  # a warm shutdown alone exits 0, as if the worker had been asked to
 GIL_SWITCH_INTERVAL_S = 0.0001
 """How long a thread may hold the GIL while another waits (Python's default: 5 ms).
@@ -58,111 +54,67 @@ pool (figures: the README's benchmark section)."""
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sluice worker", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--redis", required=True, help="Redis URL, e.g. redis://localhost:6379/0")
-    parser.add_argument("--model", default="default", help="model name, alias or path")
-    parser.add_argument("--config", default=None, help="TOML model registry")
-    parser.add_argument(
-        "--engine",
-        default="sluice",
-        choices=ENGINES,
-        help="sluice: this project's engine; vllm: vLLM's, in process (an HF checkpoint "
-        "directory or hub id; install the vllm extra)",
-    )
-    parser.add_argument(
-        "--engine-arg",
-        action="append",
-        default=[],
-        type=engine_arg,
-        metavar="KEY=VALUE",
-        help="one of vLLM's engine arguments (--engine vllm), e.g. tensor_parallel_size=2; "
-        "VALUE is read as JSON when it parses, else as a string; repeatable",
-    )
-    parser.add_argument(
-        "--queues",
-        nargs="*",
-        default=[],
-        help="extra queues to consume besides the model's own (names, or comma-separated)",
-    )
-    add_flags(parser, EngineOptions)
-    parser.add_argument(
-        "--num-kv-blocks",
-        type=at_least_one,
-        default=None,
-        metavar="N",
-        help="KV cache blocks of 16 tokens, in place of --kv-cache-memory (default: sized as "
-        "--kv-cache-memory's default)",
-    )
-    parser.add_argument("--worker-id", default=None, help="default: <hostname>-<pid>")
-    parser.add_argument(
-        "--drain-grace",
-        type=float,
-        default=DEFAULT_DRAIN_GRACE_S,
-        help="on SIGTERM, seconds running generations get to finish before being handed back",
-    )
-    parser.add_argument(
-        "--metrics-port",
-        type=int,
-        default=None,
-        help="serve this worker's engine load on http://0.0.0.0:PORT/metrics, under vLLM's "
-        "names (default: none)",
-    )
-    parser.add_argument("--loglevel", default="INFO")
-    parser.add_argument("--log-format", default="text", choices=logs.LOG_FORMATS)
+    add_flags(parser, WorkerSettings)
     apply_environment(parser)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    settings = from_flags(WorkerSettings, parser.parse_args(argv))
+    if settings.redis_url is None:
+        parser.error("--redis (or SLUICE_REDIS) is required")
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
-    logs.configure(args.loglevel, args.log_format)
+    logs.configure(settings.loglevel, settings.log_format)
     try:
-        registry = ModelRegistry.from_toml(args.config) if args.config else default_registry()
-        spec = registry.resolve(args.model, hub=True)
-        queues = worker_queues(registry, spec, split_queues(args.queues))
+        config = settings.config
+        registry = ModelRegistry.from_toml(config) if config else default_registry()
+        spec = registry.resolve(settings.model, hub=True)
+        queues = worker_queues(registry, spec, split_queues(settings.queues))
         engine = (
-            load_vllm_engine(spec, args)
-            if args.engine == "vllm"
-            else load_engine(own_engine_args(spec, args))
+            load_vllm_engine(spec, settings)
+            if settings.engine_kind == "vllm"
+            else load_engine(own_engine_args(spec, settings))
         )
     except Exception as exc:  # unknown, missing or broken model, bad config
         print(f"sluice worker: {exc}", file=sys.stderr)
         return 2
-    worker_id = args.worker_id or default_worker_id()
+    worker_id = settings.worker_id or default_worker_id()
     if not worker_id.isprintable() or keys.OWN_QUEUE_MARK in worker_id:
         print(f"sluice worker: worker id {worker_id!r} is not a plain name", file=sys.stderr)
         return 2
     identity = WorkerIdentity(worker_id, spec.name)
     return serve(
-        args.redis,
+        settings.redis_url,
         identity,
         engine,
         queues,
-        drain_grace_s=args.drain_grace,
-        loglevel=args.loglevel.upper(),
-        metrics_port=args.metrics_port,
+        drain_grace_s=settings.drain_grace_s,
+        loglevel=settings.loglevel.upper(),
+        metrics_port=settings.metrics_port,
     )
 
 
-def own_engine_args(spec: ModelSpec, args: argparse.Namespace) -> EngineArgs:
+def own_engine_args(spec: ModelSpec, settings: WorkerSettings) -> EngineArgs:
     """This project's engine's arguments from the command line."""
-    if args.engine_arg:
+    if settings.engine_args:
         raise ValueError("--engine-arg sets vLLM's engine arguments: it needs --engine vllm")
     from engine.config import EngineArgs
 
-    engine_args = EngineArgs.serving(spec, from_flags(EngineOptions, args), args.config)
-    return dataclasses.replace(engine_args, num_kv_blocks=args.num_kv_blocks)
+    config = str(settings.config) if settings.config else None
+    engine_args = EngineArgs.serving(spec, settings.engine, config)
+    return dataclasses.replace(engine_args, num_kv_blocks=settings.num_kv_blocks)
 
 
-def load_vllm_engine(spec: ModelSpec, args: argparse.Namespace) -> VllmEngine:
+def load_vllm_engine(spec: ModelSpec, settings: WorkerSettings) -> VllmEngine:
     """vLLM's engine on ``spec``'s checkpoint. This project's own engine flags that vLLM
     spells otherwise are refused by name rather than dropped."""
+    options = settings.engine
     own = {
-        "--quantization": args.quantization != "auto",
-        "--num-kv-blocks": args.num_kv_blocks is not None,
-        "--kv-cache-memory": args.kv_cache_memory is not None,
-        "--gpu-memory-utilization": args.gpu_memory_utilization is not None,
+        "--quantization": options.quantization != "auto",
+        "--num-kv-blocks": settings.num_kv_blocks is not None,
+        "--kv-cache-memory": options.kv_cache_bytes is not None,
+        "--gpu-memory-utilization": options.gpu_memory_utilization is not None,
     }
     if given := [flag for flag, set_ in own.items() if set_]:
         raise ValueError(
@@ -175,30 +127,18 @@ def load_vllm_engine(spec: ModelSpec, args: argparse.Namespace) -> VllmEngine:
         )
     from workers.vllm_engine import VllmArgs, VllmEngine  # vLLM is imported only here
 
-    options = from_flags(EngineOptions, args)
     engine_args: dict[str, Any] = {"dtype": options.dtype, "enforce_eager": options.enforce_eager}
-    engine_args |= dict(args.engine_arg)
+    engine_args |= settings.engine_args
     log.info("loading %s on vLLM", spec.weights)
     return VllmEngine(
         VllmArgs(
             model=str(spec.weights),
             tokenizer=str(spec.tokenizer),
-            max_num_seqs=args.max_num_seqs,
-            max_model_len=args.max_model_len or spec.context_length or None,
+            max_num_seqs=options.max_num_seqs,
+            max_model_len=options.max_model_len or spec.context_length or None,
             engine_args=engine_args,
         )
     )
-
-
-def engine_arg(value: str) -> tuple[str, Any]:
-    """``KEY=VALUE``: VALUE as JSON when it parses (numbers, booleans, objects), else text."""
-    key, sep, text = value.partition("=")
-    if not sep or not key:
-        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {value!r}")
-    try:
-        return key.replace("-", "_"), json.loads(text)
-    except json.JSONDecodeError:
-        return key.replace("-", "_"), text
 
 
 def serve(
