@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable
-from typing import Annotated, Any
+from typing import Any
 
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
@@ -24,45 +24,38 @@ from api.errors import bad_request, not_found
 from api.openapi_bodies import json_body
 from api.preparation import encode_request, resolve_model
 from api.protocols import chat_completions, completions
+from api.protocols.body_validation import openai_error, validated
 from api.protocols.chat_completions_request import (
     ChatCompletionRequest,
     ChatFunctionTool,
     ChatMessage,
 )
-from api.protocols.completions_request import CompletionPrompt
-from api.protocols.openai_common import Fields
-from api.protocols.openai_request_parts import ClosedBody
+from api.protocols.completions_request import Prompts
+from api.protocols.openai_request_parts import ClosedBody, NonEmptyString, integer
 from api.serving import Serving
 from shared.registry import ModelSpec
 from shared.version import package_version
 
-# What vLLM's two forms of /tokenize take; ``return_token_strs`` is read here, the rest by the
-# reader of the protocol whose body the form is.
-PROMPT_FORM = frozenset({"model", "prompt", "add_special_tokens", "return_token_strs"})
-MESSAGES_FORM = frozenset(
-    {
-        "model", "messages", "add_generation_prompt", "continue_final_message",
-        "add_special_tokens", "chat_template_kwargs", "tools", "return_token_strs",
-    }
-)  # fmt: skip
 _MODEL = Field(None, description="A served model; may be left out when one is served.")
 _TOKEN_STRS = Field(None, description="Also answer each token's string.")
 
 
 class TokenizePrompt(ClosedBody):
-    """A prompt, read as ``/v1/completions`` reads it."""
+    """A prompt, read as ``/v1/completions`` reads it; ``return_token_strs`` is the route's."""
 
-    model: str | None = _MODEL
-    prompt: CompletionPrompt
+    model: NonEmptyString | None = _MODEL
+    prompt: Prompts
     add_special_tokens: bool | None = None
     return_token_strs: bool | None = _TOKEN_STRS
 
 
 class TokenizeMessages(ClosedBody):
-    """Messages, read as ``/v1/chat/completions`` reads them."""
+    """Messages, read as ``/v1/chat/completions`` reads them; ``return_token_strs`` is the
+    route's."""
 
-    model: str | None = _MODEL
-    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    model: NonEmptyString | None = _MODEL
+    # at least one message: the Chat Completions parser refuses an empty list with its message
+    messages: list[ChatMessage] = Field(json_schema_extra={"minItems": 1})
     add_generation_prompt: bool | None = None
     continue_final_message: bool | None = None
     add_special_tokens: bool | None = None
@@ -82,8 +75,8 @@ class DetokenizeRequest(ClosedBody):
 
     model_config = ConfigDict(json_schema_extra={"examples": [{"tokens": [1, 2, 3]}]})
 
-    model: str | None = _MODEL
-    tokens: list[Annotated[int, Field(ge=0)]]
+    model: NonEmptyString | None = _MODEL
+    tokens: list[integer(low=0)]
 
 
 def info_router(serving: Serving) -> APIRouter:
@@ -155,13 +148,13 @@ def _tokenize(serving: Serving) -> Callable[..., Awaitable[Response]]:
         body = _with_model(serving, await serving.read_json(request))
         if ("prompt" in body) == ("messages" in body):
             raise bad_request("/tokenize takes either prompt or messages", "prompt")
-        form = PROMPT_FORM if "prompt" in body else MESSAGES_FORM
-        if extra := [name for name in body if name not in form]:
-            raise bad_request(f"/tokenize does not take {', '.join(extra)}", extra[0])
-        token_strs = Fields(body).boolean("return_token_strs")
-        body.pop("return_token_strs", None)
+        form = TokenizePrompt if "prompt" in body else TokenizeMessages
+        _refuse_unnamed(body, form, "/tokenize")
+        token_strs = validated(form, body, openai_error).return_token_strs
         protocol = completions.PROTOCOL if "prompt" in body else chat_completions.PROTOCOL
-        parsed = protocol.parse(body)
+        parsed = protocol.parse(
+            {name: value for name, value in body.items() if name != "return_token_strs"}
+        )
         encoded = await serving.off_loop(encode_request, parsed, serving.context())
         ids, model = encoded.token_ids, encoded.model
         return JSONResponse(
@@ -182,26 +175,30 @@ def _detokenize(serving: Serving) -> Callable[..., Awaitable[Response]]:
     async def detokenize(request: Request) -> Response:
         """vLLM's ``/detokenize``: ``tokens`` → the text they decode to, special tokens
         included."""
-        fields = Fields(_with_model(serving, await serving.read_json(request)))
-        name = fields.string("model", required=True, non_empty=True) or ""
-        tokens = fields.array("tokens", required=True) or []
-        if unread := fields.unread():
-            raise bad_request(f"/detokenize does not take {', '.join(unread)}", unread[0])
-        tokenizer = resolve_model(name, serving.context()).tokenizer.tokenizer
+        body = _with_model(serving, await serving.read_json(request))
+        _refuse_unnamed(body, DetokenizeRequest, "/detokenize")
+        fields = validated(DetokenizeRequest, body, openai_error)
+        tokenizer = resolve_model(fields.model or "", serving.context()).tokenizer.tokenizer
         size = tokenizer.get_vocab_size()
-        if not all(type(token) is int and 0 <= token < size for token in tokens):
+        if any(token >= size for token in fields.tokens):
             raise bad_request(f"tokens must be token ids between 0 and {size - 1}", "tokens")
-        text = await serving.off_loop(tokenizer.decode, tokens, False)
+        text = await serving.off_loop(tokenizer.decode, fields.tokens, False)
         return JSONResponse({"prompt": text})
 
     return detokenize
 
 
+def _refuse_unnamed(body: dict[str, Any], form: type[ClosedBody], route: str) -> None:
+    """A 400 naming the fields of ``body`` that ``form`` does not name."""
+    if extra := [name for name in body if name not in form.model_fields]:
+        raise bad_request(f"{route} does not take {', '.join(extra)}", extra[0])
+
+
 def _with_model(serving: Serving, body: dict[str, Any]) -> dict[str, Any]:
-    """``body``, naming the served model when it names none and only one is served."""
-    if "model" in body:
+    """``body``, naming the served model when it names none (or null) and only one is served."""
+    if body.get("model") is not None:
         return body
     specs = serving.registry.specs()
     if len(specs) != 1:
         raise bad_request("model is required when several models are served", "model")
-    return {"model": specs[0].served_name, **body}
+    return {**body, "model": specs[0].served_name}

@@ -174,7 +174,7 @@ class Protocol:
     builder: Callable[[GenerationRequest, ResponseContext], ResponseBuilder]
     error_body: Callable[[ApiError], dict[str, Any]]
     # The body as the API reference defines it, for /openapi.json; ``parse`` validates a body
-    # against it, except Responses', whose parser reads the body with ``openai_common.Fields``.
+    # against it.
     request_model: type[BaseModel]
     done_marker: str | None = None  # Chat Completions ends its stream with "[DONE]"
     # For a protocol whose response holds several choices (``n``, several prompts): a body's

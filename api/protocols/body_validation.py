@@ -20,11 +20,12 @@ any failure inside it is one error carrying that phrase.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Annotated, Any, TypeVar, Union, get_args
 
-from pydantic import BaseModel, Discriminator, Tag, WrapValidator
+from pydantic import AfterValidator, BaseModel, Discriminator, Tag, WrapValidator, create_model
 from pydantic import ValidationError as PydanticValidationError
+from pydantic.json_schema import SkipJsonSchema
 from pydantic_core import ErrorDetails, PydanticCustomError
 from pydantic_core.core_schema import ValidatorFunctionWrapHandler
 
@@ -49,22 +50,44 @@ def validated(model: type[_BodyT], body: Any, phrasing: Phrasing) -> _BodyT:
         raise phrasing(exc.errors(include_url=False)[0]) from None
 
 
-def tagged_union(field: str, *models: type[BaseModel], where: str = "") -> Any:
-    """A union of ``models`` chosen by the value of ``field`` (``type`` or ``role``).
+def tagged_union(
+    field: str,
+    *members: type[BaseModel] | tuple[str, Any],
+    where: str = "",
+    implied: Callable[[dict[str, Any]], Any] | None = None,
+    refused: Mapping[str, str] | None = None,
+) -> Any:
+    """A union of ``members`` chosen by the value of ``field`` (``type`` or ``role``).
 
-    Each model's ``field`` is a ``Literal``; a value no member has is an error
-    naming ``field`` and the values accepted, followed by ``where`` (`` in a user
-    message``).
+    A member is a model whose ``field`` is a ``Literal``, or a ``(value, member)`` pair
+    for one that is no such model (a union chosen by another field). A value no member
+    has is an error naming ``field`` and the values accepted, followed by ``where``
+    (`` in a user message``). ``implied`` gives the value of an object without ``field``
+    (its other fields may say what it is). A ``refused`` value is one the protocol defines
+    and the server does not serve: its error says the phrase the value maps to, and the
+    schema leaves it out.
     """
-    values = [v for model in models for v in get_args(model.model_fields[field].annotation)]
-    members = tuple(
-        Annotated[model, Tag(f"{field}{_TAG_SEPARATOR}{value}")]
-        for model in models
-        for value in get_args(model.model_fields[field].annotation)
-    )
+    by_value: list[tuple[Any, Any]] = []
+    for member in members:
+        if isinstance(member, tuple):
+            by_value.append(member)
+        else:
+            literal = member.model_fields[field].annotation
+            by_value += [(value, member) for value in get_args(literal)]
+    values = [value for value, _ in by_value]
+    tagged = [Annotated[member, Tag(_tag(field, value))] for value, member in by_value]
+    tagged += [
+        Annotated[_refusal(field, phrase), Tag(_tag(field, value)), SkipJsonSchema()]
+        for value, phrase in (refused or {}).items()
+    ]
 
     def tag(value: Any) -> str | None:
-        return f"{field}{_TAG_SEPARATOR}{value.get(field)}" if isinstance(value, dict) else None
+        if not isinstance(value, dict):
+            return None
+        chosen = value.get(field)
+        if chosen is None and implied is not None:
+            chosen = implied(value)
+        return _tag(field, chosen)
 
     # The error type carries the field (a dict context would make the type unhashable).
     discriminator = Discriminator(
@@ -72,7 +95,20 @@ def tagged_union(field: str, *models: type[BaseModel], where: str = "") -> Any:
         custom_error_type=f"{_UNKNOWN}{field}",
         custom_error_message="one of " + ", ".join(map(repr, values)) + where,
     )
-    return Annotated[Union[members], discriminator]  # noqa: UP007 - a tuple built at runtime
+    return Annotated[Union[tuple(tagged)], discriminator]  # noqa: UP007 - a tuple built at runtime
+
+
+def _tag(field: str, value: Any) -> str:
+    return f"{field}{_TAG_SEPARATOR}{value}"
+
+
+def _refusal(field: str, phrase: str) -> type[BaseModel]:
+    """A model whose ``field`` refuses every value, saying it accepts ``phrase``."""
+
+    def refuse(value: Any) -> Any:
+        raise PydanticCustomError(_ACCEPTS, phrase)
+
+    return create_model("Refused", **{field: (Annotated[Any, AfterValidator(refuse)], ...)})
 
 
 _JSON_KINDS: dict[type, str] = {str: "string", list: "array", dict: "object"}

@@ -16,11 +16,9 @@ from pydantic import ConfigDict, Field
 from api.protocols.body_validation import accepts
 from api.protocols.openai_request_parts import SamplingFields, TokenIds, TopLogprobs, integer
 
-# What ``/tokenize`` takes as a prompt.
-CompletionPrompt = str | list[str] | TokenIds | list[TokenIds]
-# What a Completions body takes: several prompts (text and token ids mixed) are
-# one choice each.
-_Prompts = Annotated[
+# What a Completions body (and ``/tokenize``) takes: several prompts (text and token ids
+# mixed) are one choice each.
+Prompts = Annotated[
     str | TokenIds | list[str | TokenIds],
     accepts("a string, an array of token ids, or an array holding one of either"),
 ]
@@ -33,7 +31,7 @@ class CompletionRequest(SamplingFields):
         json_schema_extra={"examples": [{"model": "default", "prompt": "Once upon a time"}]}
     )
 
-    prompt: _Prompts = Field(
+    prompt: Prompts = Field(
         description="A string, token ids, or a list of either: one choice per prompt."
     )
     echo: bool | None = Field(None, description="Start the text with the prompt.")

@@ -1,14 +1,13 @@
-"""What the OpenAI protocols share: images, effort, tool choice, usage, logprobs, errors,
-and ``Fields``, the reader of bodies no pydantic model validates.
+"""What the OpenAI protocols share: images, effort, tool choice, choices, usage, logprobs,
+errors.
 
-Completions and Chat Completions validate their bodies with pydantic models
-(``openai_request_parts``, ``body_validation``); Responses, ``/tokenize`` and
-``/detokenize`` read theirs with ``Fields``. Both say a refusal the same way, in
-one sentence naming the field (as a path like ``messages[1].content``), its value
-and what would be accepted: ``integer_range`` and ``number_range`` phrase the
-bounds for both. All of them split data URLs, map ``reasoning_effort`` and check a
-named tool choice alike, report logprobs in the same token shape and render errors
-in the same ``{"error": {...}}`` body.
+Their bodies are validated by pydantic models (``openai_request_parts``,
+``body_validation``), and a refusal says the same in one sentence for all of them:
+the field (as a path like ``messages[1].content``), its value (``show``) and what
+would be accepted; ``integer_range`` and ``number_range`` phrase the bounds. Past the
+types, the protocols split data URLs, map ``reasoning_effort``, check a named tool
+choice and split a body into its choices alike, report logprobs in the same token
+shape and render errors in the same ``{"error": {...}}`` body.
 """
 
 from __future__ import annotations
@@ -16,18 +15,15 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Iterator
 from typing import Any
 
 from api.errors import ApiError, bad_request
 from api.protocols.base import LogprobEntry, Usage
 from shared.conversation import (
-    IMAGE_DETAILS,
     Conversation,
     ConversationError,
     ImageDetail,
     ImageSource,
-    ResponseFormat,
     Tool,
     ToolChoice,
 )
@@ -63,113 +59,8 @@ def show(value: Any) -> str:
     return text if len(text) <= _MAX_SHOWN else text[: _MAX_SHOWN - 3] + "..."
 
 
-class Fields:
-    """Typed reads of one JSON object's fields; each failure is a 400 naming the path.
-
-    ``null`` reads as absent, as the OpenAI API treats it for optional fields.
-    """
-
-    def __init__(self, body: Any, path: str = "") -> None:
-        if not isinstance(body, dict):
-            where = path or "the request body"
-            raise bad_request(f"{where} must be a JSON object, got {show(body)}", path or None)
-        self.body = body
-        self.path = path
-        self.read: set[str] = set()
-
-    def where(self, name: str) -> str:
-        return f"{self.path}.{name}" if self.path else name
-
-    def get(self, name: str) -> Any:
-        self.read.add(name)
-        return self.body.get(name)
-
-    def unread(self) -> list[str]:
-        """The fields no reader asked for: a parser calls this last, to report them ignored."""
-        return [name for name in self.body if name not in self.read]
-
-    def has(self, name: str) -> bool:
-        return self.body.get(name) is not None
-
-    def error(self, name: str, accepted: str) -> ApiError:
-        """The 400 for field ``name``: its path, its value, what would be accepted."""
-        where = self.where(name)
-        return bad_request(f"{where} must be {accepted}, got {show(self.get(name))}", where)
-
-    def required(self, name: str) -> Any:
-        value = self.get(name)
-        if value is None:
-            raise bad_request(f"{self.where(name)} is required", self.where(name))
-        return value
-
-    def string(self, name: str, *, required: bool = False, non_empty: bool = False) -> str | None:
-        value = self.required(name) if required else self.get(name)
-        if value is None:
-            return None
-        if not isinstance(value, str) or (non_empty and not value):
-            raise self.error(name, "a non-empty string" if non_empty else "a string")
-        return value
-
-    def boolean(self, name: str) -> bool | None:
-        value = self.get(name)
-        if value is not None and not isinstance(value, bool):
-            raise self.error(name, "true or false")
-        return value
-
-    def integer(self, name: str, low: int | None = None, high: int | None = None) -> int | None:
-        value = self.get(name)
-        if value is None:
-            return None
-        if isinstance(value, float) and value.is_integer():
-            value = int(value)
-        if (
-            not _is_int(value)
-            or (low is not None and value < low)
-            or (high is not None and value > high)
-        ):
-            raise self.error(name, integer_range(low, high))
-        return value
-
-    def number(
-        self, name: str, low: float, high: float | None = None, *, low_open: bool = False
-    ) -> float | None:
-        value = self.get(name)
-        if value is None:
-            return None
-        ok = _is_number(value) and abs(value) <= LARGEST and math.isfinite(value)
-        ok = ok and (value > low if low_open else value >= low)
-        if not ok or (high is not None and value > high):
-            raise self.error(name, number_range(low, high, low_open))
-        return float(value)
-
-    def choice(self, name: str, options: Any) -> str | None:
-        value = self.get(name)
-        if value is not None and value not in options:
-            raise self.error(name, "one of " + ", ".join(repr(option) for option in options))
-        return value
-
-    def object(self, name: str) -> Fields | None:
-        value = self.get(name)
-        return None if value is None else Fields(value, self.where(name))
-
-    def array(self, name: str, *, required: bool = False) -> list[Any] | None:
-        value = self.required(name) if required else self.get(name)
-        if value is not None and not isinstance(value, list):
-            raise self.error(name, "an array")
-        return value
-
-    def objects(self, name: str) -> Iterator[Fields]:
-        """Each element of the array ``name`` as ``Fields`` with its indexed path."""
-        for index, item in enumerate(self.array(name) or []):
-            yield Fields(item, f"{self.where(name)}[{index}]")
-
-
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def integer_range(low: int | None, high: int | None) -> str:
@@ -218,57 +109,6 @@ def refuse_several_choices(n: int | None) -> None:
         )
 
 
-def read_metadata(fields: Fields) -> dict[str, str]:
-    """``metadata``: up to 16 string pairs, keys up to 64 and values up to 512 characters."""
-    value = fields.get("metadata")
-    if value is None:
-        return {}
-    ok = isinstance(value, dict) and len(value) <= 16
-    ok = ok and all(
-        isinstance(key, str) and len(key) <= 64 and isinstance(item, str) and len(item) <= 512
-        for key, item in value.items()
-    )
-    if not ok:
-        raise fields.error(
-            "metadata",
-            "an object of at most 16 string values (keys up to 64, values up to 512 characters)",
-        )
-    return dict(value)
-
-
-def read_function(fields: Fields) -> Tool:
-    """A function's name, description and JSON schema parameters (no parameters: no arguments)."""
-    parameters = fields.get("parameters")
-    if parameters is not None and not isinstance(parameters, dict):
-        raise fields.error("parameters", "a JSON schema object")
-    tool = Tool(
-        name=fields.string("name", required=True, non_empty=True) or "",
-        description=fields.string("description"),
-        strict=bool(fields.boolean("strict")),
-    )
-    if parameters is not None:
-        tool.parameters = parameters
-    return tool
-
-
-def read_json_schema(spec: Fields) -> ResponseFormat:
-    """A ``json_schema`` response format: ``schema`` is required, ``name`` is only echoed."""
-    schema = spec.required("schema")
-    if not isinstance(schema, dict):
-        raise spec.error("schema", "a JSON schema object")
-    return ResponseFormat(
-        "json_schema",
-        schema=schema,
-        name=spec.string("name"),
-        strict=bool(spec.boolean("strict")),
-        param=spec.where("schema"),
-    )
-
-
-def read_effort(fields: Fields, name: str) -> str | None:
-    return fields.choice(name, tuple(REASONING_EFFORTS))
-
-
 def apply_effort(conversation: Conversation, effort: str | None) -> None:
     """Map an OpenAI effort name: ``none`` turns thinking off, any other turns it on.
 
@@ -279,17 +119,6 @@ def apply_effort(conversation: Conversation, effort: str | None) -> None:
         return
     conversation.thinking = effort != "none"
     conversation.reasoning_effort = REASONING_EFFORTS[effort]  # type: ignore[assignment]
-
-
-def image_detail(part: Fields) -> ImageDetail:
-    """``detail``: how closely the model reads the image; preparation refuses a level the
-    model's image processing does not serve."""
-    detail = part.get("detail")
-    if detail is None:
-        return "auto"
-    if detail not in IMAGE_DETAILS:
-        raise part.error("detail", "one of " + ", ".join(repr(d) for d in IMAGE_DETAILS))
-    return detail
 
 
 def image_source(url: Any, where: str, detail: ImageDetail = "auto") -> ImageSource:
@@ -380,29 +209,6 @@ def error_body(error: ApiError) -> dict[str, Any]:
             "code": error.code,
         }
     }
-
-
-def read_tool_choice(fields: Fields, tools: list[Tool], *, nested: bool) -> ToolChoice:
-    """``tool_choice``: a mode, or a named function that must be among ``tools``.
-
-    ``parallel_tool_calls`` false allows one call per turn.
-
-    Chat Completions nests the name (``{"type": "function", "function":
-    {"name": ...}}``); Responses does not (``{"type": "function", "name": ...}``).
-    """
-    value = fields.get("tool_choice")
-    parallel = fields.boolean("parallel_tool_calls")
-    if value is None or (isinstance(value, str) and value in ("none", "auto", "required")):
-        return tool_choice(value, None, tools, parallel)
-    if not isinstance(value, dict) or value.get("type") != "function":
-        named = '"function": {"name": ...}' if nested else '"name": ...'
-        accepted = f"'none', 'auto', 'required' or {{\"type\": \"function\", {named}}}"
-        raise fields.error("tool_choice", accepted)
-    choice = Fields(value, "tool_choice")
-    if nested:
-        choice = Fields(choice.required("function"), "tool_choice.function")
-    name = choice.string("name", required=True, non_empty=True)
-    return tool_choice("function", name, tools, parallel, choice.where("name"))
 
 
 def tool_choice(

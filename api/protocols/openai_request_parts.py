@@ -157,6 +157,11 @@ class VllmStructuredOutputs(OpenBody):
     choice: list[str] | None = None
     grammar: str | None = Field(None, description="A context-free grammar (EBNF).")
 
+    def constraint(self) -> StructuredOutputs | None:
+        """The constraint, checked for exactly one known field (the fields sent, by their
+        wire names)."""
+        return read_structured_outputs(self.model_dump(by_alias=True, exclude_unset=True))
+
 
 class SamplingFields(OpenBody):
     """What Chat Completions and Completions share, with vLLM's sampling extensions."""
@@ -219,7 +224,4 @@ class SamplingFields(OpenBody):
 
     def structured(self) -> StructuredOutputs | None:
         """``structured_outputs``, checked for exactly one known constraint."""
-        if self.structured_outputs is None:
-            return None
-        given = self.structured_outputs.model_dump(by_alias=True, exclude_unset=True)
-        return read_structured_outputs(given)
+        return None if self.structured_outputs is None else self.structured_outputs.constraint()

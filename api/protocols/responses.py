@@ -1,7 +1,10 @@
 """OpenAI Responses: ``POST /v1/responses``.
 
-Parsing maps ``instructions`` to a leading system message and the ``input``
-items to conversation messages: an assistant ``message`` item and the
+Parsing validates the body against ``ResponsesRequest`` and maps it to a
+protocol-free ``GenerationRequest``; every rejected field gets a 400 that names
+its path, its value and what is accepted. Unknown fields are ignored, as the
+OpenAI API does. ``instructions`` becomes a leading system message and the
+``input`` items conversation messages: an assistant ``message`` item and the
 ``function_call`` items after it form one assistant turn, ``reasoning`` items
 give that turn its reasoning, and ``function_call_output`` items become tool
 results. ``store`` (true unless false) and ``background`` are echoed; the
@@ -47,28 +50,38 @@ from api.protocols.base import (
     SSEChunk,
     Usage,
 )
+from api.protocols.body_validation import openai_error, validated
 from api.protocols.openai_common import (
-    MAX_TOP_LOGPROBS,
-    Fields,
     apply_effort,
     error_body,
-    image_detail,
     image_source,
-    read_effort,
-    read_function,
-    read_json_schema,
-    read_metadata,
-    read_tool_choice,
     responses_usage,
     show,
     token_logprob,
+    tool_choice,
     validated_conversation,
 )
-from api.protocols.responses_request import ResponsesRequest
+from api.protocols.responses_request import (
+    INPUT_ACCEPTED,
+    LOGPROBS_INCLUDE,
+    AssistantMessageItem,
+    FunctionCallItem,
+    FunctionCallOutputItem,
+    InputContent,
+    InputFile,
+    InputImage,
+    InputItem,
+    MessageItem,
+    ReasoningItem,
+    RefusalContent,
+    ResponsesFunctionTool,
+    ResponsesJsonSchemaFormat,
+    ResponsesNamedToolChoice,
+    ResponsesRequest,
+    UserMessageItem,
+)
 from api.protocols.unsupported import refuse
-from api.protocols.vllm_extensions import read_structured_outputs
 from shared.conversation import (
-    RESPONSE_FORMAT_TYPES,
     AssistantMessage,
     ContentPart,
     Conversation,
@@ -85,132 +98,118 @@ from shared.conversation import (
     UserMessage,
 )
 
-ROLES = ("user", "system", "developer", "assistant")
-ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
-# Content part types each speaker may send; "tool" is a function_call_output's output.
-_PART_TYPES: dict[str, tuple[str, ...]] = {
-    "user": ("input_text", "output_text", "input_image", "input_file"),
-    "system": ("input_text", "output_text"),
-    "developer": ("input_text", "output_text"),
-    "assistant": ("output_text", "input_text", "refusal"),
-    "tool": ("input_text", "output_text", "input_image", "input_file"),
-}
-LOGPROBS_INCLUDE = "message.output_text.logprobs"
-
 
 def parse(body: Any) -> GenerationRequest:
     """A Responses body, validated, as a protocol-free request."""
-    fields = Fields(body)
-    model = fields.string("model", required=True, non_empty=True) or ""
-    stored = _stored_state(fields)
-    tools, tool_echo = _tools(fields)
-    instructions = fields.string("instructions")
+    refused = refuse(body, unsupported.RESPONSES)
+    fields = validated(ResponsesRequest, body, openai_error)
+    extra = fields.model_extra or {}
+    stored = _stored_state(fields, extra)
+    tools = [_tool(tool) for tool in fields.tools or ()]
     conversation = Conversation(
-        messages=_messages(fields, instructions),
+        messages=_messages(fields),
         tools=tools,
-        tool_choice=read_tool_choice(fields, tools, nested=False),
+        tool_choice=_tool_choice(fields, tools),
         response_format=_text_format(fields),
     )
-    reasoning = fields.object("reasoning")
-    effort = read_effort(reasoning, "effort") if reasoning else None
+    effort = fields.reasoning.effort if fields.reasoning else None
     apply_effort(conversation, effort)
+    outputs = fields.structured_outputs
     request = GenerationRequest(
-        model=model,
+        model=fields.model,
         conversation=validated_conversation(conversation, param_from_message=False),
-        stream=bool(fields.boolean("stream")),
-        max_tokens=fields.integer("max_output_tokens", low=1),
+        stream=bool(fields.stream),
+        max_tokens=fields.max_output_tokens,
         max_tokens_param="max_output_tokens",
-        temperature=fields.number("temperature", 0, 2),
-        top_p=fields.number("top_p", 0, 1, low_open=True),
+        temperature=fields.temperature,
+        top_p=fields.top_p,
         logprobs=_logprobs(fields),
         thinking_param="reasoning.effort",
-        structured_outputs=read_structured_outputs(fields.get("structured_outputs")),
-        metadata=read_metadata(fields),
+        structured_outputs=None if outputs is None else outputs.constraint(),
+        metadata=dict(fields.metadata or {}),
         echo={
-            "instructions": instructions,
-            "tools": tool_echo,
-            "parallel_tool_calls": fields.boolean("parallel_tool_calls") is not False,
+            "instructions": fields.instructions,
+            "tools": [_tool_echo(tool) for tool in fields.tools or ()],
+            "parallel_tool_calls": fields.parallel_tool_calls is not False,
             "reasoning": {"effort": effort, "summary": None},
-            "user": fields.string("user"),
-            "prompt_cache_key": fields.string("prompt_cache_key"),
-            "safety_identifier": fields.string("safety_identifier"),
+            "user": fields.user,
+            "prompt_cache_key": fields.prompt_cache_key,
+            "safety_identifier": fields.safety_identifier,
             **stored,
         },
     )
-    request.ignored_fields = fields.unread()
+    request.ignored_fields = [name for name in extra if name not in refused]
     return request
 
 
-def _stored_state(fields: Fields) -> dict[str, Any]:
+def _stored_state(fields: ResponsesRequest, extra: dict[str, Any]) -> dict[str, Any]:
     """``store``, ``background`` and ``previous_response_id``, for the response to echo.
 
-    Other fields it cannot honour are refused (``api.protocols.unsupported``).
+    A ``conversation`` object is refused: none is kept here.
     """
-    fields.read.update(refuse(fields.body, unsupported.RESPONSES))
-    store = fields.boolean("store") is not False
-    background = bool(fields.boolean("background"))
+    store = fields.store is not False
+    background = bool(fields.background)
     if background and not store:
         raise bad_request("background responses must be stored: send store true", "store")
-    if fields.has("conversation"):
+    if extra.get("conversation") is not None:
         raise bad_request(
             "conversation is not supported: conversation objects are not kept on this server; "
             "continue a stored response with previous_response_id",
             "conversation",
         )
-    previous = fields.string("previous_response_id", non_empty=True)
-    return {"store": store, "background": background, "previous_response_id": previous}
+    return {
+        "store": store,
+        "background": background,
+        "previous_response_id": fields.previous_response_id,
+    }
 
 
-def _messages(fields: Fields, instructions: str | None) -> list[Message]:
+def _messages(fields: ResponsesRequest) -> list[Message]:
     messages: list[Message] = []
-    if instructions is not None:
-        messages.append(SystemMessage([TextPart(instructions)]))
-    value = fields.required("input")
-    if isinstance(value, str):
-        messages.append(UserMessage([TextPart(value)]))
+    if fields.instructions is not None:
+        messages.append(SystemMessage([TextPart(fields.instructions)]))
+    if isinstance(fields.input, str):
+        messages.append(UserMessage([TextPart(fields.input)]))
         return messages
-    if not isinstance(value, list) or not value:
-        raise fields.error("input", "a string or a non-empty array of input items")
+    if not fields.input:
+        raise bad_request(f"input must be {INPUT_ACCEPTED}, got []", "input")
     call_names: dict[str, str] = {}  # call_id -> function name, to name tool results
-    for item in fields.objects("input"):
-        _add_item(messages, item, call_names)
+    for index, item in enumerate(fields.input):
+        _add_item(messages, item, f"input[{index}]", call_names)
     return messages
 
 
-def _add_item(messages: list[Message], item: Fields, call_names: dict[str, str]) -> None:
-    kind = item.get("type") or ("message" if item.has("role") else None)
-    if kind == "message":
-        _add_message(messages, item)
-    elif kind == "function_call":
-        call = _function_call(item)
-        call_names[call.id] = call.name
-        _assistant_turn(messages).tool_calls.append(call)
-    elif kind == "function_call_output":
-        call_id = item.string("call_id", required=True, non_empty=True) or ""
-        content = _output_content(item)
-        messages.append(ToolMessage(call_id, content, name=call_names.get(call_id)))
-    elif kind == "reasoning":
-        _add_reasoning(messages, item)
-    elif kind == "item_reference":
-        raise item.error("type", "an inline item: item_reference needs stored items")
-    else:
-        raise item.error("type", "one of " + ", ".join(repr(name) for name in ITEM_TYPES))
+def _add_item(
+    messages: list[Message], item: InputItem, where: str, call_names: dict[str, str]
+) -> None:
+    match item:
+        case FunctionCallItem():
+            call = _function_call(item)
+            call_names[call.id] = call.name
+            _assistant_turn(messages).tool_calls.append(call)
+        case FunctionCallOutputItem(call_id=call_id):
+            content = _content(item.output, f"{where}.output")
+            messages.append(ToolMessage(call_id, content, name=call_names.get(call_id)))
+        case ReasoningItem():
+            _add_reasoning(messages, item)
+        case _:
+            _add_message(messages, item, f"{where}.content")
 
 
-def _add_message(messages: list[Message], item: Fields) -> None:
-    item.required("role")
-    role = item.choice("role", ROLES) or ""
-    content = _content(item, role)
-    if role == "user":
-        messages.append(UserMessage(content))
-    elif role == "assistant":
-        last = messages[-1] if messages else None
-        if isinstance(last, AssistantMessage) and not last.content and not last.tool_calls:
-            last.content = content  # the answer after this turn's reasoning item
-        else:
-            messages.append(AssistantMessage(content=content))
-    else:
-        messages.append(SystemMessage(content, role=role))  # type: ignore[arg-type]
+def _add_message(messages: list[Message], item: MessageItem, where: str) -> None:
+    """``where`` is the path of the item's content."""
+    content = _content(item.content, where)
+    match item:
+        case UserMessageItem():
+            messages.append(UserMessage(content))
+        case AssistantMessageItem():
+            last = messages[-1] if messages else None
+            if isinstance(last, AssistantMessage) and not last.content and not last.tool_calls:
+                last.content = content  # the answer after this turn's reasoning item
+            else:
+                messages.append(AssistantMessage(content=content))
+        case _:
+            messages.append(SystemMessage(content, role=item.role))
 
 
 def _assistant_turn(messages: list[Message]) -> AssistantMessage:
@@ -223,120 +222,107 @@ def _assistant_turn(messages: list[Message]) -> AssistantMessage:
     return turn
 
 
-def _add_reasoning(messages: list[Message], item: Fields) -> None:
+def _add_reasoning(messages: list[Message], item: ReasoningItem) -> None:
     """Reasoning text (or else its summary) opens the next assistant turn; an
     encrypted-only item carries nothing we can read and is skipped."""
-    text = _joined_texts(item, "content") or _joined_texts(item, "summary")
+    text = "".join(part.text for part in item.content or ()) or "".join(
+        part.text for part in item.summary or ()
+    )
     if text:
         messages.append(AssistantMessage(reasoning=text))
 
 
-def _joined_texts(item: Fields, name: str) -> str:
-    return "".join(part.string("text") or "" for part in item.objects(name))
-
-
-def _function_call(item: Fields) -> ToolCall:
-    arguments = item.required("arguments")
+def _function_call(item: FunctionCallItem) -> ToolCall:
+    """A call's arguments as JSON text: an object some clients send instead is serialised."""
+    arguments = item.arguments
     if isinstance(arguments, dict):
         arguments = json.dumps(arguments, ensure_ascii=False)
-    elif not isinstance(arguments, str):
-        raise item.error("arguments", "a JSON string")
-    return ToolCall(
-        id=item.string("call_id", required=True, non_empty=True) or "",
-        name=item.string("name", required=True, non_empty=True) or "",
-        arguments=arguments,
-    )
+    return ToolCall(id=item.call_id, name=item.name, arguments=arguments)
 
 
-def _content(item: Fields, role: str) -> list[ContentPart]:
-    value = item.required("content")
-    if isinstance(value, str):
-        return [TextPart(value)]
-    if not isinstance(value, list):
-        raise item.error("content", "a string or an array of content parts")
-    return [_part(part, role) for part in item.objects("content")]
+def _content(content: str | list[InputContent], where: str) -> list[ContentPart]:
+    if isinstance(content, str):
+        return [TextPart(content)]
+    return [_part(part, f"{where}[{index}]") for index, part in enumerate(content)]
 
 
-def _output_content(item: Fields) -> list[ContentPart]:
-    value = item.required("output")
-    if isinstance(value, str):
-        return [TextPart(value)]
-    if not isinstance(value, list):
-        raise item.error("output", "a string or an array of content parts")
-    return [_part(part, "tool") for part in item.objects("output")]
+def _part(part: InputContent, where: str) -> ContentPart:
+    match part:
+        case InputImage():
+            return ImagePart(_input_image(part, where))
+        case InputFile():
+            return ImagePart(_input_file(part, where))
+        case RefusalContent():
+            return TextPart(part.refusal)
+    return TextPart(part.text)
 
 
-def _part(part: Fields, role: str) -> ContentPart:
-    accepted = _PART_TYPES[role]
-    kind = part.string("type", required=True)
-    if kind not in accepted:
-        names = ", ".join(repr(name) for name in accepted)
-        speaker = "function_call_output" if role == "tool" else f"{role} message"
-        raise bad_request(
-            f"{part.where('type')} must be one of {names} in a {speaker}, got {show(kind)}",
-            part.where("type"),
-        )
-    if kind == "input_image":
-        return ImagePart(_input_image(part))
-    if kind == "input_file":
-        return ImagePart(_input_file(part))
-    return TextPart(part.string("refusal" if kind == "refusal" else "text", required=True) or "")
-
-
-def _input_image(part: Fields) -> ImageSource:
-    if part.has("file_id") and not part.has("image_url"):
-        raise part.error("file_id", "absent: files are not stored here; send image_url instead")
-    return image_source(part.required("image_url"), part.where("image_url"), image_detail(part))
-
-
-def _input_file(part: Fields) -> ImageSource:
-    """Only an image sent inline as ``file_data`` (a base64 data URL) can be used."""
-    if not part.has("file_data"):
-        raise bad_request(
-            f"{part.where('file_data')} is required: only images sent inline as a "
-            "data:image/...;base64 URL are supported as input_file",
-            part.where("file_data"),
-        )
-    return image_source(part.get("file_data"), part.where("file_data"))
-
-
-def _tools(fields: Fields) -> tuple[list[Tool], list[dict[str, Any]]]:
-    """The function tools, and how the response echoes them."""
-    tools, echoes = [], []
-    for tool in fields.objects("tools"):
-        if tool.get("type") != "function":
-            raise tool.error(
-                "type", "'function' (built-in tools such as web_search are not supported)"
+def _input_image(part: InputImage, where: str) -> ImageSource:
+    """An image by URL; one named by ``file_id`` alone cannot be read (no files are kept)."""
+    if part.image_url is None:
+        if part.file_id is not None:
+            raise bad_request(
+                f"{where}.file_id must be absent: files are not stored here; send image_url "
+                f"instead, got {show(part.file_id)}",
+                f"{where}.file_id",
             )
-        function = read_function(tool)
-        tools.append(function)
-        echoes.append(
-            {
-                "type": "function",
-                "name": function.name,
-                "description": function.description,
-                "parameters": function.parameters,
-                "strict": tool.boolean("strict"),
-            }
+        raise bad_request(f"{where}.image_url is required", f"{where}.image_url")
+    return image_source(part.image_url, f"{where}.image_url", part.detail or "auto")
+
+
+def _input_file(part: InputFile, where: str) -> ImageSource:
+    """Only an image sent inline as ``file_data`` (a base64 data URL) can be used."""
+    if part.file_data is None:
+        raise bad_request(
+            f"{where}.file_data is required: only images sent inline as a "
+            "data:image/...;base64 URL are supported as input_file",
+            f"{where}.file_data",
         )
-    return tools, echoes
+    return image_source(part.file_data, f"{where}.file_data")
 
 
-def _text_format(fields: Fields) -> ResponseFormat:
-    text = fields.object("text")
-    response_format = text.object("format") if text else None
-    if response_format is None:
-        return ResponseFormat()
-    response_format.required("type")
-    kind = response_format.choice("type", RESPONSE_FORMAT_TYPES)
-    if kind == "json_schema":
-        return read_json_schema(response_format)
-    return ResponseFormat(kind)  # type: ignore[arg-type]
+def _tool(tool: ResponsesFunctionTool) -> Tool:
+    """A function's name, description and JSON schema parameters (none: no arguments)."""
+    function = Tool(name=tool.name, description=tool.description, strict=bool(tool.strict))
+    if tool.parameters is not None:
+        function.parameters = tool.parameters
+    return function
 
 
-def _logprobs(fields: Fields) -> int | None:
-    """Logprobs when ``include`` asks for them or ``top_logprobs`` is set."""
-    include = fields.array("include") or []
+def _tool_echo(tool: ResponsesFunctionTool) -> dict[str, Any]:
+    return {
+        "type": "function",
+        "name": tool.name,
+        "description": tool.description,
+        "parameters": tool.parameters,
+        "strict": tool.strict,
+    }
+
+
+def _tool_choice(fields: ResponsesRequest, tools: list[Tool]) -> ToolChoice:
+    """``tool_choice``: a mode, or a named function that must be among ``tools``;
+    ``parallel_tool_calls`` false allows one call per turn."""
+    name = None
+    if isinstance(fields.tool_choice, ResponsesNamedToolChoice):
+        name = fields.tool_choice.name
+    mode = "function" if name is not None else fields.tool_choice
+    return tool_choice(mode, name, tools, fields.parallel_tool_calls, "tool_choice.name")
+
+
+def _text_format(fields: ResponsesRequest) -> ResponseFormat:
+    response_format = fields.text.format if fields.text else None
+    match response_format:
+        case None:
+            return ResponseFormat()
+        case ResponsesJsonSchemaFormat():
+            return response_format.response_format("text.format.schema")
+    return ResponseFormat(response_format.type)
+
+
+def _logprobs(fields: ResponsesRequest) -> int | None:
+    """Logprobs when ``include`` asks for them or ``top_logprobs`` is set; ``include``
+    serves no other value."""
+    include = fields.include or []
     for value in include:
         if value != LOGPROBS_INCLUDE:
             raise bad_request(
@@ -344,7 +330,7 @@ def _logprobs(fields: Fields) -> int | None:
                 "include",
                 "unsupported_parameter",
             )
-    top = fields.integer("top_logprobs", 0, MAX_TOP_LOGPROBS)
+    top = fields.top_logprobs
     if top is None and LOGPROBS_INCLUDE not in include:
         return None
     return top or 0

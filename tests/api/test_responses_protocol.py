@@ -229,7 +229,7 @@ def test_logprobs_come_from_include_or_top_logprobs() -> None:
         ({"input": []}, "input", "non-empty array"),
         ({"input": 5}, "input", "a string or"),
         ({"input": [{"type": "web_search_call"}]}, "input[0].type", "'function_call_output'"),
-        ({"input": [{"content": "x"}]}, "input[0].type", "'message'"),
+        ({"input": [{"content": "x"}]}, "input[0].type", "required"),
         ({"input": [{"type": "item_reference", "id": "x"}]}, "input[0].type", "stored items"),
         ({"input": [{"role": "tool", "content": "x"}]}, "input[0].role", "'assistant'"),
         ({"input": [{"role": "user"}]}, "input[0].content", "required"),
@@ -321,7 +321,7 @@ def test_logprobs_come_from_include_or_top_logprobs() -> None:
             "JSON schema",
         ),
         ({"tool_choice": "any"}, "tool_choice", "'required'"),
-        ({"tool_choice": {"type": "web_search_preview"}}, "tool_choice", "'required'"),
+        ({"tool_choice": {"type": "web_search_preview"}}, "tool_choice.type", "built-in tools"),
         ({"tool_choice": "required"}, "tool_choice", "needs at least one tool"),
         (
             {"tools": [WEATHER], "tool_choice": {"type": "function", "name": "clock"}},
