@@ -12,12 +12,13 @@ Ending a generation leaves the model's in-flight set and, unless it ended
 with a ``Finish``, cancels it and withdraws its message if no worker took
 it. The end runs as a task of its own, so it completes even when its reader
 is being cancelled; one that finds Redis unreachable is sent again once
-Redis answers. A job goes to the queue its model's ``Placer`` chooses
-(``api.backends.placement``), the shared one when it has none. The channel
-renews this process's origin key every second (``keys.api_process``):
-workers stop the requests of a process whose key expired. Unseeded sampling
-requests get a seed at submission, so a resumed stream draws what the first
-attempt would have.
+Redis answers. A generation's last event waits for its end, so a client that
+sends its next request on seeing it finds its place free. A job goes to the
+queue its model's ``Placer`` chooses (``api.backends.placement``), the shared
+one when it has none. The channel renews this process's origin key every
+second (``keys.api_process``): workers stop the requests of a process whose
+key expired. Unseeded sampling requests get a seed at submission, so a
+resumed stream draws what the first attempt would have.
 """
 
 from __future__ import annotations
@@ -159,6 +160,7 @@ class RequestChannel:
         )  # the submit interrupts its read
         progress = _Progress()
         last: InferenceEvent | Error | None = None
+        ending: asyncio.Task[None] | None = None
         try:
             if attached:
                 submitted = await self._submit(job, bound, self.reader.take_interrupt(), ticket)
@@ -167,15 +169,19 @@ class RequestChannel:
                     yield last
                     return
                 queued = submitted
-            while not isinstance(last, Finish | Error):
+            while True:
                 last = await self._next_event(subscription, job.deadlines, progress)
+                if isinstance(last, Finish | Error):
+                    break
                 yield last
+            if attached or not self.stopping:  # the place is free before the client sees the
+                ending = self._spawn_end(job, queued, last, progress)  # end, for its next request
+                await asyncio.shield(ending)
+            yield last
         finally:
             self.reader.close(request_id)
-            if attached or not self.stopping:
-                untaken = queued if not progress.started else None
-                end = self._end(not isinstance(last, Finish), untaken, job.request.model)
-                self._spawn(self._send_end(request_id, end))
+            if ending is None and (attached or not self.stopping):
+                self._spawn_end(job, queued, last, progress)
 
     async def _submit(
         self,
@@ -237,10 +243,19 @@ class RequestChannel:
         """An end, kept for a retry until every deadline of its request has passed."""
         return _End(cancel, untaken, model, time.monotonic() + self.limits.total_timeout_s + 60)
 
-    def _spawn(self, coroutine: Any) -> None:
-        task = asyncio.get_running_loop().create_task(coroutine)
+    def _spawn_end(
+        self,
+        job: QueuedRequest,
+        queued: TaskMessage | None,
+        last: InferenceEvent | Error | None,
+        progress: _Progress,
+    ) -> asyncio.Task[None]:
+        untaken = queued if not progress.started else None
+        end = self._end(not isinstance(last, Finish), untaken, job.request.model)
+        task = asyncio.get_running_loop().create_task(self._send_end(job.request.request_id, end))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return task
 
     async def _send_end(self, request_id: str, end: _End) -> None:
         try:

@@ -284,6 +284,35 @@ async def bound_to_one(server: RedisServer) -> AsyncIterator[DistributedBackend]
         await backend.stop()
 
 
+@pytest.mark.parametrize("ends_with", ["finish", "queue_timeout"])
+def test_a_request_s_place_is_free_when_its_last_event_arrives(server: RedisServer, ends_with: str):
+    """A client that sends its next request on seeing the last event is not refused: the
+    in-flight set has let the ended request go before that event is handed out."""
+    limits = {"max_inflight": 1, "queue_timeout_s": 0.4}
+
+    async def scenario() -> tuple[object, list[str]]:
+        backend = await started(DistributedBackend(server.url, SPEC, settings(server, **limits)))
+        try:
+            events = backend.infer(request("req-once"))
+            first = asyncio.ensure_future(anext(events))
+            if ends_with == "finish":
+                await asyncio.to_thread(take_job, server)
+                write(server, "req-once", Ready("req-once", 3, 0),
+                      Finish("req-once", FinishReason.STOP, 0))  # fmt: skip
+            last = await first
+            while not isinstance(last, Finish | Error):
+                last = await anext(events)
+            held = server.client.zrange(keys.inflight(DEFAULT_MODEL), 0, -1)
+            await events.aclose()
+            return last, held
+        finally:
+            await backend.stop()
+
+    last, held = asyncio.run(scenario())
+    assert isinstance(last, Finish if ends_with == "finish" else Error)
+    assert held == []
+
+
 def test_admission_refuses_beyond_the_in_flight_bound(server: RedisServer):
     server.client.zadd(keys.inflight(DEFAULT_MODEL), {"someone-else": time.time() + 60})
 

@@ -14,6 +14,7 @@ from openai import OpenAI
 from tokenizers import Tokenizer
 
 from api import cli
+from engine.precision import own_kernels_run
 from shared.registry import default_registry
 from shared.tokenizer_loader import load_tokenizer
 
@@ -138,8 +139,10 @@ def test_several_prompts_are_one_choice_each(openai_client: OpenAI):
 
 
 def test_n_seeded_choices_are_each_seed_s_own_draw(openai_client: OpenAI):
-    """``n`` with a seed: choice ``i`` is what the seed ``seed + i`` draws alone, every time;
-    the prompt's tokens count once, each choice's completion tokens count."""
+    """``n`` with a seed: choice ``i`` draws with the seed ``seed + i``, the same every time;
+    the prompt's tokens count once, each choice's completion tokens count. Where the engine
+    is batch-invariant (its own kernels run), choice ``i`` is what that seed draws alone;
+    elsewhere a row's logits round with the rows beside it, and a draw may part."""
     sampled = {"max_tokens": 8, "temperature": 1.0, "seed": 11}
     joined = _complete(openai_client, n=3, **sampled)
     again = _complete(openai_client, n=3, **sampled)
@@ -147,11 +150,14 @@ def test_n_seeded_choices_are_each_seed_s_own_draw(openai_client: OpenAI):
     texts = [choice.text for choice in joined.choices]
     assert [choice.index for choice in joined.choices] == [0, 1, 2]
     assert texts == [choice.text for choice in again.choices]
-    assert texts == [reply.choices[0].text for reply in alone]
+    assert len(set(texts)) == 3  # three draws, not one copied
     assert joined.usage.prompt_tokens == alone[0].usage.prompt_tokens
-    assert joined.usage.completion_tokens == sum(r.usage.completion_tokens for r in alone)
     several = _complete(openai_client, prompt=[PROMPT, "Once upon a time"], n=2, **sampled)
     assert [choice.index for choice in several.choices] == [0, 1, 2, 3]
+    if not own_kernels_run():
+        return
+    assert texts == [reply.choices[0].text for reply in alone]
+    assert joined.usage.completion_tokens == sum(r.usage.completion_tokens for r in alone)
     assert [c.text for c in several.choices[:2]] == texts[:2]
 
 
