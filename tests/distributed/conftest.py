@@ -47,7 +47,6 @@ CHILD_ENV = {
     "OMP_NUM_THREADS": "1",
     "TOKENIZERS_PARALLELISM": "false",
 }
-Greedy = Callable[..., str]  # (prompt ids, max tokens, structured outputs=None) -> text
 T = TypeVar("T")
 API_OPTIONS = ("--queue-timeout", "60", "--first-token-timeout", "90", "--total-timeout", "120")
 
@@ -336,27 +335,42 @@ def api(api_process: Api, fleet: Fleet) -> str:
     return base_url
 
 
-@pytest.fixture(scope="session")
-def reference(fleet: Fleet) -> Greedy:
+class Greedy:
     """Offline greedy decoding with ``engine.LLM``: what every path must reproduce.
 
-    Depends on ``fleet`` only so that the workers start loading first.
+    ``greedy(prompt ids, max tokens, structured outputs=None)`` is one text; ``many`` decodes
+    several prompts in one batch, as the workers do. Texts are kept by what they were asked.
     """
-    from engine import LLM, SamplingParams
 
-    llm = LLM("default", max_model_len=MAX_MODEL_LEN, max_num_seqs=WORKER_SEQS)
-    cache: dict[tuple[tuple[int, ...], int, str], str] = {}
+    def __init__(self) -> None:
+        from engine import LLM
 
-    def greedy(prompt_ids: list[int], max_tokens: int, structured: object = None) -> str:
-        key = (tuple(prompt_ids), max_tokens, repr(structured))
-        if key not in cache:
+        self._llm = LLM("default", max_model_len=MAX_MODEL_LEN, max_num_seqs=WORKER_SEQS)
+        self._texts: dict[tuple[tuple[int, ...], int, str], str] = {}
+
+    def __call__(self, prompt_ids: list[int], max_tokens: int, structured: object = None) -> str:
+        return self.many([prompt_ids], max_tokens, structured)[0]
+
+    def many(
+        self, prompts: list[list[int]], max_tokens: int, structured: object = None
+    ) -> list[str]:
+        from engine import SamplingParams
+
+        asked = [(tuple(ids), max_tokens, repr(structured)) for ids in prompts]
+        missing = list(dict.fromkeys(key for key in asked if key not in self._texts))
+        if missing:
             params = SamplingParams(
                 max_tokens=max_tokens, temperature=0.0, structured_outputs=structured
             )
-            cache[key] = llm.generate([prompt_ids], params)[0].text
-        return cache[key]
+            outputs = self._llm.generate([list(key[0]) for key in missing], params)
+            self._texts.update(zip(missing, (output.text for output in outputs), strict=True))
+        return [self._texts[key] for key in asked]
 
-    return greedy
+
+@pytest.fixture(scope="session")
+def reference(fleet: Fleet) -> Greedy:
+    """Depends on ``fleet`` only so that the workers start loading first."""
+    return Greedy()
 
 
 def tokenize(base_url: str, messages: list[dict]) -> list[int]:

@@ -33,7 +33,7 @@ def test_a_burst_is_shared_and_a_drained_worker_loses_nothing(
     api: str, fleet: Fleet, openai_client: OpenAI, reference: Greedy
 ):
     assert len(TOPICS) > 2 * WORKER_SEQS  # some requests must wait in the queue
-    expected = [reference(tokenize(api, messages(topic)), MAX_TOKENS) for topic in TOPICS]
+    expected = reference.many([tokenize(api, messages(topic)) for topic in TOPICS], MAX_TOKENS)
 
     def complete(topic: str) -> str:
         return "".join(

@@ -201,7 +201,7 @@ def test_kill_9_of_a_worker_with_jobs_on_its_own_queue_loses_none(
     victim = three_workers.workers[holder]
     own_wake = keys.queue_wake(keys.own_queue(DEFAULT_MODEL, holder))
     asks = [[*messages, {"role": "user", "content": f"Tell me fact {n}."}] for n in range(3)]
-    expected = [reference(tokenize(api, ask), 24) for ask in asks]
+    expected = reference.many([tokenize(api, ask) for ask in asks], 24)
     replies: list[str | None] = [None] * len(asks)
 
     def ask(index: int) -> None:
