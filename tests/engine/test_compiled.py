@@ -47,48 +47,6 @@ def test_compiled_decode_matches_eager(tmp_path: Path, dtype: str, quantization:
     assert graph.steps == 3 * 23  # every step after each batch's prefill
 
 
-def test_a_later_start_loads_what_the_first_compiled(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> None:
-    """The first engine compiles in a child process the graphs its batch limit allows (one
-    sequence at a time: the batch-1 graph alone); the second, on the same weights, loads what
-    it wrote. Only the constants compiling made are stored: the graph runs on the model's
-    own tensors, so the weights are held once. Compiling deletes entries no start has loaded
-    for a month."""
-    monkeypatch.setattr(compiled_module, "CACHE_DIR", str(tmp_path / "cache"))
-    root = tmp_path / "cache" / "decode"
-    stale, recent = root / "stale", root / "recent"  # entries of other models or versions
-    for entry in (stale, recent):
-        entry.mkdir(parents=True)
-        (entry / "one.so").write_bytes(b"")
-    long_ago = time.time() - compiled_module.STALE_AFTER_S - 60
-    os.utime(stale, (long_ago, long_ago))
-    weights = str(make_tiny_model(tmp_path / "tiny", hidden_size=64, intermediate_size=128))
-    options = dict(dtype="bfloat16", quantization="int4", max_num_seqs=1, enforce_eager=False)
-    with caplog.at_level(logging.INFO, logger="engine.compiled"):
-        first = LLM(weights, **options)
-        assert compiling(caplog) == 1
-        caplog.clear()
-        second = LLM(weights, **options)
-        assert compiling(caplog) == 0
-    assert first.engine.runner.compiled.loaded and second.engine.runner.compiled.loaded
-    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    texts = [llm.generate(PROMPTS[:1], params)[0].token_ids for llm in (first, second)]
-    assert texts[0] == texts[1]
-
-    assert not stale.exists()  # compiling deleted what no start had loaded for a month
-    [compiled] = {entry for entry in root.iterdir() if entry.is_dir()} - {recent}
-    assert (root / f"{compiled.name}.lock").is_file()  # what a second start would wait on
-    ours = vnni_gemm.available() or paged_decode.available()
-    calls = ["one.json"] if ours else []  # the graph calls the engine's own kernels
-    expected = sorted(["one.constants", "one.so", "spec.json", *calls])
-    assert sorted(p.name for p in compiled.iterdir()) == expected
-    own = compiled_module.model_tensors(second.engine.runner.model)
-    _, made_file = compiled_module.graph_files(compiled, "one")
-    made = torch.load(made_file, weights_only=True)
-    assert not made.keys() & own.keys()  # the model's own tensors are passed in, not copied
-
-
 def test_an_engine_whose_graphs_fail_to_compile_steps_eagerly(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -122,13 +80,24 @@ def assert_same_greedy_path(
         assert x.logprob == pytest.approx(y.logprob, abs=tolerance)
 
 
-def test_a_server_steps_eagerly_while_the_graphs_build_and_the_switch_changes_no_token(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+def test_a_server_steps_eagerly_while_the_graphs_build_and_a_later_start_loads_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A server's first start does not wait for the compile: steps run eagerly until the
     graphs are built, the next step loads them, and the stream goes on through them with the
-    tokens (and, where the engine is batch-invariant, the logprobs) an eager engine gives."""
+    tokens (and, where the engine is batch-invariant, the logprobs) an eager engine gives.
+
+    A later start on the same weights loads what the first compiled. Only the constants
+    compiling made are stored: the graphs run on the model's own tensors, so the weights are
+    held once. Compiling deletes entries no start has loaded for a month."""
     monkeypatch.setattr(compiled_module, "CACHE_DIR", str(tmp_path / "cache"))
+    root = tmp_path / "cache" / "decode"
+    stale, recent = root / "stale", root / "recent"  # entries of other models or versions
+    for entry in (stale, recent):
+        entry.mkdir(parents=True)
+        (entry / "one.so").write_bytes(b"")
+    long_ago = time.time() - compiled_module.STALE_AFTER_S - 60
+    os.utime(stale, (long_ago, long_ago))
     weights = str(make_tiny_model(tmp_path / "tiny", hidden_size=64, intermediate_size=128))
     options = dict(max_num_seqs=4)
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, logprobs=1)
@@ -157,3 +126,21 @@ def test_a_server_steps_eagerly_while_the_graphs_build_and_the_switch_changes_no
             expected.logprobs,
             TOLERANCE[str(engine.precision.dtype).removeprefix("torch.")],
         )
+
+    with caplog.at_level(logging.INFO, logger="engine.compiled"):
+        later = LLM(weights, enforce_eager=False, **options)
+    assert compiling(caplog) == 0 and later.engine.runner.compiled.loaded
+    [again] = later.generate(PROMPTS[1:2], params)
+    assert again.token_ids == expected.token_ids
+
+    assert not stale.exists()  # compiling deleted what no start had loaded for a month
+    [compiled] = {entry for entry in root.iterdir() if entry.is_dir()} - {recent}
+    assert (root / f"{compiled.name}.lock").is_file()  # what a second start would wait on
+    ours = vnni_gemm.available() or paged_decode.available()
+    calls = ["one.json", "many.json"] if ours else []  # the graphs call the engine's kernels
+    made = ["one.constants", "one.so", "many.constants", "many.so"]
+    assert sorted(p.name for p in compiled.iterdir()) == sorted([*made, "spec.json", *calls])
+    own = compiled_module.model_tensors(later.engine.runner.model)
+    for name in ("one", "many"):
+        _, made_file = compiled_module.graph_files(compiled, name)
+        assert not torch.load(made_file, weights_only=True).keys() & own.keys()
