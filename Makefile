@@ -42,10 +42,14 @@ serve: install
 test: install
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
-# kill -9 of the worker serving a stream, SOAK_ROUNDS times (the suite runs 2)
+# kill -9 of the worker serving a stream, SOAK_ROUNDS times (the suite runs 2), and the
+# stateful fuzz suites at FUZZ_SCALE times the suite's sequences
 SOAK_ROUNDS ?= 50
+FUZZ_SCALE ?= 10
 soak: install
 	SLUICE_KILL_ROUNDS=$(SOAK_ROUNDS) $(PY) -m pytest -q tests/distributed/test_worker_death.py
+	SLUICE_FUZZ_SCALE=$(FUZZ_SCALE) $(PY) -m pytest -q \
+	  tests/e2e/test_stateful_fuzz.py tests/distributed/test_stateful_fuzz.py
 
 lint: install
 	$(VENV)/bin/ruff check .

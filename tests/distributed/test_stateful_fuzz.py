@@ -9,9 +9,9 @@ workers, so the machine checks the shared stores' ownership, quotas and
 cursors. Every sequence starts by deleting the files the sequences before it
 uploaded; what else they made stays in Redis and must keep to its key (jobs
 made without a key by other tests are everyone's, and are left alone).
-Thirty sequences of up to eighty steps take about 45 s on two cores;
-``SLUICE_FUZZ_SCALE=10`` runs ten times as many, and ``SLUICE_FUZZ_SHRINK=1``
-shrinks a failing sequence.
+Twenty sequences of up to eighty steps take about 30 s on two cores;
+``SLUICE_FUZZ_SCALE=10`` (``make soak``) runs ten times as many, and
+``SLUICE_FUZZ_SHRINK=1`` shrinks a failing sequence.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from tests.fuzz_sequences import Target, run_sequences, server_options
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 KEYS = ("sk-sequences-a", "sk-sequences-b", "sk-sequences-c")
-SEQUENCES, STEPS = 30, 80
+SEQUENCES, STEPS = 20, 80
 
 
 @pytest.fixture
