@@ -42,7 +42,7 @@ serve: install
 test: install
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
-# kill -9 of the worker serving a stream, SOAK_ROUNDS times (the suite runs 2), and the
+# kill -9 of the worker serving a stream, SOAK_ROUNDS times (the suite runs 1), and the
 # stateful fuzz suites at FUZZ_SCALE times the suite's sequences
 SOAK_ROUNDS ?= 50
 FUZZ_SCALE ?= 10

@@ -7,9 +7,10 @@ the survivor takes it and resumes from the tokens already in the request's
 stream under a new attempt, a few seconds after the kill. The client keeps
 reading the same stream, so its text must equal an uninterrupted greedy run
 with no duplicate and no gap, and its longest wait between two deltas (the
-stall the client sees) stays within seconds. Two rounds (``make soak`` runs
-more), each with a fresh replacement worker loading while the survivor
-finishes the stream; the last test prints the stalls over the rounds.
+stall the client sees) stays within seconds. One round here, beside the
+constrained stream's (``make soak`` runs fifty), each with a fresh
+replacement worker loading while the survivor finishes the stream; the last
+test prints the stalls over the rounds.
 
 A worker killed right after its take script ran holds a job it never
 started: the job must wait while the worker's entry lives, then run, whole,
@@ -59,7 +60,7 @@ pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 MESSAGES = [{"role": "user", "content": "Write a long story about a lighthouse keeper."}]
 MAX_TOKENS = 256  # a second or more of stream: heartbeats show its worker before it ends
 CONSTRAINED_MAX_TOKENS = 200
-ROUNDS = int(os.environ.get("SLUICE_KILL_ROUNDS", "2"))  # ``make soak`` asks for more
+ROUNDS = int(os.environ.get("SLUICE_KILL_ROUNDS", "1"))  # ``make soak`` asks for more
 STALL_BOUND_S = 10  # the longest wait for the next delta a client may see across a kill
 RESUMED_BOUND_S = 12  # from the kill to the first delta the survivor generated
 STALLS: list[float] = []  # each round's longest gap between deltas, for the summary
