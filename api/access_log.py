@@ -87,6 +87,8 @@ class AccessLog:
                 MutableHeaders(scope=message)[REQUEST_ID_HEADER] = request_id
             elif message["type"] == "http.response.body" and not message.get("more_body"):
                 ended = True
+                if record.place is not None:  # free before the client can send its next request
+                    record.place.release()
             await send(message)
 
         try:

@@ -42,6 +42,27 @@ def _body(max_tokens: int, **extra: object) -> dict:
     return {"model": "default", "messages": messages, "max_tokens": max_tokens, **extra}
 
 
+def test_clients_at_the_bound_sending_back_to_back_are_never_refused(server: str):
+    """Four clients, each sending its next request as soon as the last one's answer ends,
+    streamed or not: a request's place is free before its last byte leaves."""
+
+    async def clients() -> list[int]:
+        async with httpx.AsyncClient(base_url=server, timeout=120) as client:
+
+            async def one_client() -> list[int]:
+                statuses = []
+                for n in range(6):
+                    body = _body(2, temperature=0, stream=n % 2 == 1)
+                    reply = await client.post("/v1/chat/completions", json=body)
+                    statuses.append(reply.status_code)
+                return statuses
+
+            return [s for statuses in await asyncio.gather(*(one_client() for _ in range(4)))
+                    for s in statuses]  # fmt: skip
+
+    assert asyncio.run(clients()) == [200] * 24
+
+
 def test_a_burst_beyond_max_inflight_is_refused_quickly(server: str, capsys):
     async def burst() -> list[tuple[int, float, httpx.Response]]:
         async with httpx.AsyncClient(base_url=server, timeout=120) as client:
