@@ -58,7 +58,10 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <cpuid.h>
 #include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -258,25 +261,29 @@ struct QuantizedRows {
   Activations view;
 };
 
-QuantizedRows quantize_rows(const at::Tensor& x, bool unsigned_codes) {
+QuantizedRows quantize_rows(const at::Tensor& x, bool unsigned_codes, int64_t padded = 0) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "x: [rows, in] bfloat16");
   TORCH_CHECK(x.size(1) % kGroup == 0, "in must be a multiple of 32");
   const auto input = x.contiguous();
-  const int64_t M = x.size(0), K = x.size(1), groups = K / kGroup;
+  const int64_t M = x.size(0), K = x.size(1), groups = K / kGroup, rows = std::max(M, padded);
   const auto bytes = x.options().dtype(at::kChar), floats = x.options().dtype(at::kFloat);
-  QuantizedRows q{at::empty({M, K}, bytes), at::empty({M, K}, bytes),
-                  at::empty({M, groups}, floats), at::empty({M, groups}, floats), {}};
+  auto make = [&](at::TensorOptions options, int64_t columns) {  // rows past M are zeros
+    return rows > M ? at::zeros({rows, columns}, options) : at::empty({rows, columns}, options);
+  };
+  QuantizedRows q{make(bytes, K), make(bytes, K), make(floats, groups), make(floats, groups), {}};
   const auto* xp = input.data_ptr<at::BFloat16>();
   auto* codes = q.codes.data_ptr<int8_t>();
   auto* fine = q.fine.data_ptr<int8_t>();
   auto* scales = q.scales.data_ptr<float>();
   auto* sums = q.sums.data_ptr<float>();
   const __m128i offset = _mm_set1_epi8(unsigned_codes ? static_cast<char>(0x80) : 0);
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t g = 0; g < groups; ++g) {
-      const int64_t first = m * K + g * kGroup, at = m * groups + g;
-      scales[at] = quantize_group(xp + first, codes + first, fine + first, sums + at, offset);
-    }
+  at::parallel_for(0, M, std::max<int64_t>(1, 4096 / groups), [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m)
+      for (int64_t g = 0; g < groups; ++g) {
+        const int64_t first = m * K + g * kGroup, at = m * groups + g;
+        scales[at] = quantize_group(xp + first, codes + first, fine + first, sums + at, offset);
+      }
+  });
   q.view = Activations{codes, fine, scales, sums};
   return q;
 }
@@ -718,13 +725,129 @@ void tiles8(const Activations& act, int64_t m0, int64_t K, const __m512i* pack,
     tile8<T, 1>(act, m0, K, pack + b * stride, sums + b * groups, scales, N, 16 * b, y);
 }
 
+// int8_gemm on AMX: the same integer sums from tile instructions, 16 rows by 16 outputs by
+// one group of 32 inputs, and tile8's float epilogue, one group at a time in group order, so
+// a row gets the bits the VNNI tiles give it. A tile's sums are stored to memory for every
+// group (the epilogue is per group), which bounds what AMX gains: from kAmxFrom rows it
+// takes about 0.7 of the VNNI tiles' time, below that more. The activations' codes are
+// signed here (tdpbssd) and the pack's vectors are tiles as they are (16 outputs a row, 4
+// inputs each). Tiles: 2 and 3 a group's c and f of 16 rows; 4 and 7 its weights; 0-1 and
+// 5-6 the sums of c and of f, groups alternating between the two pairs.
+constexpr int64_t kAmxRows = 16;   // rows of a tile
+constexpr int64_t kAmxFrom = 32;   // rows from which the AMX tiles serve, where the CPU has them
+constexpr int64_t kAmxChunk = 64;  // rows of a task
+constexpr int64_t kAmxSums = 2 * kAmxRows * 16;  // a group's int32 sums of c, then of f
+
+// Whether this process may run AMX tiles: the CPU has AMX-INT8 and Linux grants the tile state.
+bool amx_runs() {
+  static const bool runs = [] {
+    unsigned a, b, c, d;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+    if (!(d & (1u << 24)) || !(d & (1u << 25))) return false;  // AMX-TILE, AMX-INT8
+    constexpr long kRequestPermission = 0x1023, kTileData = 18;  // ARCH_REQ_XCOMP_PERM
+    return syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0;
+  }();
+  return runs;
+}
+
+// The tiles' shapes (LDTILECFG's 64 bytes), a constant: GCC 12 does not see that
+// _tile_loadconfig reads its operand, and drops the stores that would fill a local one.
+struct alignas(64) TileShapes {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t bytes[16] = {};  // per row
+  uint8_t rows[16] = {};
+  constexpr TileShapes() {
+    for (int t : {0, 1, 5, 6}) bytes[t] = 64, rows[t] = kAmxRows;  // int32 sums
+    for (int t : {2, 3}) bytes[t] = kGroup, rows[t] = kAmxRows;    // int8 rows
+    for (int t : {4, 7}) bytes[t] = 64, rows[t] = kGroup / 4;      // 16 outputs x 4 inputs
+  }
+};
+constexpr TileShapes kTileShapes;
+
+// Group g's rows (tiles 2, 3) times its weights (tile b) into tiles c and f. The tile
+// intrinsics take literal tile numbers, hence a macro.
+#define SLUICE_AMX_PRODUCTS(c, f, b, g)                       \
+  do {                                                        \
+    _tile_loadd(2, act.codes + r0 * K + (g) * kGroup, K);     \
+    _tile_loadd(3, act.fine + r0 * K + (g) * kGroup, K);      \
+    _tile_loadd(b, vectors + 8 * (g), 64);                    \
+    _tile_zero(c);                                            \
+    _tile_zero(f);                                            \
+    _tile_dpbssd(c, 2, b);                                    \
+    _tile_dpbssd(f, 3, b);                                    \
+  } while (0)
+
+// Rows r0..r0+15 of act times the 16 outputs whose pack `vectors` holds: sums[g kAmxSums ...]
+// Σ_k w·c of each row and output in group g, then Σ_k w·f. A group's sums are stored after
+// the next group's products are issued, so the stores overlap them.
+void amx_sums(const Activations& act, int64_t r0, int64_t K, const __m512i* vectors,
+              int32_t* sums) {
+  const int64_t groups = K / kGroup;
+  SLUICE_AMX_PRODUCTS(0, 1, 4, 0);
+  for (int64_t g = 0; g < groups; ++g) {
+    int32_t* at = sums + g * kAmxSums;
+    if (g % 2 == 0) {
+      if (g + 1 < groups) SLUICE_AMX_PRODUCTS(5, 6, 7, g + 1);
+      _tile_stored(0, at, 64);
+      _tile_stored(1, at + kAmxSums / 2, 64);
+    } else {
+      if (g + 1 < groups) SLUICE_AMX_PRODUCTS(0, 1, 4, g + 1);
+      _tile_stored(5, at, 64);
+      _tile_stored(6, at + kAmxSums / 2, 64);
+    }
+  }
+}
+
+#undef SLUICE_AMX_PRODUCTS
+
+// Rows m0..m0+rows-1, outputs n0..n0+15: tile8's epilogue, row by row, on amx_sums' sums.
+void amx_epilogue(const Activations& act, int64_t m0, int64_t rows, int64_t K,
+                  const int32_t* sums, const at::BFloat16* scales, int64_t N, int64_t n0,
+                  float* y) {
+  const int64_t groups = K / kGroup;
+  __m512 acc[kAmxRows];
+  for (auto& a : acc) a = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g, sums += kAmxSums)
+    for (int t = 0; t < kAmxRows; ++t) {
+      const __m512i c = _mm512_load_si512(sums + 16 * t);
+      const __m512i f = _mm512_load_si512(sums + kAmxSums / 2 + 16 * t);
+      const __m512i exact = _mm512_add_epi32(_mm512_slli_epi32(c, 8), f);
+      const __m512 a = _mm512_set1_ps(act.scales[(m0 + t) * groups + g] / 256.f);
+      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact), a, acc[t]);
+    }
+  const __m512 scale = load_bf16(scales + n0);
+  for (int64_t t = 0; t < rows; ++t)
+    _mm512_storeu_ps(y + (m0 + t) * N + n0, _mm512_mul_ps(acc[t], scale));
+}
+
+// int8_gemm where AMX runs: tasks of 16 outputs by kAmxChunk rows, the rows padded with
+// zeros to whole tiles.
+void int8_amx(const at::Tensor& x, const __m512i* pack, const at::BFloat16* scales, int64_t N,
+              float* out) {
+  const int64_t M = x.size(0), K = x.size(1), blocks = N / 16;
+  const auto q = quantize_rows(x, false, (M + kAmxRows - 1) / kAmxRows * kAmxRows);
+  const int64_t chunks = (M + kAmxChunk - 1) / kAmxChunk;
+  at::parallel_for(0, blocks * chunks, 1, [&](int64_t begin, int64_t end) {
+    _tile_loadconfig(&kTileShapes);  // each thread's own
+    const auto sums = at::empty({K / kGroup * kAmxSums}, at::kInt);  // 64-byte aligned
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / chunks, first = (task % chunks) * kAmxChunk;
+      for (int64_t m0 = first; m0 < std::min(M, first + kAmxChunk); m0 += kAmxRows) {
+        amx_sums(q.view, m0, K, pack + b * (K / 4), sums.data_ptr<int32_t>());
+        amx_epilogue(q.view, m0, std::min(kAmxRows, M - m0), K, sums.data_ptr<int32_t>(),
+                     scales, N, 16 * b, out);
+      }
+    }
+    _tile_release();
+  });
+}
+
 at::Tensor int8_gemm(const at::Tensor& x, const at::Tensor& pack, const at::Tensor& sums,
                      const at::Tensor& scales) {
   TORCH_CHECK(pack.dim() == 3 && pack.scalar_type() == at::kChar && pack.size(2) == 64 &&
                   pack.is_contiguous(),
               "pack: int8_pack's [out/16, in/4, 64] int8");
   TORCH_CHECK(scales.dim() == 1 && scales.scalar_type() == at::kBFloat16, "scales: [out] bfloat16");
-  const auto q = quantize_rows(x, true);
   const int64_t M = x.size(0), K = x.size(1), N = 16 * pack.size(0);
   TORCH_CHECK(K % (2 * kGroup) == 0, "int8: in must be a multiple of 64");
   TORCH_CHECK(pack.size(1) == K / 4 && scales.size(0) == N, "pack: [out/16, in/4, 64], scales: [out]");
@@ -737,6 +860,11 @@ at::Tensor int8_gemm(const at::Tensor& x, const at::Tensor& pack, const at::Tens
   const auto* summed = reinterpret_cast<const __m512i*>(sums.data_ptr<int32_t>());
   const auto* sp = s.data_ptr<at::BFloat16>();
   float* out = y.data_ptr<float>();
+  if (M >= kAmxFrom && amx_runs()) {
+    int8_amx(x, packed, sp, N, out);
+    return y;
+  }
+  const auto q = quantize_rows(x, true);
   at::parallel_for(0, N / 16, 1, [&](int64_t begin, int64_t end) {
     // one row reads 4 blocks' weights per activation it broadcasts; more rows share each
     if (M == 1) return tiles8<1, 4>(q.view, 0, K, packed, summed, sp, N, begin, end, out);

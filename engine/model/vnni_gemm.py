@@ -4,7 +4,9 @@ on AVX-512 VNNI.
 ``int4_gemm`` reads PyTorch's AVX-512 int4 pack as it is, so an int4 layer keeps one
 copy of its weights whichever kernel runs. ``int8_gemm`` reads the codes in the order
 its instructions take them, which ``int8_pack`` writes once; an int8 layer keeps that
-pack in place of its rows. They are compiled for this machine on first use (``engine.native``).
+pack in place of its rows; where the CPU has AMX, ``int8_gemm`` takes its tile instructions
+from 32 rows up, for the same bits. They are compiled for this machine on first use
+(``engine.native``).
 Where the CPU lacks the instructions or the build fails, ``available()`` is
 false and the layers keep PyTorch's kernels, whose arithmetic changes with the
 number of rows. CPUs with AMX run these kernels too: inductor's AMX templates
@@ -22,7 +24,8 @@ from engine import native
 
 SOURCE = Path(__file__).with_name("vnni_gemm.cpp")
 NAME = "sluice_vnni_gemm"
-FLAGS = ("-O3", "-march=x86-64-v4", "-mavx512vnni", "-mavx512vbmi", "-fopenmp")
+FLAGS = ("-O3", "-march=x86-64-v4", "-mavx512vnni", "-mavx512vbmi", "-mamx-tile", "-mamx-int8",
+         "-fopenmp")
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx512vbmi")
 """What the kernels execute: x86-64-v4, VNNI's vpdpbusd and VBMI's vpermt2b."""
 

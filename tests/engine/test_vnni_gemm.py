@@ -146,14 +146,15 @@ def test_rows_the_many_rows_tiles_cannot_hold_get_the_same_bits() -> None:
 def test_int8_rows_get_the_same_bits_whatever_rows_come_with_them(
     shape: tuple[int, int],
 ) -> None:
-    """One row takes 64 outputs a tile and more rows take 16 (the tail 16 at a time); a row's
-    outputs are the same bits either way, and the pack holds the layer's codes."""
+    """One row takes 64 outputs a tile and more rows take 16 (the tail 16 at a time), and where
+    AMX runs, 32 rows or more take its tiles (16 rows, the last padded); a row's outputs are
+    the same bits every way, and the pack holds the layer's codes."""
     weight, x = _weight_and_input(*shape, 70)
     layer = Int8Linear(weight, None)
     alone = torch.cat(
         [torch.ops.sluice.int8_gemm(row[None], layer.pack, layer.sums, layer.scale) for row in x]
     )
-    for rows in (2, 3, 7, 8, 9, 70):
+    for rows in (2, 3, 7, 8, 9, 31, 32, 33, 64, 70):
         together = torch.ops.sluice.int8_gemm(x[:rows], layer.pack, layer.sums, layer.scale)
         assert torch.equal(together, alone[:rows]), rows
     codes = layer.codes()
