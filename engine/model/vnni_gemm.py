@@ -24,8 +24,15 @@ from engine import native
 
 SOURCE = Path(__file__).with_name("vnni_gemm.cpp")
 NAME = "sluice_vnni_gemm"
-FLAGS = ("-O3", "-march=x86-64-v4", "-mavx512vnni", "-mavx512vbmi", "-mamx-tile", "-mamx-int8",
-         "-fopenmp")
+FLAGS = (
+    "-O3",
+    "-march=x86-64-v4",
+    "-mavx512vnni",
+    "-mavx512vbmi",
+    "-mamx-tile",
+    "-mamx-int8",
+    "-fopenmp",
+)
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx512vbmi")
 """What the kernels execute: x86-64-v4, VNNI's vpdpbusd and VBMI's vpermt2b."""
 
