@@ -99,6 +99,7 @@ class VllmEngine:
         from vllm import EngineArgs
         from vllm.config import KVEventsConfig
         from vllm.exceptions import VLLMClientError
+        from vllm.platforms import current_platform
         from vllm.v1.engine.llm_engine import LLMEngine
 
         self.args = args
@@ -114,6 +115,10 @@ class VllmEngine:
             # published to this process's _BlocksView, which the scheduler is handed below
             "kv_events_config": KVEventsConfig(enable_kv_cache_events=True, publisher="null"),
         }
+        if current_platform.is_cpu():
+            # vLLM sizes and binds the model's OpenMP threads only in a worker process of its
+            # own, as `vllm serve` runs it; in this process they would float over every core
+            settings["distributed_executor_backend"] = "mp"
         self._vllm = LLMEngine.from_engine_args(EngineArgs(**(settings | args.engine_args)))
         config = self._vllm.vllm_config
         self.max_model_len: int = config.model_config.max_model_len
