@@ -58,10 +58,9 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/cpu/Utils.h>
 #include <cpuid.h>
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -268,7 +267,9 @@ QuantizedRows quantize_rows(const at::Tensor& x, bool unsigned_codes, int64_t pa
   const int64_t M = x.size(0), K = x.size(1), groups = K / kGroup, rows = std::max(M, padded);
   const auto bytes = x.options().dtype(at::kChar), floats = x.options().dtype(at::kFloat);
   auto make = [&](at::TensorOptions options, int64_t columns) {  // rows past M are zeros
-    return rows > M ? at::zeros({rows, columns}, options) : at::empty({rows, columns}, options);
+    auto t = at::empty({rows, columns}, options);
+    t.slice(0, M).zero_();
+    return t;
   };
   QuantizedRows q{make(bytes, K), make(bytes, K), make(floats, groups), make(floats, groups), {}};
   const auto* xp = input.data_ptr<at::BFloat16>();
@@ -738,14 +739,13 @@ constexpr int64_t kAmxFrom = 32;   // rows from which the AMX tiles serve, where
 constexpr int64_t kAmxChunk = 64;  // rows of a task
 constexpr int64_t kAmxSums = 2 * kAmxRows * 16;  // a group's int32 sums of c, then of f
 
-// Whether this process may run AMX tiles: the CPU has AMX-INT8 and Linux grants the tile state.
+// Whether this process may run AMX's int8 tiles: the CPU has AMX-INT8, and PyTorch's
+// init_amx (as engine.compiled calls it) has Linux grant the tile state.
 bool amx_runs() {
   static const bool runs = [] {
     unsigned a, b, c, d;
-    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
-    if (!(d & (1u << 24)) || !(d & (1u << 25))) return false;  // AMX-TILE, AMX-INT8
-    constexpr long kRequestPermission = 0x1023, kTileData = 18;  // ARCH_REQ_XCOMP_PERM
-    return syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0;
+    const bool int8 = __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d & (1u << 25));
+    return int8 && at::cpu::init_amx();
   }();
   return runs;
 }
