@@ -58,6 +58,19 @@ CLEANUP_TIMEOUT_S = 5.0
 MAX_UNSENT_ENDS = 10_000  # kept for when Redis answers again; older ones are let go
 
 
+def _raise_a_dropped_cancel() -> None:
+    """Raise the cancel a call returned through without raising.
+
+    Python 3.11's ``asyncio.wait_for``, which redis-py sends every command through, returns
+    the result to a task cancelled as the result arrived and drops the cancel (fixed in
+    3.12); the task still counts it (``Task.cancelling``). A client that left during the
+    submission would otherwise be followed to the queue deadline, its job run for nobody.
+    """
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
+
+
 class RequestChannel:
     """Submits, follows and ends generations on the workers; see the module docstring."""
 
@@ -164,6 +177,7 @@ class RequestChannel:
         try:
             if attached:
                 submitted = await self._submit(job, bound, self.reader.take_interrupt(), ticket)
+                _raise_a_dropped_cancel()
                 if isinstance(submitted, Error):
                     last = submitted
                     yield last

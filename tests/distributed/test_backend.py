@@ -163,6 +163,37 @@ def test_an_unseeded_sampling_request_gets_a_seed(server: RedisServer):
     assert asyncio.run(scenario()).request.sampling.seed is not None
 
 
+def test_a_client_leaving_at_any_moment_of_the_submission_cancels_the_request(
+    server: RedisServer,
+):
+    """The reader is cancelled after 0, 1, 2, ... turns of the loop, so some cancel
+    arrives as a command's reply does, where Python 3.11's ``wait_for`` (inside redis-py)
+    returns the reply and drops the cancel: the generation still ends at once, cancelled."""
+
+    async def scenario() -> list[str]:
+        backend = await started(DistributedBackend(server.url, SPEC, settings(server)))
+        kept = []
+        try:
+            for turns in range(40):
+                events = backend.infer(request(f"req-leave-{turns}"))
+                reader = asyncio.ensure_future(anext(events))
+                for _ in range(turns):
+                    await asyncio.sleep(0)
+                reader.cancel()
+                await asyncio.wait([reader], timeout=3)
+                if not reader.cancelled():
+                    kept.append(f"{turns}: {reader.result() if reader.done() else 'running'}")
+                    reader.cancel()
+        finally:
+            await backend.stop()
+        return kept
+
+    assert asyncio.run(scenario()) == []
+    submitted = [key for key in server.client.scan_iter("*") if "req-leave-" in key]
+    assert submitted  # some were queued before their reader was cancelled
+    assert not server.client.zrange(keys.inflight(DEFAULT_MODEL), 0, -1)
+
+
 def test_closing_the_events_early_cancels_the_request(server: RedisServer):
     listener = server.client.pubsub()
     listener.subscribe(keys.CANCEL_CHANNEL)
