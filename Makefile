@@ -39,8 +39,12 @@ $(VLLM_STAMP): pyproject.toml
 serve: install
 	$(VENV)/bin/sluice serve
 
+# Two processes (pytest-xdist): each takes a shared room of the suite or a module whole
+# (tests/conftest.py), so the processes a room starts start once. TEST_PROCESSES=0 runs
+# the suite in this one.
+TEST_PROCESSES ?= 2
 test: install
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(TEST_PROCESSES) $(PYTEST_ARGS)
 
 # kill -9 of the worker serving a stream, SOAK_ROUNDS times (the suite runs 1), and the
 # stateful fuzz suites at FUZZ_SCALE times the suite's sequences

@@ -5,6 +5,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from xdist.scheduler import LoadScopeScheduling
 
 # As the engine sets it (engine/__init__.py), before anything here imports torch.
 os.environ.setdefault("GOMP_SPINCOUNT", "10000")
@@ -43,3 +44,28 @@ def transformers_default() -> Any:
     return transformers.AutoModelForCausalLM.from_pretrained(
         gguf.parent, gguf_file=gguf.name, dtype=torch.float32
     ).eval()
+
+
+# Rooms whose fixtures are session-wide processes (a fleet of workers, a server, a Redis
+# with a worker in it): ``make test`` runs each in one of its processes, so those start
+# once and a room's tests run in their order. Elsewhere each module is a unit of its own.
+SHARED_ROOMS = ("distributed", "e2e", "jobs", "workers")
+
+
+def room(nodeid: str) -> str:
+    """The unit of work ``pytest -n`` gives one process whole: a shared room, or a module."""
+    path = nodeid.split("::")[0]
+    parts = path.split("/")
+    return parts[1] if len(parts) > 2 and parts[1] in SHARED_ROOMS else path
+
+
+class RoomScheduling(LoadScopeScheduling):
+    """xdist's scope scheduling with rooms for scopes (``_split_scope``: the pin in
+    pyproject.toml; tests/test_rooms.py runs it)."""
+
+    def _split_scope(self, nodeid: str) -> str:
+        return room(nodeid)
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> RoomScheduling:
+    return RoomScheduling(config, log)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import socket
@@ -25,10 +26,26 @@ compiled graphs, as users run them (the suite's other engines step eagerly). Ser
 ``--max-model-len`` share the graphs the first of them compiled."""
 
 
+PORTS_PER_PROCESS = 1000
+FIRST_PORT = 20000  # below the kernel's ephemeral range, where clients' own ports come from
+_next_port = itertools.count()
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A free port no other process of the run picks: each pytest process (``pytest -n``)
+    takes ports in turn from a block of its own, below the ephemeral ports the kernel
+    hands out, so a port chosen here is still free when its server binds it."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    first = FIRST_PORT + int(worker.removeprefix("gw")) * PORTS_PER_PROCESS
+    for _ in range(PORTS_PER_PROCESS):
+        port = first + next(_next_port) % PORTS_PER_PROCESS
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {first}..{first + PORTS_PER_PROCESS - 1}")
 
 
 @contextmanager

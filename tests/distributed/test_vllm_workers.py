@@ -449,12 +449,10 @@ def _interrupted_stream(
     )  # fmt: skip
     chunks = iter(stream)
     first = next(chunks)
-    since = time.time()
 
-    def serving() -> str | None:
-        fresh = {w: r for w, r in fleet.reports().items() if r["ts"] > since}
-        busy = [w for w, r in fresh.items() if r["running"]]
-        return busy[0] if len(fresh) == 2 and len(busy) == 1 else None
+    def serving() -> str | None:  # the worker holding the job, known at once (no heartbeat)
+        holding = [w for w in fleet.workers if fleet.redis.client.hlen(keys.taken(w))]
+        return holding[0] if len(holding) == 1 else None
 
     victim = wait_until(serving, 10, "the serving worker")
     os.kill(fleet.workers[victim].process.pid, sig)
