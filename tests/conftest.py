@@ -46,14 +46,12 @@ def transformers_default() -> Any:
     ).eval()
 
 
-# Rooms whose fixtures are session-wide processes (a fleet of workers, a server, a Redis
-# with a worker in it): ``make test`` runs each in one of its processes, so those start
-# once and a room's tests run in their order. Elsewhere each module is a unit of its own.
-SHARED_ROOMS = ("distributed", "e2e", "jobs", "workers")
+SHARED_ROOMS = ("distributed", "e2e", "jobs", "workers")  # session fixtures are processes
 
 
 def room(nodeid: str) -> str:
-    """The unit of work ``pytest -n`` gives one process whole: a shared room, or a module."""
+    """The unit of work ``pytest -n`` gives one process whole: a shared room (its fleet,
+    server or Redis with a worker starts once, its tests run in order), or a module."""
     path = nodeid.split("::")[0]
     parts = path.split("/")
     return parts[1] if len(parts) > 2 and parts[1] in SHARED_ROOMS else path

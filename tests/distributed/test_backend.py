@@ -172,7 +172,7 @@ def test_a_client_leaving_at_any_moment_of_the_submission_cancels_the_request(
 
     async def scenario() -> list[str]:
         backend = await started(DistributedBackend(server.url, SPEC, settings(server)))
-        kept = []
+        kept: list[str] = []  # the readers a cancel did not end
         try:
             for turns in range(40):
                 events = backend.infer(request(f"req-leave-{turns}"))
