@@ -115,7 +115,9 @@ class WorkerRuntime:
             ),
             summary=summary,
             link=link,
-            context=TaskContext(client, publisher, host, identity.model, link.starts),
+            context=TaskContext(
+                client, publisher, host, identity.model, link.taken_key, link.starts
+            ),
         )
         summary.start()
         host.start()

@@ -54,6 +54,7 @@ class TaskContext:
     publisher: EventPublisher
     host: WorkerHost
     model: str  # the registry name this worker serves
+    taken_key: str  # this worker's taken records (``keys.taken``)
     starts: TakenStarts = field(default_factory=TakenStarts)  # made by the take script
 
 
@@ -99,6 +100,7 @@ class Start:
     attempt: int
     cancelled: bool  # its cancel flag is set, or the API process waiting for it is gone
     history: History
+    delivery_tag: str  # its message's taken record
 
 
 def register_task(app: Celery, context: TaskContext) -> Task:
@@ -122,7 +124,8 @@ def run_job(context: TaskContext, payload: str) -> None:
         raise Reject(str(exc), requeue=False) from exc
     began = time.monotonic()
     try:
-        outcome = _run(context, job)
+        start = _taken_start(context, job)
+        outcome = _run(context, job, start)
     except (redis.ConnectionError, redis.TimeoutError) as exc:
         log.error("Redis failed while starting %s: %s", job.request.request_id, exc)
         raise Reject(str(exc), requeue=True) from exc
@@ -133,26 +136,31 @@ def run_job(context: TaskContext, payload: str) -> None:
     log.info("%s: %s after %.3f s", job.request.request_id, outcome.value, time.monotonic() - began)
     if outcome in REQUEUED:
         log.info("handing %s back to the queue (%s)", job.request.request_id, outcome.value)
-        requeue_first(context.client, job, outcome.value)
+        requeue_first(context.client, job, outcome.value, (context.taken_key, start.delivery_tag))
 
 
-def requeue_first(client: redis.Redis, job: QueuedRequest, reason: str) -> None:
-    """Put ``job`` at the head of its queue; ``Reject`` to the tail if Redis refuses."""
+def requeue_first(
+    client: redis.Redis, job: QueuedRequest, reason: str, record: tuple[str, str]
+) -> None:
+    """Put ``job`` at the head of its queue and delete its taken ``record`` (key, delivery
+    tag) in one transaction; ``Reject`` to the tail if Redis refuses.
+
+    The record goes with the push, not with the ack that follows: an ack lost in a
+    worker's shutdown would leave the record, and the job would be restored a second time
+    when the worker is found gone, to fence out the resumption already running."""
     message = task_message(job)
     pipe = client.pipeline(transaction=True)
     pipe.rpush(message.key, message.body)
     pipe.lpush(message.wake, "1")
+    pipe.hdel(*record)
     try:
         pipe.execute()
     except redis.RedisError as exc:
         raise Reject(f"{reason} ({exc})", requeue=True) from exc
 
 
-def _run(context: TaskContext, job: QueuedRequest) -> Outcome:
+def _run(context: TaskContext, job: QueuedRequest, start: Start) -> Outcome:
     request = job.request
-    start = _taken_start(context, job)
-    if isinstance(start, StartFailed):
-        raise start
     history = start.history
     if history.finished:
         return Outcome.FINISHED
@@ -194,8 +202,9 @@ def _answer_without_engine(
     return None
 
 
-def _taken_start(context: TaskContext, job: QueuedRequest) -> Start | StartFailed:
-    """The start the take script made as it took the job (``workers.broker.taken``).
+def _taken_start(context: TaskContext, job: QueuedRequest) -> Start:
+    """The start the take script made as it took the job (``workers.broker.taken``);
+    ``StartFailed`` if there is none or it cannot be read.
 
     Every message Sluice queues names its job (``shared.task_message``), so a
     start is missing only for a message from another producer, or one whose
@@ -203,28 +212,23 @@ def _taken_start(context: TaskContext, job: QueuedRequest) -> Start | StartFaile
     """
     taken = context.starts.pop(job.request.request_id)
     if taken is None:
-        return StartFailed("the job was not started as it was taken (its message names no job)")
+        raise StartFailed("the job was not started as it was taken (its message names no job)")
     if isinstance(taken, Exception):
-        return StartFailed(f"cannot read the job's start: {taken}")
-    return _start_or_failure(job, taken)
-
-
-def _start_or_failure(job: QueuedRequest, taken: TakenStart) -> Start | StartFailed:
+        raise StartFailed(f"cannot read the job's start: {taken}")
     try:
-        return _start(job, *taken)
+        return _start(job, taken)
     except (redis.ResponseError, KeyError, ValueError, TypeError, IndexError) as exc:
-        return StartFailed(f"cannot read what earlier attempts wrote: {exc}")
+        raise StartFailed(f"cannot read what earlier attempts wrote: {exc}") from exc
 
 
-def _start(
-    job: QueuedRequest, attempt: Any, cancelled: Any, entries: Any, origin_alive: Any
-) -> Start:
+def _start(job: QueuedRequest, taken: TakenStart) -> Start:
     """One job's ``Start`` from its replies; raises the first reply that is an error."""
-    for reply in (attempt, cancelled, entries, origin_alive):
+    for reply in (taken.attempt, taken.cancelled, taken.entries, taken.origin_alive):
         if isinstance(reply, Exception):
             raise reply
-    history = History.read(job.request.request_id, entries)
-    return Start(int(attempt), bool(cancelled) or not origin_alive, history)
+    history = History.read(job.request.request_id, taken.entries)
+    cancelled = bool(taken.cancelled) or not taken.origin_alive
+    return Start(int(taken.attempt), cancelled, history, taken.delivery_tag)
 
 
 def _fail(context: TaskContext, request_id: str, message: str) -> None:

@@ -36,8 +36,10 @@ from tests.servers import free_port
 
 if TYPE_CHECKING:
     from engine.llm_engine import LLMEngine
-    from workers.broker.taken import TakenStarts
+    from workers.host import WorkerHost
+    from workers.publisher import EventPublisher
     from workers.runtime import WorkerRuntime
+    from workers.task import TaskContext
 
 Reference = Callable[[list[int], SamplingParams], list[InferenceEvent]]
 
@@ -244,22 +246,28 @@ def producer(redis_url: str, client: redis.Redis) -> Iterator[Producer]:
     app.close()
 
 
-def take_as_a_worker(client: redis.Redis, starts: TakenStarts, jobs: list[QueuedRequest]) -> None:
-    """Take ``jobs`` with the real take script, from a list of their own, leaving the starts
-    in ``starts``: what a worker's transport does before its task threads run them."""
+def take_as_a_worker(client: redis.Redis, context: TaskContext, jobs: list[QueuedRequest]) -> None:
+    """Take ``jobs`` with the real take script, from a list of their own, into the context's
+    taken records, leaving their starts in its ``starts``: what a worker's transport does
+    before its task threads run them."""
     from workers.broker.scripts import TAKE
     from workers.broker.transport import START_ARGS, _taken_start
 
     queue = f"test-take-{uuid.uuid4().hex}"
     for job in jobs:
         client.lpush(queue, task_message(job).body)
-    taken = keys.taken(f"test-taker-{uuid.uuid4().hex}")
     _, started = TAKE.bind(client)(
-        keys=[taken, f"{queue}:wake", queue], args=[len(jobs), 1, *START_ARGS]
+        keys=[context.taken_key, f"{queue}:wake", queue], args=[len(jobs), 1, *START_ARGS]
     )
-    client.delete(taken)
     for request_id, replies in zip(started[::2], started[1::2], strict=True):
-        starts.put(request_id.decode(), _taken_start(replies))
+        context.starts.put(request_id.decode(), _taken_start(replies))
+
+
+def task_context(client: redis.Redis, publisher: EventPublisher, host: WorkerHost) -> TaskContext:
+    """A task context of a worker of its own (its taken records under a fresh id)."""
+    from workers.task import TaskContext
+
+    return TaskContext(client, publisher, host, DEFAULT_MODEL, keys.taken(uuid.uuid4().hex))
 
 
 def text_of(events: list[InferenceEvent]) -> str:

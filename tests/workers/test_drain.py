@@ -28,6 +28,7 @@ from tests.workers.conftest import (
     Reference,
     engine_on_the_same_weights,
     take_as_a_worker,
+    task_context,
     text_of,
     tokens_of,
     wait_until,
@@ -35,7 +36,7 @@ from tests.workers.conftest import (
 from workers.host import WorkerHost
 from workers.publisher import EventPublisher
 from workers.runtime import WorkerRuntime, connect
-from workers.task import TaskContext, run_job
+from workers.task import run_job
 
 LONG = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)  # outlasts the grace
 GRACE_S = 0.05
@@ -55,9 +56,9 @@ def test_a_run_outlasting_the_grace_is_handed_back_and_resumed_elsewhere(
     host.start()
     request_id = uuid.uuid4().hex
     request = PreparedRequest(request_id, DEFAULT_MODEL, PROMPT, LONG, created=time.time())
-    context = TaskContext(own, publisher, host, DEFAULT_MODEL)
+    context = task_context(own, publisher, host)
     job = QueuedRequest(request, Deadlines())
-    take_as_a_worker(own, context.starts, [job])
+    take_as_a_worker(own, context, [job])
     task = threading.Thread(target=run_job, args=(context, encode_queued(job)))
     try:
         task.start()
@@ -65,6 +66,7 @@ def test_a_run_outlasting_the_grace_is_handed_back_and_resumed_elsewhere(
 
         assert host.drain(GRACE_S) == 1
         task.join(10)
+        assert not own.exists(context.taken_key)  # its record went back with it, unacked
         events = producer.wait_end(request_id, timeout=60)  # resumed by the suite's worker
     finally:
         host.stop(10)

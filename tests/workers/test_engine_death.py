@@ -28,13 +28,14 @@ from tests.workers.conftest import (
     PROMPT,
     engine_on_the_same_weights,
     take_as_a_worker,
+    task_context,
     wait_until,
 )
 from workers.heartbeat import WorkerIdentity
 from workers.host import Outcome, Run, WorkerHost
 from workers.publisher import EventPublisher
 from workers.runtime import WorkerRuntime, connect
-from workers.task import TaskContext, run_job
+from workers.task import run_job
 
 LONG = SamplingParams(max_tokens=200, temperature=0.0)  # still running when the engine dies
 GRACE_S = 30.0  # a drain that waited it out would fail the test by far
@@ -78,9 +79,9 @@ def test_the_watchdog_hands_back_a_dead_engine_s_runs_at_once(
     host.start()
     direct_id, task_id = uuid.uuid4().hex, uuid.uuid4().hex
     run = Run(prepared(direct_id), own.incr(keys.lease(direct_id)))
-    context = TaskContext(own, publisher, host, DEFAULT_MODEL)
+    context = task_context(own, publisher, host)
     job = QueuedRequest(prepared(task_id), Deadlines())
-    take_as_a_worker(own, context.starts, [job])
+    take_as_a_worker(own, context, [job])
     task = threading.Thread(target=run_job, args=(context, encode_queued(job)))
     try:
         host.submit(run)

@@ -40,7 +40,12 @@ def test_a_handed_back_job_is_taken_before_those_queued_since(
         message = task_message(job(request_id, priority))
         client.lpush(message.key, message.body)
 
-    requeue_first(client, job("handed-back", priority), "handed_back")
+    record = (keys.taken("requeue-worker"), "tag-1")
+    client.hset(*record, "what the take script wrote")
+
+    requeue_first(client, job("handed-back", priority), "handed_back", record)
+
+    assert not client.hexists(*record)  # gone with the push: a lost ack cannot restore it
 
     queue = priority_list(keys.queue_name(MODEL), priority)
     taken = []
@@ -52,6 +57,6 @@ def test_a_handed_back_job_is_taken_before_those_queued_since(
 def test_without_redis_the_job_is_rejected_for_celery_to_requeue() -> None:
     unreachable = redis.Redis(port=free_port(), socket_connect_timeout=1)
     with pytest.raises(Reject) as raised:
-        requeue_first(unreachable, job("lost"), "unpublished")
+        requeue_first(unreachable, job("lost"), "unpublished", (keys.taken("w"), "tag"))
     assert raised.value.requeue is True
     assert "unpublished" in str(raised.value.reason)

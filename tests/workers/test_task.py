@@ -22,14 +22,14 @@ from tests.workers.conftest import (
     Producer,
     Reference,
     take_as_a_worker,
+    task_context,
     text_of,
     tokens_of,
     wait_until,
 )
-from workers.broker.taken import TakenStarts
 from workers.publisher import Batch, EventPublisher
 from workers.runtime import WorkerRuntime
-from workers.task import StartFailed, TaskContext, run_job
+from workers.task import StartFailed, run_job
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
 
@@ -152,10 +152,9 @@ def test_a_start_whose_replies_cannot_be_read_fails_its_job_alone(
     """The take script reads every job of a burst; a clobbered stream fails only its own job."""
     clobbered, fine = uuid.uuid4().hex, uuid.uuid4().hex
     client.set(keys.event_stream(clobbered), "not a stream")  # XRANGE: WRONGTYPE
-    starts = TakenStarts()
-    context = TaskContext(client, worker.context.publisher, worker.host, DEFAULT_MODEL, starts)
+    context = task_context(client, worker.context.publisher, worker.host)
     jobs = [QueuedRequest(prepared(clobbered)), QueuedRequest(prepared(fine))]
-    take_as_a_worker(client, starts, jobs)
+    take_as_a_worker(client, context, jobs)
     client.delete(keys.event_stream(clobbered))  # so that the failure report can be read
 
     with pytest.raises(StartFailed, match="WRONGTYPE"):

@@ -1017,6 +1017,7 @@ def test_a_job_is_started_in_the_step_that_takes_its_message(
     start = link.starts.pop(request_id)
     assert isinstance(start, TakenStart) and len(link.starts) == 0
     assert (start.attempt, start.cancelled, start.origin_alive) == (3, 1, 0)  # origin key unset
+    assert start.delivery_tag == message.delivery_tag  # its record, for a hand-back to delete
     assert [decode_entry(request_id, fields).event for _, fields in start.entries] == written
 
     client.set(keys.api_process(origin), "1")
@@ -1046,7 +1047,8 @@ def test_what_is_wrong_with_one_job_of_a_burst_fails_its_start_alone(
     broken = link.starts.pop(clobbered)
     assert isinstance(broken, TakenStart) and isinstance(broken.entries, redis.ResponseError)
     assert broken.attempt == 1  # what could be read was
-    assert link.starts.pop(fine) == TakenStart(1, 0, [], 1)  # no origin: nobody to be gone
+    fine_tag = received[1].delivery_tag
+    assert link.starts.pop(fine) == TakenStart(1, 0, [], 1, fine_tag)  # no origin: none gone
 
 
 def test_a_message_that_does_not_name_its_job_is_taken_unstarted(
@@ -1064,9 +1066,9 @@ def test_a_message_that_does_not_name_its_job_is_taken_unstarted(
 def test_replies_that_cannot_be_read_leave_the_reason_as_the_start() -> None:
     assert isinstance(_taken_start([1, 0]), ValueError)
     assert isinstance(_taken_start(None), TypeError)
-    assert isinstance(_taken_start([1, 0, [[b"1-0", [b"odd"]]], 1]), ValueError)
-    assert _taken_start([2, 0, [[b"1-0", [b"k", b"v"]]], 1]) == TakenStart(
-        2, 0, [(b"1-0", {b"k": b"v"})], 1
+    assert isinstance(_taken_start([1, 0, [[b"1-0", [b"odd"]]], 1, b"t"]), ValueError)
+    assert _taken_start([2, 0, [[b"1-0", [b"k", b"v"]]], 1, b"t"]) == TakenStart(
+        2, 0, [(b"1-0", {b"k": b"v"})], 1, "t"
     )
 
 

@@ -24,12 +24,14 @@ LIMIT = 4096  # far more than a worker's slots: only replies nobody picked up ar
 
 
 class TakenStart(NamedTuple):
-    """The take script's replies for one job, each a value or the error Redis gave for it."""
+    """The take script's replies for one job, each a value or the error Redis gave for it, and
+    the delivery tag its message is recorded under."""
 
     attempt: Any
     cancelled: Any
     entries: Any  # [(entry id, {field: value})]
     origin_alive: Any
+    delivery_tag: str  # its message's taken record (``keys.taken``)
 
 
 class TakenStarts:

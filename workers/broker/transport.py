@@ -336,7 +336,7 @@ class Transport(kombu_redis.Transport):
 def _taken_start(replies: Any) -> TakenStart | Exception:
     """The replies as the task reads them; a script's ``XRANGE`` gives flat field lists."""
     try:
-        attempt, cancelled, entries, origin_alive = replies
+        attempt, cancelled, entries, origin_alive, tag = replies
         if isinstance(entries, list):
             entries = [
                 (entry_id, dict(zip(flat[::2], flat[1::2], strict=True)))
@@ -344,7 +344,7 @@ def _taken_start(replies: Any) -> TakenStart | Exception:
             ]
     except (TypeError, ValueError) as exc:
         return exc
-    return TakenStart(attempt, cancelled, entries, origin_alive)
+    return TakenStart(attempt, cancelled, entries, origin_alive, bytes_to_str(tag))
 
 
 def _delivery_tag(message: dict[str, Any]) -> str | None:

@@ -5,7 +5,7 @@
 -- cancel flags, event streams and API processes, a lease's TTL and the header naming a
 -- message's job.
 -- Returns the messages popped (key, message, ...) and the jobs started (request id,
--- {attempt, cancel flag, stream entries, origin alive}, ...).
+-- {attempt, cancel flag, stream entries, origin alive, delivery tag}, ...).
 -- Runs right after the wake-up read on the same connection, which may or may not have popped
 -- a token: it leaves each wake list as long as the jobs still queued, neither more nor fewer.
 local queues = tonumber(ARGV[2])
@@ -20,7 +20,7 @@ for i = 1, #KEYS do
   end
 end
 local started = {}
-local function start(headers)
+local function start(headers, tag)
   if type(headers) ~= 'table' then return end
   local job = headers[ARGV[8]]
   if type(job) ~= 'table' or type(job[1]) ~= 'string' then return end
@@ -35,7 +35,7 @@ local function start(headers)
   local cancelled = redis.pcall('EXISTS', ARGV[4] .. request)
   local entries = redis.pcall('XRANGE', ARGV[5] .. request, '-', '+')
   started[#started + 1] = request
-  started[#started + 1] = {attempt, cancelled, entries, alive}
+  started[#started + 1] = {attempt, cancelled, entries, alive, tag}
 end
 local function record(item, list, wake)
   local ok, message = pcall(cjson.decode, item)
@@ -48,7 +48,7 @@ local function record(item, list, wake)
   end
   if type(tag) ~= 'string' then return end
   redis.call('HSET', KEYS[1], tag, wake .. '\n' .. list .. '\n' .. item)
-  start(message['headers'])
+  start(message['headers'], tag)
 end
 local taken = {}
 local wanted = tonumber(ARGV[1])
