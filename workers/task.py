@@ -9,12 +9,14 @@ message; ``Reject(requeue=True)`` puts it back in its queue for another
 worker to resume.
 
 A job handed back mid-generation (a drain, or Redis refusing its events)
-goes back first in line: the task pushes it to the head of its queue and
-acks the old message. Celery's own requeue (``Reject(requeue=True)``) puts
-it at the tail, where a client whose stream is already running would wait
-behind every job queued since; it remains the fallback when the push fails.
-An ack lost after the push only leads to a second delivery, which the
-request's lease turns into one more resumption.
+goes back first in line: the task pushes it to the head of its queue,
+deleting the old message's taken record in the same transaction, and acks
+the old message. Celery's own requeue (``Reject(requeue=True)``) puts it at
+the tail, where a client whose stream is already running would wait behind
+every job queued since; it remains the fallback when the push fails. The
+ack may not land before the worker exits (a drain ends the worker as its
+tasks return); the record is gone already, so the job is not restored a
+second time when the worker is found gone.
 
 Deadlines are the job's own, not Celery's (``workers.broker.app.ResumableRequest``):
 the task applies the queue deadline itself, to jobs that have not started.

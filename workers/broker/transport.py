@@ -76,8 +76,10 @@ class QoS(kombu_redis.QoS):
     A record is keyed by its message's delivery tag, which a message keeps
     when it goes back to its queue: should this worker take it again while
     an earlier delivery of it is still running (fenced out, about to ack),
-    the record stays until the last delivery ends. A requeue that finds
-    Redis unreachable is kept and sent again, like an ack, until it lands.
+    the record stays until the last delivery ends (or until a delivery
+    hands the job back: ``workers.task.requeue_first`` deletes the record
+    as it queues the job again). A requeue that finds Redis unreachable is
+    kept and sent again, like an ack, until it lands.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
