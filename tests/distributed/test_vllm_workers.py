@@ -13,9 +13,12 @@ import os
 import re
 import signal
 import sys
+import threading
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import anthropic
@@ -49,6 +52,7 @@ MAX_MODEL_LEN = 1024
 STARTUP_TIMEOUT_S = 240
 KV_CACHE_BYTES = 64 * 2**20
 MESSAGES = [{"role": "user", "content": "Tell me a long story about a lighthouse."}]
+RUNNING = "vllm:num_requests_running"
 
 
 def vllm_checkpoint(directory: Path) -> Path:
@@ -359,34 +363,56 @@ def _placements(base_url: str) -> dict[str, float]:
 def test_workers_and_the_api_report_vllm_s_engine_series(fleet: VllmFleet, client: OpenAI):
     """Mid-stream, the serving worker's own /metrics and the API's fleet view (read from the
     heartbeats, a second or two behind) say one request runs and KV blocks are in use;
-    after it, none runs."""
-    stream = client.chat.completions.create(
-        model=MODEL, messages=MESSAGES, max_tokens=900, stream=True,
-        extra_body={"ignore_eos": True},
-    )  # fmt: skip
-    chunks = iter(stream)
-    next(chunks)
+    after it, none runs.
 
-    def busy_worker() -> dict | None:
-        workers = [_engine_series(f"http://127.0.0.1:{port}") for port in _ports(fleet)]
-        busy = [series for series in workers if series["vllm:num_requests_running"] == 1]
-        return busy[0] if len(busy) == 1 else None
-
-    worker = wait_until(busy_worker, 10, "a worker's series to show the request")
-    api = wait_until(
-        lambda: (series := _engine_series(fleet.url))["vllm:num_requests_running"] == 1 and series,
-        10,
-        "the API's fleet view to show the request",
-    )
+    The request is held mid-stream: the serving worker's vLLM model process is stopped
+    (SIGSTOP) once a token is out, so the engine waits inside its next step while the
+    worker's metrics and heartbeats go on, however long the test takes to read them."""
+    with _streaming(fleet, client, max_tokens=900) as streaming:
+        held = _children(fleet.workers[streaming.worker_id].process.pid)
+        assert held  # vLLM's model runs in a process of its own on CPUs
+        for pid in held:
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            assert not streaming.finished()
+            url = _metrics_url(fleet, streaming.worker_id)
+            worker = wait_until(
+                lambda: (series := _engine_series(url))[RUNNING] == 1 and series,
+                10,
+                "the worker's series to show the request",
+            )
+            api = wait_until(
+                lambda: (series := _engine_series(fleet.url))[RUNNING] == 1 and series,
+                10,
+                "the API's fleet view to show the request",
+            )
+            idle = [w for w in fleet.workers if w != streaming.worker_id]
+            assert all(_engine_series(_metrics_url(fleet, w))[RUNNING] == 0 for w in idle)
+        finally:
+            for pid in held:
+                os.kill(pid, signal.SIGCONT)
+        streaming.chunks()
     assert worker["vllm:num_requests_waiting"] == api["vllm:num_requests_waiting"] == 0
     assert 0 < worker["vllm:kv_cache_usage_perc"] < 1 and 0 < api["vllm:kv_cache_usage_perc"] < 1
     assert worker["vllm:num_preemptions_total"] == 0
-    list(chunks)
-    wait_until(lambda: _engine_series(fleet.url)["vllm:num_requests_running"] == 0, 10, "the end")
+    wait_until(lambda: _engine_series(fleet.url)[RUNNING] == 0, 10, "the end")
 
 
-def _ports(fleet: VllmFleet) -> list[int]:
-    return [fleet.metrics_ports[worker_id] for worker_id in fleet.workers]
+def _metrics_url(fleet: VllmFleet, worker_id: str) -> str:
+    return f"http://127.0.0.1:{fleet.metrics_ports[worker_id]}"
+
+
+def _children(pid: int) -> list[int]:
+    """The processes ``pid`` started (vLLM's model process among them), from /proc."""
+    children = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # ended meanwhile
+            continue
+        if int(fields[1]) == pid:
+            children.append(int(stat.parent.name))
+    return children
 
 
 def _engine_series(base_url: str) -> dict[str, float]:
@@ -446,47 +472,76 @@ def _interrupted_stream(
     token, read the rest: the client's text (checked to be the text the stream's events
     carry, in order), the attempts that wrote them, and how many tokens they carry.
 
-    The tiny model streams a token every few milliseconds, faster than a test process that
-    shares the cores can follow through the API and the SDK. So the test watches Redis: the
-    worker whose taken records hold the job is stopped (SIGSTOP to its process group) as its
-    first token is in the stream, and signalled while it can write nothing more."""
+    The worker is stopped (SIGSTOP to its process group) while it is signalled, so it
+    writes nothing more in between, and its answer is unfinished."""
+    with _streaming(fleet, client, max_tokens) as streaming:
+        group = fleet.workers[streaming.worker_id].process.pid
+        os.killpg(group, signal.SIGSTOP)
+        try:
+            assert not streaming.finished()
+            os.kill(group, sig)
+        finally:
+            os.killpg(group, signal.SIGCONT)
+        chunks = streaming.chunks()
+    fleet.workers.pop(streaming.worker_id).stop(signal.SIGKILL)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert chunks[-1].usage.completion_tokens == max_tokens
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    entries = _entries(fleet, streaming.request_id)
+    texts = [entry for entry in entries if isinstance(entry.event, Text)]
+    assert "".join(entry.event.text for entry in texts) == text
+    tokens = sum(len(entry.event.token_ids) for entry in texts)
+    return text, {entry.attempt for entry in texts}, tokens
 
-    def stream() -> list[ChatCompletionChunk]:
-        return list(
-            client.chat.completions.create(
-                model=MODEL,
-                messages=MESSAGES,
-                max_tokens=max_tokens,
-                temperature=0,
-                stream=True,
-                stream_options={"include_usage": True},
-                extra_body={"ignore_eos": True},
-            )  # fmt: skip
-        )
+
+@dataclass
+class Streaming:
+    """A greedy stream read on a thread of its own; see ``_streaming``."""
+
+    fleet: VllmFleet
+    worker_id: str  # the worker holding its job
+    request_id: str
+    read: Future[list[ChatCompletionChunk]]
+    go: threading.Event  # set: the client reads on
+
+    def finished(self) -> bool:
+        """Whether its Finish is in Redis."""
+        return any(isinstance(e.event, Finish) for e in _entries(self.fleet, self.request_id))
+
+    def chunks(self) -> list[ChatCompletionChunk]:
+        """Every chunk the client read, once the stream has ended."""
+        self.go.set()
+        return self.read.result(timeout=120)
+
+
+@contextmanager
+def _streaming(fleet: VllmFleet, client: OpenAI, max_tokens: int) -> Iterator[Streaming]:
+    """A greedy stream of ``max_tokens`` (``ignore_eos``), from the moment its first token is
+    in Redis. The tiny model streams a token every few milliseconds, faster than a test
+    process that shares the cores can follow through the API and the SDK, so the test
+    watches Redis as the stream's worker writes it, and the client reads nothing until
+    ``chunks`` (its parsing would compete with the watching)."""
+    go = threading.Event()
+
+    def read() -> list[ChatCompletionChunk]:
+        stream = client.chat.completions.create(
+            model=MODEL, messages=MESSAGES, max_tokens=max_tokens, temperature=0, stream=True,
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        go.wait()
+        return list(stream)
 
     held = [keys.taken(worker_id) for worker_id in fleet.workers]
     wait_until(lambda: not fleet.redis.client.exists(*held), 10, "earlier jobs to be acked")
     with ThreadPoolExecutor(1) as pool:
-        streamed = pool.submit(stream)
-        victim, request_id = wait_until(lambda: _taken(fleet), 30, "a worker to take the job")
-        events = keys.event_stream(request_id)
-        wait_until(lambda: fleet.redis.client.xlen(events) >= 2, 30, "a token", interval=0.001)
-        group = fleet.workers[victim].process.pid
-        os.killpg(group, signal.SIGSTOP)
+        reading = pool.submit(read)
         try:
-            assert not any(isinstance(entry.event, Finish) for entry in _entries(fleet, request_id))
-            os.kill(group, sig)
+            worker_id, request_id = wait_until(lambda: _taken(fleet), 30, "a worker to take it")
+            events = keys.event_stream(request_id)
+            wait_until(lambda: fleet.redis.client.xlen(events) >= 2, 30, "a token", interval=0.001)
+            yield Streaming(fleet, worker_id, request_id, reading, go)
         finally:
-            os.killpg(group, signal.SIGCONT)
-        chunks = streamed.result(timeout=120)
-    fleet.workers.pop(victim).stop(signal.SIGKILL)
-    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    assert chunks[-1].usage.completion_tokens == max_tokens
-    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
-    texts = [entry for entry in _entries(fleet, request_id) if isinstance(entry.event, Text)]
-    assert "".join(entry.event.text for entry in texts) == text
-    tokens = sum(len(entry.event.token_ids) for entry in texts)
-    return text, {entry.attempt for entry in texts}, tokens
+            go.set()
 
 
 def _taken(fleet: VllmFleet) -> tuple[str, str] | None:

@@ -52,8 +52,11 @@ def test_job_cancelled_while_generating_stops_within_a_step(
     events = producer.wait_end(request_id, timeout=10)
 
     assert isinstance(events[-1], Finish) and events[-1].reason is FinishReason.ABORT
-    # at most the step that was running when the cancel arrived, then the Finish
-    assert len(events) - written_at_cancel <= 2
+    # at most the step running when the cancel was sent and the next (the cancel reaches the
+    # engine thread through Redis and the worker's listener thread, which may wait out
+    # Python's 5 ms switch interval for the GIL: longer than a step of this one-sequence
+    # batch), then the Finish
+    assert len(events) - written_at_cancel <= 3
     assert events[-1].completion_tokens == sum(isinstance(event, Text) for event in events)
     wait_until(lambda: producer.heartbeat()["aborted"] > aborted, 5, "the abort in the heartbeat")
     assert producer.heartbeat()["running"] == 0
