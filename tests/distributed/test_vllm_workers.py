@@ -430,15 +430,16 @@ def _engine_series(base_url: str) -> dict[str, float]:
 
 def test_a_drained_worker_hands_its_stream_to_the_other(fleet: VllmFleet, client: OpenAI):
     """SIGTERM with no grace mid-stream: the run goes back to the queue and the other worker
-    finishes it, every token once, in one more attempt (the hand-back deletes the job's
-    taken record, so it is not restored a second time when the worker is gone); a
-    replacement starts for the tests after."""
+    finishes it, every token once, in one more attempt that writes (the hand-back deletes
+    the job's taken record, so it is not restored a second time when the worker is gone;
+    the draining worker may still take the job back once and hand it on, an attempt that
+    writes nothing); a replacement starts for the tests after."""
     try:
         text, attempts, tokens = _interrupted_stream(fleet, client, signal.SIGTERM, 800)
     finally:
         fleet.start_worker("v3", cpu="0")
         fleet.wait_live()
-    assert attempts == {1, 2} and tokens == 800 and text
+    assert len(attempts) == 2 and min(attempts) == 1 and tokens == 800 and text
 
 
 def test_a_cancelled_stream_stops_the_engine(fleet: VllmFleet, client: OpenAI):
