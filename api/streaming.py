@@ -30,7 +30,16 @@ from api.output_parser import (
 )
 from api.protocols.base import FinishKind, LogprobEntry, ResponseBuilder, SSEChunk, Usage
 from api.sse import SSEResponse
-from shared.events import Error, Finish, FinishReason, InferenceEvent, Ready, Text, TokenLogprob
+from shared.events import (
+    Accepted,
+    Error,
+    Finish,
+    FinishReason,
+    InferenceEvent,
+    Ready,
+    Text,
+    TokenLogprob,
+)
 from shared.tokenizer_loader import LoadedTokenizer
 
 _LINE_BREAK = re.compile(r"\r\n|\r|\n")  # where SSE splits a field into lines
@@ -75,6 +84,8 @@ class StreamProcessor:
         if self.done:
             return []
         match event:
+            case Accepted():
+                return []  # the response may start; its first chunks wait for Ready
             case Ready():
                 self._usage.prompt_tokens = event.prompt_tokens
                 self._usage.cached_tokens = event.cached_tokens
@@ -232,13 +243,19 @@ def sse_event(chunk: SSEChunk) -> bytes:
     return (event + "".join(f"data: {line}\r\n" for line in lines) + "\r\n").encode()
 
 
+def sse_events(chunks: list[SSEChunk]) -> bytes:
+    """The chunks as consecutive SSE frames, for one write."""
+    return b"".join(map(sse_event, chunks))
+
+
 async def sse_stream(
     processor: StreamProcessor,
     events: AsyncIterator[InferenceEvent],
     done_marker: str | None = None,
     first: list[SSEChunk] | None = None,
 ) -> AsyncIterator[bytes]:
-    """The SSE body of one streamed response.
+    """The SSE body of one streamed response: one write per event, its chunks together
+    (a response's last event, its end and the done marker in one).
 
     Ownership: this generator owns ``events`` and ``processor``. However it
     ends (finished, a parser stop, the client gone and the response task
@@ -248,18 +265,22 @@ async def sse_stream(
     ``first`` holds the chunks of events the caller already pushed.
     """
     try:
-        for chunk in first or []:
-            yield sse_event(chunk)
+        if first:
+            yield sse_events(first)
+        last: list[SSEChunk] = []
         if not processor.done:
             async for event in events:
-                for chunk in processor.push(event):
-                    yield sse_event(chunk)
+                chunks = processor.push(event)
                 if processor.done:
+                    last = chunks
                     break
-        for chunk in processor.finish():
-            yield sse_event(chunk)
+                if chunks:
+                    yield sse_events(chunks)
+        last += processor.finish()
         if done_marker is not None:
-            yield sse_event(SSEChunk(done_marker))
+            last.append(SSEChunk(done_marker))
+        if last:
+            yield sse_events(last)
     finally:
         with anyio.CancelScope(shield=True):
             await _aclose(events)
@@ -271,11 +292,15 @@ async def event_source(
     events: AsyncIterator[InferenceEvent],
     done_marker: str | None = None,
 ) -> SSEResponse:
-    """The streamed response, once the first event has come.
+    """The streamed response, once the first event has come: most often ``Accepted``,
+    as an engine takes the request in, before its prompt is computed.
 
-    Waiting for it lets a request the backend refuses at once (an ``Error``
-    first) get a real status code and the protocol's error body instead of an
-    error inside a 200 stream. The wait can be long (a job queued behind busy
+    Waiting for it lets a request the backend refuses (an ``Error`` first: a
+    prompt the engine cannot run, no worker by the queue deadline) get a real
+    status code and the protocol's error body instead of an error inside a 200
+    stream. Not waiting for more lets the response's start go out while the
+    prompt is computed, not in the same moment as its first token and every
+    other stream's of that step. The wait can be long (a job queued behind busy
     workers) and no one but the caller can see the client leave meanwhile, so
     the caller cancels this when it does (``api.app._unless_client_leaves``);
     ``events`` is closed on that exit too, which cancels the request before it

@@ -16,7 +16,7 @@ import logging
 from typing import TYPE_CHECKING, TypeVar
 
 from shared.engine_metrics import EngineLoad
-from shared.events import Error
+from shared.events import Accepted, Error
 
 if TYPE_CHECKING:
     from engine.llm_engine import LLMEngine
@@ -34,9 +34,10 @@ def add_request(
     *,
     generated_token_ids: list[int] | None = None,
     emitted_chars: int = 0,
-) -> Error | None:
+) -> Accepted | Error:
     """Add ``request`` to the engine as ``engine_id`` (its request id unless given);
-    None once it is in, else the ``Error`` that ends it for its client.
+    the event that answers it for its client: ``Accepted`` once it is in, else the
+    ``Error`` that ends it.
 
     A ``ValueError`` is the engine refusing what it cannot run (a prompt too
     long, a token outside the vocabulary, a bad image): an ``invalid_request``
@@ -64,7 +65,7 @@ def add_request(
         log.exception("adding %s to the engine failed", request.request_id)
         engine.abort(engine_id)
         return Error(request.request_id, _failed(exc))
-    return None
+    return Accepted(request.request_id)
 
 
 def end_after_failed_step(

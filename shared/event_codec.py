@@ -13,7 +13,16 @@ from __future__ import annotations
 import json
 from typing import Any, NamedTuple
 
-from shared.events import Error, Finish, FinishReason, InferenceEvent, Ready, Text, TokenLogprob
+from shared.events import (
+    Accepted,
+    Error,
+    Finish,
+    FinishReason,
+    InferenceEvent,
+    Ready,
+    Text,
+    TokenLogprob,
+)
 
 _SEPARATORS = (",", ":")
 
@@ -29,6 +38,8 @@ class Entry(NamedTuple):
 def encode_event(event: InferenceEvent, attempt: int, seq: int) -> dict[str, str]:
     """Stream fields for ``event``, the ``seq``-th event written by ``attempt``."""
     match event:
+        case Accepted():
+            kind, body = "a", []
         case Ready():
             kind, body = "r", [event.prompt_tokens, event.cached_tokens]
             if event.prompt_logprobs is not None:
@@ -53,6 +64,8 @@ def decode_entry(request_id: str, fields: dict[Any, Any]) -> Entry:
 
 def _event(request_id: str, kind: str, body: list[Any]) -> InferenceEvent:
     match kind:
+        case "a":
+            return Accepted(request_id)
         case "r":
             prompt_logprobs = _decode_logprobs(body[2]) if len(body) > 2 else None
             return Ready(request_id, body[0], body[1], prompt_logprobs)

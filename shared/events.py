@@ -26,6 +26,15 @@ class TokenLogprob:
 
 
 @dataclass(slots=True)
+class Accepted:
+    """Sent once, when an engine has taken the request in: it will run unless it is
+    cancelled or misses a deadline, so a response's status is known before its prompt
+    is computed."""
+
+    request_id: str
+
+
+@dataclass(slots=True)
 class Ready:
     """Sent once, when the prompt has been scheduled: usage known up front.
 
@@ -69,4 +78,4 @@ class Error:
     kind: str = "internal_error"
 
 
-InferenceEvent = Ready | Text | Finish | Error
+InferenceEvent = Accepted | Ready | Text | Finish | Error

@@ -49,7 +49,7 @@ import redis
 from engine.engine_host import add_request, end_after_failed_step, read_load
 from engine.engine_thread import EngineThread
 from shared.engine_metrics import EngineLoad
-from shared.events import Error, Finish, InferenceEvent, Ready
+from shared.events import Accepted, Error, Finish, InferenceEvent, Ready
 from shared.wire import PreparedRequest
 from workers.broker.intake import Intake
 from workers.outbox import Attempt, Outbox
@@ -284,16 +284,17 @@ class WorkerHost:
         resume = run.resume or Resume([], 0)
         with self._idle:
             self._current[run.request_id] = run
-        error = add_request(  # tracked already: unresolved, it would hold its slot for good
+        answer = add_request(  # tracked already: unresolved, it would hold its slot for good
             engine,
             run.request,
             run.engine_id,
             generated_token_ids=resume.generated_token_ids,
             emitted_chars=resume.emitted_chars,
         )
-        if error is not None:
-            self._publish([(run, [error])])
-        elif self._early_cancels.pop(run.request_id, None) is not None:
+        if isinstance(answer, Error) or run.resume is None:  # resumed: its client had both
+            self._publish([(run, [answer])])
+        cancelled_early = self._early_cancels.pop(run.request_id, None) is not None
+        if isinstance(answer, Accepted) and cancelled_early:
             self._cancel(engine, run.request_id)
         self._refresh(engine)
 

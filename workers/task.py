@@ -82,7 +82,7 @@ class History:
         elif isinstance(event, Text):
             self.token_ids += event.token_ids
             self.chars += len(event.text)
-        else:
+        elif isinstance(event, Finish | Error):
             self.finished = True
 
     @property

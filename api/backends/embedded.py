@@ -155,7 +155,7 @@ class EmbeddedBackend(Backend):
                         )
                         return
                     continue  # a deadline the request met before its alarm was taken out
-                started = started or isinstance(event, Ready)
+                started = started or isinstance(event, Ready)  # an accepted request may still wait
                 first_token = first_token or (isinstance(event, Text) and bool(event.token_ids))
                 finished = isinstance(event, Finish | Error)
                 yield event
@@ -202,9 +202,7 @@ class EmbeddedBackend(Backend):
     # --- on the engine thread --------------------------------------------------
 
     def _add(self, engine: LLMEngine, request: PreparedRequest) -> None:
-        error = add_request(engine, request)
-        if error is not None:
-            self._send([error])
+        self._send([add_request(engine, request)])
 
     def _on_events(self, engine: LLMEngine, events: list[InferenceEvent]) -> None:
         if events:

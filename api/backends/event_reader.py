@@ -13,7 +13,7 @@ delivered in order and once.
 
 Fencing is repeated here cheaply: events of an attempt older than the newest
 one seen are dropped, and so are an event whose sequence number this attempt
-already delivered (its write was repeated) and a second ``Ready``.
+already delivered (its write was repeated) and a second ``Accepted`` or ``Ready``.
 
 If Redis stays unreachable for longer than ``outage_grace_s``, or comes back
 as a different server (its ``run_id`` changed: the streams are lost), every
@@ -37,7 +37,7 @@ from redis.exceptions import RedisError
 
 from shared import keys
 from shared.event_codec import Entry, decode_entry
-from shared.events import Error, Finish, InferenceEvent, Ready
+from shared.events import Accepted, Error, Finish, InferenceEvent, Ready
 
 log = logging.getLogger(__name__)
 
@@ -54,19 +54,20 @@ class Subscription:
     last_id: str = "0"
     attempt: int = 0  # the newest attempt seen
     seq: int = 0  # the newest sequence number of that attempt
-    ready_seen: bool = False
+    once_seen: set[type] = field(default_factory=set)  # of the events a request gets once
     ended: bool = False  # a Finish or Error was delivered
 
     def accept(self, entry: Entry) -> bool:
-        """False for a stale attempt's event, a repeated event or a repeated ``Ready``."""
+        """False for a stale attempt's event, a repeated event, or a second ``Accepted``
+        or ``Ready`` (a later attempt's)."""
         attempt, seq, event = entry
         if attempt < self.attempt or (attempt == self.attempt and seq <= self.seq):
             return False
         self.attempt, self.seq = attempt, seq
-        if isinstance(event, Ready):
-            if self.ready_seen:
+        if isinstance(event, Accepted | Ready):
+            if type(event) in self.once_seen:
                 return False
-            self.ready_seen = True
+            self.once_seen.add(type(event))
         return True
 
     def deliver(self, event: InferenceEvent) -> None:

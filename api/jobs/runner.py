@@ -43,7 +43,7 @@ from api.preparation import Prepared
 from api.protocols.base import SSEChunk
 from api.store_errors import store_errors
 from api.streaming import StreamProcessor, chunk_data
-from shared.events import Finish, FinishReason, InferenceEvent
+from shared.events import Accepted, Finish, FinishReason, InferenceEvent
 
 log = logging.getLogger(__name__)
 
@@ -211,6 +211,8 @@ class JobRunner:
                     await self._write(processor.push(self._abort()))
                     await self._end_stream()
                 return JobOutcome(JobStatus.CANCELLED, self._usage())
+            if isinstance(event, Accepted):
+                continue  # it may still wait in the engine: a job runs from its Ready
             await self._mark_running()
             await self._write(processor.push(event))
         await self._write(processor.finish())

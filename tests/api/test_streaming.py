@@ -44,6 +44,7 @@ from api.settings import Settings
 from api.streaming import StreamProcessor, TokenPieces, collect, event_source, sse_stream
 from shared.conversation import Conversation
 from shared.events import (
+    Accepted,
     Error,
     Finish,
     FinishReason,
@@ -271,8 +272,10 @@ def test_sse_stream_ends_with_the_done_marker_and_closes_the_events(tokenizer):
     processor, _ = _processor(tokenizer)
     events = ScriptedEvents([Ready(RID, 3, 0), _text("hi"), Finish(RID, FinishReason.STOP, 1)])
     sent = _run(_drain(sse_stream(processor, events, "[DONE]")))
-    assert sent[-1] == b"data: [DONE]\r\n\r\n"
-    assert sent[-2].startswith(b"event: done\r\n")
+    assert len(sent) == 3  # one write per event; the last one's with the done marker
+    frames = sent[-1].split(b"\r\n\r\n")
+    assert frames[-2:] == [b"data: [DONE]", b""]
+    assert frames[-3].startswith(b"event: done\r\n")
     assert events.closed
 
 
@@ -422,7 +425,7 @@ def test_leaving_a_stream_aborts_it_before_the_next_step():
 
     async def read_two_and_leave(backend: EmbeddedBackend) -> list[InferenceEvent]:
         events = backend.infer(_wire("a"))
-        seen = [await anext(events), await anext(events), await anext(events)]
+        seen = [await anext(events) for _ in range(4)]
         steps_when_left = engine.stats.steps
         await events.aclose()
         for _ in range(200):
@@ -432,7 +435,7 @@ def test_leaving_a_stream_aborts_it_before_the_next_step():
         return [seen, steps_when_left]
 
     seen, steps_when_left = _run(_with_backend(engine, read_two_and_leave))
-    assert [type(event) for event in seen] == [Ready, Text, Text]
+    assert [type(event) for event in seen] == [Accepted, Ready, Text, Text]
     assert engine.stats.aborted == 1 and not engine.sequences
     assert engine.aborted_at_step["a"] <= steps_when_left + 1  # within one step
     assert len(engine.threads) == 1 and threading.get_ident() not in engine.threads
@@ -459,13 +462,13 @@ def test_an_add_that_fails_unexpectedly_ends_its_request_and_nothing_else():
         broken_events = backend.infer(_wire("broken", BROKEN_PROMPT))
         broken = [await asyncio.wait_for(anext(broken_events), 5)]
         events = backend.infer(_wire("next"))
-        after = [await anext(events), await anext(events)]
+        after = [await anext(events) for _ in range(3)]
         await events.aclose()
         return broken, after
 
     broken, after = _run(_with_backend(engine, run))
     assert isinstance(broken[-1], Error) and "a table the engine expected" in broken[-1].message
-    assert [type(event) for event in after] == [Ready, Text]
+    assert [type(event) for event in after] == [Accepted, Ready, Text]
     assert "broken" not in engine.sequences  # taken out again
 
 

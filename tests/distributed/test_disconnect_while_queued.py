@@ -10,13 +10,15 @@ lets a worker drop the job without prefill if it already took it; a job
 still queued is withdrawn from its list, with its wake token, so no worker
 pops it and no autoscaler counts it. A stream nobody starts must still be
 refused with a status (503), not a 200 stream holding an error, and its job
-is withdrawn too.
+is withdrawn too; one a worker accepts starts then, before its prompt is
+computed (the test writes the events a worker writes).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 import time
 from collections.abc import Iterator
 
@@ -25,9 +27,11 @@ import pytest
 import redis
 
 from shared import keys
+from shared.events import Accepted, Finish, FinishReason, Ready, Text
 from shared.registry import DEFAULT_MODEL
 from shared.task_message import queue_lists
 from tests.distributed.conftest import Api, GhostWorker, RedisServer, wait_until
+from tests.streams import append_events
 
 pytestmark = pytest.mark.distributed
 
@@ -140,3 +144,41 @@ def test_a_stream_nobody_starts_is_still_refused_with_a_status(
     assert "No worker started the request" in response.json()["error"]["message"]
     assert QUEUE_TIMEOUT_S <= time.monotonic() - began < QUEUE_TIMEOUT_S + 2
     wait_until(lambda: nothing_queued(server), 5, "the job withdrawn from its queue")
+
+
+def test_a_stream_starts_when_a_worker_accepts_it_before_its_first_token(
+    queued_api: str, server: RedisServer
+):
+    """The status and headers go out on ``Accepted``; the chunks follow ``Ready``."""
+    body = {"model": "default", "messages": MESSAGES, "max_tokens": 8, "stream": True}
+    headers_seen = threading.Event()
+    request_ids: list[str] = []
+
+    def worker() -> None:
+        inflight = keys.inflight(DEFAULT_MODEL)
+        queued = wait_until(lambda: server.client.zrange(inflight, 0, -1), 10, "the job queued")
+        request_id = queued[0]
+        request_ids.append(request_id)
+        append_events(server.client, request_id, 1, Accepted(request_id))
+        headers_seen.wait(10)  # with no response start by then, the test fails below
+        done = Finish(request_id, FinishReason.STOP, 1)
+        append_events(
+            server.client, request_id, 1, Ready(request_id, 5, 0), Text(request_id, "Hi", [1]), done
+        )
+
+    writer = threading.Thread(target=worker)
+    writer.start()
+    try:
+        with httpx.stream(
+            "POST", f"{queued_api}/v1/chat/completions", json=body, timeout=30
+        ) as response:
+            written = server.client.xlen(keys.event_stream(request_ids[0]))
+            headers_seen.set()
+            text = response.read().decode()
+    finally:
+        headers_seen.set()
+        writer.join()
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/event-stream")
+    assert written == 1  # only the Accepted: the prompt is not computed yet
+    assert '"content":"Hi"' in text and text.rstrip().endswith("data: [DONE]")

@@ -19,7 +19,7 @@ from redis.asyncio import Redis
 from api.backends.event_reader import EventReader, Subscription
 from api.backends.request_queue import RequestQueue
 from shared import keys
-from shared.events import Error, Finish, FinishReason, InferenceEvent, Ready, Text
+from shared.events import Accepted, Error, Finish, FinishReason, InferenceEvent, Ready, Text
 from shared.sampling import SamplingParams
 from shared.wire import Deadlines, PreparedRequest, QueuedRequest
 from tests.distributed.conftest import RedisServer
@@ -126,18 +126,18 @@ def test_a_job_queued_with_the_interrupt_returns_the_blocked_read(
     assert run(scenario()) < 1.0
 
 
-def test_a_stale_attempt_a_repeated_event_and_a_second_ready_are_dropped(
+def test_a_stale_attempt_a_repeated_event_and_a_second_accepted_or_ready_are_dropped(
     own_redis: RedisServer,
 ):
-    write(own_redis, "r2", 1, Ready("r2", 4, 0), Text("r2", "a", [7]))
-    write(own_redis, "r2", 2, Ready("r2", 4, 0), Text("r2", "b", [8]))
-    append_events(own_redis.client, "r2", 2, Text("r2", "b", [8]), seq=2)  # a write sent again
+    write(own_redis, "r2", 1, Accepted("r2"), Ready("r2", 4, 0), Text("r2", "a", [7]))
+    write(own_redis, "r2", 2, Accepted("r2"), Ready("r2", 4, 0), Text("r2", "b", [8]))
+    append_events(own_redis.client, "r2", 2, Text("r2", "b", [8]), seq=3)  # a write sent again
     write(own_redis, "r2", 1, Text("r2", "stale", [9]))
     write(own_redis, "r2", 2, Finish("r2", FinishReason.LENGTH, 2))
 
-    received = read_stream(own_redis, "r2", 4)
-    assert [type(event) for event in received] == [Ready, Text, Text, Finish]
-    assert [event.text for event in received[1:3]] == ["a", "b"]
+    received = read_stream(own_redis, "r2", 5)
+    assert [type(event) for event in received] == [Accepted, Ready, Text, Text, Finish]
+    assert [event.text for event in received[2:4]] == ["a", "b"]
 
 
 def test_a_redis_restart_fails_open_requests_and_reading_resumes(own_redis: RedisServer):

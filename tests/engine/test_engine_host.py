@@ -15,7 +15,7 @@ import pytest
 from engine.engine_host import add_request, end_after_failed_step, read_load
 from engine.llm_engine import LLMEngine
 from shared.engine_metrics import EngineLoad
-from shared.events import Error
+from shared.events import Accepted, Error
 from shared.sampling import SamplingParams
 from shared.wire import PreparedRequest
 
@@ -52,7 +52,7 @@ def test_a_request_the_engine_refuses_ends_with_an_invalid_request_error(
         "invalid_request",
     )
     assert not engine.has_unfinished()
-    assert add_request(engine, request("fine"), "fine/1") is None
+    assert add_request(engine, request("fine"), "fine/1") == Accepted("fine")
     assert list(engine.sequences) == ["fine/1"]  # the engine knows it by the id it was given
 
 
@@ -76,7 +76,7 @@ def test_a_failed_step_ends_every_request_with_an_error_and_frees_their_blocks(
 ) -> None:
     engine = make_engine(max_num_seqs=2)
     for name in ("a", "b", "c"):  # c waits: two run at a time
-        assert add_request(engine, request(name, [*PROMPT, len(name)])) is None
+        assert add_request(engine, request(name, [*PROMPT, len(name)])) == Accepted(name)
     engine.step()
     engine.step()
     assert len(engine.scheduler.running) == 2 and len(engine.scheduler.waiting) == 1
@@ -101,7 +101,7 @@ def test_a_request_whose_abort_the_failed_step_lost_still_gets_its_error(
 ) -> None:
     engine = make_engine()
     for name in ("a/1", "b/1"):
-        assert add_request(engine, request(name[0]), name) is None
+        assert add_request(engine, request(name[0]), name) == Accepted(name[0])
     engine.step()
     engine.abort("b/1")  # cancelled: its Finish(abort) waits for the next step
 

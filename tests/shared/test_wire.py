@@ -7,7 +7,7 @@ import json
 import pytest
 
 from shared.event_codec import decode_entry, encode_event
-from shared.events import Ready, TokenLogprob
+from shared.events import Accepted, Ready, TokenLogprob
 from shared.sampling import SamplingParams
 from shared.wire import (
     Deadlines,
@@ -78,3 +78,8 @@ def test_the_pending_deadline_follows_the_request_s_progress() -> None:
     late_start = Deadlines(queue=25.0, first_token=20.0, total=30.0)
     assert late_start.pending(started=False, first_token=False) == (20.0, "first_token_timeout")
     assert Deadlines().pending(started=False, first_token=False) == (None, "total_timeout")
+
+
+def test_accepted_crosses_the_stream_as_itself():
+    decoded = decode_entry("r1", encode_event(Accepted("r1"), attempt=2, seq=1))
+    assert decoded == (2, 1, Accepted("r1"))

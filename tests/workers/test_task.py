@@ -10,7 +10,7 @@ import pytest
 import redis
 
 from shared import keys
-from shared.events import Error, Finish, FinishReason, Ready, Text
+from shared.events import Accepted, Error, Finish, FinishReason, Ready, Text
 from shared.registry import DEFAULT_MODEL
 from shared.sampling import SamplingParams
 from shared.task_message import REQUEST_HEADER
@@ -45,11 +45,11 @@ def test_greedy_job_streams_what_offline_generation_produces(
     events = [entry.event for entry in entries]
     assert {entry.attempt for entry in entries} == {1}
     assert [entry.seq for entry in entries] == list(range(1, len(entries) + 1))
-    assert events[0] == Ready(request_id, len(PROMPT), 0)
+    assert events[:2] == [Accepted(request_id), Ready(request_id, len(PROMPT), 0)]
     assert text_of(events) == text_of(expected)
     assert tokens_of(events) == tokens_of(expected)
     assert events[-1] == Finish(request_id, FinishReason.LENGTH, GREEDY.max_tokens, None)
-    assert sum(isinstance(event, Ready) for event in events) == 1
+    assert sum(isinstance(event, Accepted | Ready) for event in events) == 2
     assert 0 < producer.client.ttl(keys.event_stream(request_id)) <= keys.FINISHED_STREAM_TTL_S
     # resolved by the outbox thread, counted again by the engine thread's snapshot
     wait_until(lambda: worker.host.snapshot.runs == 0, 5, "the run to leave the snapshot")
