@@ -72,6 +72,8 @@ class StreamTiming:
     ttft_s: float
     gaps_s: list[float]
     tokens: int
+    response_id: str = ""
+    first_content_at: float = math.nan  # wall clock (``time.time()``), to compare with Redis's
 
 
 @dataclass(slots=True)
@@ -373,7 +375,7 @@ async def one_stream(
     }
     sent = time.perf_counter()
     arrivals: list[float] = []
-    tokens = 0
+    tokens, response_id, first_content_at = 0, "", math.nan
     async with session.post("/v1/chat/completions", json=body) as response:
         response.raise_for_status()
         async for raw in response.content:  # one SSE line at a time
@@ -381,14 +383,17 @@ async def one_stream(
             if not line.startswith("data: {"):
                 continue
             chunk = json.loads(line[6:])
+            response_id = chunk["id"]
             if chunk.get("usage"):
                 tokens = chunk["usage"]["completion_tokens"]
             if any(choice["delta"].get("content") for choice in chunk["choices"]):
                 arrivals.append(time.perf_counter())
+                if len(arrivals) == 1:
+                    first_content_at = time.time()
     if not arrivals:
-        return StreamTiming(math.nan, [], tokens)
+        return StreamTiming(math.nan, [], tokens, response_id)
     gaps = [later - earlier for earlier, later in zip(arrivals, arrivals[1:], strict=False)]
-    return StreamTiming(arrivals[0] - sent, gaps, tokens)
+    return StreamTiming(arrivals[0] - sent, gaps, tokens, response_id, first_content_at)
 
 
 # --- the table ---------------------------------------------------------------------

@@ -18,7 +18,12 @@ order that flips every round, one greedy Chat Completions stream of
 content chunk, median over all rounds) and one burst of ``--streams``
 concurrent streams (aggregate tok/s, TTFT p50 and p99), all with
 ``ignore_eos``. For Sluice it also reports the CPU time per streamed token of
-the API process: what the layer in front costs.
+the API process and the delivery of each burst stream's first token, from the
+worker's entry in Redis (its id is the write's millisecond) to the client: what
+the layer in front costs, without the engine's step, whose length varies from
+burst to burst by more than that. The TTFT p50 difference is also given per round,
+between the two configurations' bursts run back to back, so that the machine's
+drift over a run cancels out.
 """
 
 from __future__ import annotations
@@ -33,6 +38,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import redis
+
 from bench.queue import (
     ROOT,
     Processes,
@@ -44,6 +51,9 @@ from bench.queue import (
     start_redis,
     wait_ready,
 )
+from shared import keys
+from shared.event_codec import decode_entry
+from shared.events import Text
 from workers.vllm_engine import VLLM_VERSION
 
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
@@ -62,6 +72,8 @@ class Measured:
     burst_ttft_p50_ms: float
     burst_ttft_p99_ms: float
     api_cpu_ms_per_token: float | None = None
+    delivery_p50_ms: float | None = None
+    delivery_p99_ms: float | None = None
 
 
 def default_checkpoint(directory: Path) -> Path:
@@ -101,6 +113,9 @@ class Served:
     burst: list[StreamTiming] = field(default_factory=list)
     burst_wall_s: float = 0.0
     api_cpu_s: float = 0.0
+    burst_ttft_p50s_ms: list[float] = field(default_factory=list)  # one per round
+    redis_url: str | None = None  # Sluice's: where its streams' entries are read back
+    deliveries_ms: list[float] = field(default_factory=list)
 
 
 def vllm_serve(
@@ -148,7 +163,27 @@ def sluice(processes: Processes, weights: Path, args: argparse.Namespace, workdi
     base_url = f"http://127.0.0.1:{port}"
     wait_ready(base_url, api, workdir / "api.log", timeout_s=STARTUP_TIMEOUT_S)
     asyncio.run(run_streams(base_url, MODEL, 1, 4))  # waits for the worker
-    return Served("sluice", base_url, api.pid)
+    return Served("sluice", base_url, api.pid, redis_url=redis_url)
+
+
+def deliveries_ms(redis_url: str, streams: list[StreamTiming]) -> list[float]:
+    """Per stream, its first content's arrival less the write of its entry in Redis."""
+    client = redis.Redis.from_url(redis_url)
+    try:
+        return [
+            stream.first_content_at * 1e3 - _first_text_written_ms(client, stream.response_id)
+            for stream in streams
+        ]
+    finally:
+        client.close()
+
+
+def _first_text_written_ms(client: redis.Redis, request_id: str) -> float:
+    for entry_id, fields in client.xrange(keys.event_stream(request_id)):
+        event = decode_entry(request_id, fields).event
+        if isinstance(event, Text) and event.text:
+            return float(entry_id.split(b"-")[0])
+    raise RuntimeError(f"no content in the stream of {request_id}")
 
 
 def measure_alternately(configurations: list[Served], args: argparse.Namespace) -> None:
@@ -172,8 +207,14 @@ def measure_alternately(configurations: list[Served], args: argparse.Namespace) 
                 run_streams(served.base_url, MODEL, args.streams, args.new_tokens, ignore_eos=True)
             )
             served.burst_wall_s += time.perf_counter() - started
+            ttfts = [stream.ttft_s * 1e3 for stream in served.burst[-args.streams :]]
+            served.burst_ttft_p50s_ms.append(percentile(ttfts, 50))
             if served.api_pid:
                 served.api_cpu_s += cpu_seconds(served.api_pid) - before
+            if served.redis_url:
+                served.deliveries_ms += deliveries_ms(
+                    served.redis_url, served.burst[-args.streams :]
+                )
 
 
 def summary(served: Served) -> Measured:
@@ -187,6 +228,8 @@ def summary(served: Served) -> Measured:
         burst_ttft_p50_ms=percentile(ttfts, 50),
         burst_ttft_p99_ms=percentile(ttfts, 99),
         api_cpu_ms_per_token=served.api_cpu_s / tokens * 1e3 if served.api_pid else None,
+        delivery_p50_ms=percentile(served.deliveries_ms, 50) if served.deliveries_ms else None,
+        delivery_p99_ms=percentile(served.deliveries_ms, 99) if served.deliveries_ms else None,
     )
 
 
@@ -235,6 +278,13 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"sluice ÷ vllm serve: 1 stream {single:.3f}x, {args.streams} streams {burst:.3f}x, "
         f"TTFT p50 {ttft:+.1f} ms"
+    )
+    rounds = zip(*(served.burst_ttft_p50s_ms for served in configurations), strict=True)
+    paired = statistics.median(fronted_p50 - alone_p50 for alone_p50, fronted_p50 in rounds)
+    print(f"TTFT p50 difference, median over rounds of back-to-back bursts: {paired:+.1f} ms")
+    print(
+        f"sluice: a burst stream's first token from its Redis entry to the client: "
+        f"p50 {fronted.delivery_p50_ms:.1f} ms, p99 {fronted.delivery_p99_ms:.1f} ms"
     )
     return 0
 
