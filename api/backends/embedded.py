@@ -155,7 +155,7 @@ class EmbeddedBackend(Backend):
                         )
                         return
                     continue  # a deadline the request met before its alarm was taken out
-                started = started or isinstance(event, Ready)  # an accepted request may still wait
+                started = started or isinstance(event, Ready)  # accepted, it may wait in the engine
                 first_token = first_token or (isinstance(event, Text) and bool(event.token_ids))
                 finished = isinstance(event, Finish | Error)
                 yield event

@@ -369,13 +369,8 @@ def test_workers_and_the_api_report_vllm_s_engine_series(fleet: VllmFleet, clien
     The request is held mid-stream: the serving worker's vLLM model process is stopped
     (SIGSTOP) once a token is out, so the engine waits inside its next step while the
     worker's metrics and heartbeats go on, however long the test takes to read them."""
-    with _streaming(fleet, client, max_tokens=900) as streaming:
-        held = _children(fleet.workers[streaming.worker_id].process.pid)
-        assert held  # vLLM's model runs in a process of its own on CPUs
-        for pid in held:
-            os.kill(pid, signal.SIGSTOP)
+    with _held_mid_stream(fleet, client) as streaming:
         try:
-            assert not streaming.finished()
             url = _metrics_url(fleet, streaming.worker_id)
             worker = wait_until(
                 lambda: (series := _engine_series(url))[RUNNING] == 1 and series,
@@ -390,13 +385,38 @@ def test_workers_and_the_api_report_vllm_s_engine_series(fleet: VllmFleet, clien
             idle = [w for w in fleet.workers if w != streaming.worker_id]
             assert all(_engine_series(_metrics_url(fleet, w))[RUNNING] == 0 for w in idle)
         finally:
-            for pid in held:
-                os.kill(pid, signal.SIGCONT)
+            _signal_model(fleet, streaming, signal.SIGCONT)
         streaming.chunks()
     assert worker["vllm:num_requests_waiting"] == api["vllm:num_requests_waiting"] == 0
     assert 0 < worker["vllm:kv_cache_usage_perc"] < 1 and 0 < api["vllm:kv_cache_usage_perc"] < 1
     assert worker["vllm:num_preemptions_total"] == 0
     wait_until(lambda: _engine_series(fleet.url)[RUNNING] == 0, 10, "the end")
+
+
+@contextmanager
+def _held_mid_stream(fleet: VllmFleet, client: OpenAI, tries: int = 3) -> Iterator[Streaming]:
+    """A stream whose worker's vLLM model process is stopped after its first token.
+
+    A stream whose end was written before the stop took hold (its test process kept off
+    the cores for its whole length) is read to its end and sent again, up to ``tries``
+    times: the hold is what the caller needs, not the first request."""
+    for _ in range(tries):
+        with _streaming(fleet, client, max_tokens=900) as streaming:
+            _signal_model(fleet, streaming, signal.SIGSTOP)
+            if not streaming.finished():
+                yield streaming
+                return
+            _signal_model(fleet, streaming, signal.SIGCONT)
+            streaming.chunks()
+    pytest.fail(f"every one of {tries} streams ended before its worker could be stopped")
+
+
+def _signal_model(fleet: VllmFleet, streaming: Streaming, signum: signal.Signals) -> None:
+    """Send ``signum`` to the processes of the stream's worker (vLLM's model process)."""
+    held = _children(fleet.workers[streaming.worker_id].process.pid)
+    assert held  # vLLM's model runs in a process of its own on CPUs
+    for pid in held:
+        os.kill(pid, signum)
 
 
 def _metrics_url(fleet: VllmFleet, worker_id: str) -> str:
@@ -544,7 +564,8 @@ def _streaming(fleet: VllmFleet, client: OpenAI, max_tokens: int) -> Iterator[St
         try:
             worker_id, request_id = wait_until(lambda: _taken(fleet), 30, "a worker to take it")
             events = keys.event_stream(request_id)
-            wait_until(lambda: fleet.redis.client.xlen(events) >= 2, 30, "a token", interval=0.001)
+            # Accepted, Ready and the first token
+            wait_until(lambda: fleet.redis.client.xlen(events) >= 3, 30, "a token", interval=0.001)
             yield Streaming(fleet, worker_id, request_id, reading, go)
         finally:
             _renice(fleet, 0)
