@@ -291,7 +291,8 @@ class WorkerHost:
             generated_token_ids=resume.generated_token_ids,
             emitted_chars=resume.emitted_chars,
         )
-        if isinstance(answer, Error) or run.resume is None:  # resumed: its client had both
+        # A resumed request's client has its Accepted (and Ready) from an earlier attempt.
+        if isinstance(answer, Error) or run.resume is None:
             self._publish([(run, [answer])])
         cancelled_early = self._early_cancels.pop(run.request_id, None) is not None
         if isinstance(answer, Accepted) and cancelled_early:
