@@ -10,7 +10,10 @@ first, so an idle host holds no more memory than before its last burst.
 Once warm, it drops the pages of libtorch's code that only the start ran
 (``shared.heap.drop_code_pages``).
 Callbacks run on the engine thread: they may call the engine directly but
-must not block for long, since every request waits for them.
+must not block for long, since every request waits for them. ``on_commands``
+runs after each batch of queued commands, before the step: a host sends what
+the batch produced in one write rather than one per command, which a burst's
+adds would otherwise make while the next step waits for them.
 
 This module owns the thread and the order of work on it; what a host does
 with the engine in its commands and callbacks (adding a request, ending every
@@ -40,6 +43,7 @@ log = logging.getLogger(__name__)
 Command = Callable[["LLMEngine"], None]
 EventsHandler = Callable[["LLMEngine", list[InferenceEvent]], None]
 StepFailureHandler = Callable[["LLMEngine", Exception], None]
+CommandsHandler = Callable[["LLMEngine"], None]
 DeathHandler = Callable[[BaseException], None]
 
 
@@ -53,10 +57,12 @@ class EngineThread:
         on_step_failure: StepFailureHandler,
         name: str = "sluice-engine",
         on_death: DeathHandler | None = None,
+        on_commands: CommandsHandler | None = None,
     ) -> None:
         self.engine = engine
         self._on_events = on_events
         self._on_step_failure = on_step_failure
+        self._on_commands = on_commands
         self._on_death = on_death  # called on the thread when something ends it early
         self._commands: deque[Command] = deque()
         self._wake = threading.Condition()
@@ -106,6 +112,8 @@ class EngineThread:
         while (commands := self._next_commands()) is not None:
             for command in commands:
                 self._apply(command)
+            if self._on_commands is not None:
+                self._apply(self._on_commands)
             if engine.has_unfinished():
                 self._step()
                 if not engine.has_unfinished():  # drained: hand back what the steps freed

@@ -151,12 +151,17 @@ class WorkerHost:
         on_cache_changes: Callable[[CacheChanges], None] | None = None,
     ) -> None:
         self._outbox = Outbox(publisher, self._on_written)
-        self._thread = EngineThread(engine, self._on_events, self._on_step_failure)
+        self._thread = EngineThread(
+            engine, self._on_events, self._on_step_failure, on_commands=self._send_added
+        )
         # By engine id, from submission until taken out (dict operations are atomic): task
         # threads add runs (under _idle), whichever thread ends a run takes it out.
         self._runs: dict[str, Run] = {}
         self._current: dict[str, Run] = {}  # by request id, once in the engine; under _idle
         self._early_cancels: dict[str, float] = {}  # request id -> when; engine thread only
+        # The runs this batch of commands added, with what to send for each once the batch
+        # has run; engine thread only.
+        self._added: list[tuple[Run, list[InferenceEvent]]] = []
         self._idle = threading.Condition()  # notified whenever a run is taken out
         self._lost = False  # the watchdog found the engine thread dead; under _idle
         self.draining = False
@@ -292,11 +297,25 @@ class WorkerHost:
             emitted_chars=resume.emitted_chars,
         )
         # A resumed request's client has its Accepted (and Ready) from an earlier attempt.
-        if isinstance(answer, Error) or run.resume is None:
-            self._publish([(run, [answer])])
+        sent = isinstance(answer, Error) or run.resume is None
+        self._added.append((run, [answer] if sent else []))
         cancelled_early = self._early_cancels.pop(run.request_id, None) is not None
         if isinstance(answer, Accepted) and cancelled_early:
             self._cancel(engine, run.request_id)
+
+    def _send_added(self, engine: LLMEngine) -> None:
+        """After a batch of commands: what its adds answered, in one write, and the load.
+
+        A burst's jobs arrive together and are added between two steps; one
+        write and one snapshot for all of them keep the outbox thread and the
+        snapshot from costing the next step's start once per job.
+        """
+        if not self._added:
+            return
+        added, self._added = self._added, []
+        answers = [(run, events) for run, events in added if events]
+        if answers:
+            self._publish(answers)
         self._refresh(engine)
 
     def _cancel(self, engine: LLMEngine, request_id: str) -> None:

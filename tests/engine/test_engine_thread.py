@@ -1,4 +1,5 @@
-"""``EngineThread``: the one thread that steps an engine survives what its callbacks raise.
+"""``EngineThread``: the one thread that steps an engine survives what its callbacks raise,
+and runs its queued commands in batches, each followed by ``on_commands`` before the step.
 
 The engine here is a stand-in with the methods the thread calls (``warm_up``
 once, then ``has_unfinished`` and ``step`` between commands): what is under
@@ -73,5 +74,61 @@ def test_waiting_for_warm_up_returns_once_the_engine_thread_has_warmed_up():
     try:
         thread.wait_warm()
         assert engine.warmed_on == thread._thread.ident
+    finally:
+        thread.stop(timeout=5)
+
+
+class Recording:
+    """Work for one step per ``add``; every call noted in ``calls``, in order."""
+
+    def __init__(self) -> None:
+        self.pending: list[str] = []
+        self.calls: list[str] = []
+
+    def warm_up(self, background: bool = False) -> None:
+        pass
+
+    def add(self, name: str) -> None:
+        self.pending.append(name)
+        self.calls.append(name)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.pending)
+
+    def step(self) -> list[Any]:
+        self.calls.append("step")
+        done, self.pending = self.pending, []
+        return done
+
+
+def test_on_commands_runs_once_after_each_batch_of_commands_and_before_the_step():
+    engine = Recording()
+    stepped = threading.Event()
+    blocking, release = threading.Event(), threading.Event()
+
+    def first(engine: Any) -> None:
+        engine.add("a")
+        blocking.set()
+        assert release.wait(5)
+
+    def on_events(engine: Any, events: list[Any]) -> None:
+        if "d" in events:
+            stepped.set()
+
+    thread = EngineThread(
+        engine,  # type: ignore[arg-type]
+        on_events,
+        lambda *_: None,
+        on_commands=lambda engine: engine.calls.append("sent"),
+    )
+    thread.start()
+    try:
+        thread.call(first)
+        assert blocking.wait(5)
+        for name in "bcd":  # queued while the thread runs ``first``: the next batch
+            thread.call(lambda engine, name=name: engine.add(name))
+        release.set()
+        assert stepped.wait(5)
+        assert engine.calls == ["a", "sent", "step", "b", "c", "d", "sent", "step"]
     finally:
         thread.stop(timeout=5)
