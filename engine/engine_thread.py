@@ -15,6 +15,16 @@ runs after each batch of queued commands, before the step: a host sends what
 the batch produced in one write rather than one per command, which a burst's
 adds would otherwise make while the next step waits for them.
 
+A callback may ``defer`` work that needs not precede the next step (writing
+a step's events). An engine whose model computes in another process
+(``workers.vllm_engine``) has a ``while_running`` hook, which it calls once
+each step has handed its model work over: deferred work runs there, on this
+thread, while the model computes, rather than between the steps, where each
+step would wait for it. Deferred work runs in the order deferred, and before
+anything that may have to follow it: the next commands, the handling of a
+failed step, and the thread's end; when no step follows it runs at once. On
+an engine that computes on this thread, ``defer`` runs the work at once.
+
 This module owns the thread and the order of work on it; what a host does
 with the engine in its commands and callbacks (adding a request, ending every
 request after a failed step, reading the load) is ``engine.engine_host``'s,
@@ -65,6 +75,8 @@ class EngineThread:
         self._on_commands = on_commands
         self._on_death = on_death  # called on the thread when something ends it early
         self._commands: deque[Command] = deque()
+        self._deferred: list[Callable[[], None]] = []  # engine thread only
+        self._overlaps = hasattr(engine, "while_running")  # see ``defer``
         self._wake = threading.Condition()
         self._stopping = False
         self._warm = threading.Event()
@@ -78,6 +90,14 @@ class EngineThread:
         with self._wake:
             self._commands.append(command)
             self._wake.notify()
+
+    def defer(self, work: Callable[[], None]) -> None:
+        """Run ``work``, which must not touch the engine, while the next step's model
+        computes (see the module docstring). Engine thread only."""
+        if self._overlaps:
+            self._deferred.append(work)
+        else:
+            work()
 
     def stop(self, timeout: float | None = None) -> None:
         """Stop after the current step; queued commands that have not run are dropped."""
@@ -108,16 +128,24 @@ class EngineThread:
         engine = self.engine
         engine.warm_up(background=True)  # commands queued meanwhile wait for it
         drop_code_pages()
+        if self._overlaps:
+            engine.while_running = self._run_deferred
         self._warm.set()
         while (commands := self._next_commands()) is not None:
+            if commands:
+                self._run_deferred()
             for command in commands:
                 self._apply(command)
             if self._on_commands is not None:
                 self._apply(self._on_commands)
-            if engine.has_unfinished():
+            stepped = engine.has_unfinished()
+            if stepped:
                 self._step()
-                if not engine.has_unfinished():  # drained: hand back what the steps freed
+            if not engine.has_unfinished():  # no step follows
+                self._run_deferred()
+                if stepped:  # drained: hand back what the steps freed
                     return_free_memory()
+        self._run_deferred()
 
     def _next_commands(self) -> list[Command] | None:
         """Sleep until there is a command or engine work; None when stopping."""
@@ -136,16 +164,27 @@ class EngineThread:
         except Exception:  # one bad command must not take the engine thread down
             log.exception("an engine command failed")
 
+    def _run_deferred(self) -> None:
+        deferred, self._deferred = self._deferred, []
+        for work in deferred:
+            try:
+                work()
+            except Exception:  # one failed write must not take the engine thread down
+                log.exception("deferred work failed")
+
     def _step(self) -> None:
         try:
             events = self.engine.step()
         except Exception as exc:
             log.exception("engine step failed")
+            self._run_deferred()
             try:
                 self._on_step_failure(self.engine, exc)
             except Exception:  # the thread must live on to serve the next requests
                 log.exception("handling a failed step failed")
+            self._run_deferred()
             return
+        self._run_deferred()  # left when the step handed no model work over
         try:
             self._on_events(self.engine, events)
         except Exception:

@@ -377,7 +377,7 @@ class WorkerHost:
             batches.append(Batch(run.request_id, run.attempt, run.next_seq, events))
             run.next_seq += len(events)
             run.ended = run.ended or isinstance(events[-1], Finish | Error)
-        self._outbox.put(batches)
+        self._thread.defer(lambda: self._outbox.put(batches))
 
     def _on_written(
         self, batches: list[Batch], fenced: set[Attempt], error: redis.RedisError | None

@@ -5,7 +5,11 @@ in process (its engine core too, so a ``kill -9`` of the worker ends both)
 and drives it from the worker's engine thread exactly as Sluice's own engine
 is driven: ``add_request`` / ``abort`` between steps, ``step`` returning
 ``Ready``, ``Text`` and ``Finish`` events. The queue, leases, cancellation,
-drain, heartbeats and resume around it are the worker's, unchanged.
+drain, heartbeats and resume around it are the worker's, unchanged. vLLM's
+model computes in a process of its own; each step calls ``while_running``
+once that process has the step's work, and the engine thread writes the
+last step's events there, while the model computes, rather than before
+the step (``engine.engine_thread``).
 
 vLLM samples; the text is Sluice's. vLLM runs with ``detokenize=False`` and
 each sampled token goes through ``engine.detokenizer.OutputText``, the
@@ -61,6 +65,7 @@ from shared.tokenizer_loader import LoadedTokenizer, load_tokenizer
 from shared.wire import WireImage
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
     from collections.abc import Sequence as SequenceABC
 
 log = logging.getLogger(__name__)
@@ -128,6 +133,8 @@ class VllmEngine:
         self.block_manager = _BlocksView(core_scheduler)
         self.stats = _Stats()
         self._count_preemptions(core_scheduler)
+        self.while_running: Callable[[], None] = lambda: None
+        self._call_while_running(self._vllm.engine_core.engine_core.model_executor)
         self._requests: dict[str, _Request] = {}
         self._pending: list[InferenceEvent] = []
         self.description = (
@@ -147,6 +154,18 @@ class VllmEngine:
             return preempt(*args, **kwargs)
 
         scheduler._preempt_request = counted
+
+    def _call_while_running(self, executor: Any) -> None:
+        """Call ``while_running`` each time vLLM has handed a step's model work to its
+        executor: the caller's work between steps then overlaps the model's."""
+        execute = executor.execute_model
+
+        def handed_over(*args: Any, **kwargs: Any) -> Any:
+            handed = execute(*args, **kwargs)
+            self.while_running()
+            return handed
+
+        executor.execute_model = handed_over
 
     def add_request(
         self,

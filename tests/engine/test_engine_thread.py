@@ -1,5 +1,6 @@
 """``EngineThread``: the one thread that steps an engine survives what its callbacks raise,
-and runs its queued commands in batches, each followed by ``on_commands`` before the step.
+runs its queued commands in batches, each followed by ``on_commands`` before the step, and
+runs deferred work while the next step's model computes, before any later command.
 
 The engine here is a stand-in with the methods the thread calls (``warm_up``
 once, then ``has_unfinished`` and ``step`` between commands): what is under
@@ -130,5 +131,83 @@ def test_on_commands_runs_once_after_each_batch_of_commands_and_before_the_step(
         release.set()
         assert stepped.wait(5)
         assert engine.calls == ["a", "sent", "step", "b", "c", "d", "sent", "step"]
+    finally:
+        thread.stop(timeout=5)
+
+
+class Overlapping(Recording):
+    """As ``Recording``, for an engine whose model computes elsewhere: each step calls
+    ``while_running`` between handing its work over and taking its result."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.while_running: Any = None
+        self.left: dict[str, int] = {}  # steps of work left per request
+
+    def add(self, name: str, steps: int = 1) -> None:
+        super().add(name)
+        self.left[name] = steps
+
+    def has_unfinished(self) -> bool:
+        return bool(self.left)
+
+    def step(self) -> list[Any]:
+        self.calls.append("handed over")
+        self.while_running()
+        self.calls.append("step")
+        names = list(self.left)
+        for name in names:
+            self.left[name] -= 1
+            if not self.left[name]:
+                del self.left[name]
+        return names
+
+
+def test_deferred_work_runs_while_the_next_step_computes_and_before_the_next_commands():
+    engine = Overlapping()
+    idle = threading.Event()
+    thread: EngineThread
+
+    def on_events(engine: Any, events: list[Any]) -> None:
+        written = f"write {engine.calls.count('step')}"
+        thread.defer(lambda: engine.calls.append(written))
+        if engine.calls.count("step") == 2:  # a command the third step must wait for
+            thread.call(lambda engine: engine.add("b"))
+        if not engine.has_unfinished():
+            thread.call(lambda engine: idle.set())
+
+    thread = EngineThread(engine, on_events, lambda *_: None)  # type: ignore[arg-type]
+    thread.start()
+    try:
+        thread.call(lambda engine: engine.add("a", steps=3))
+        assert idle.wait(5)
+        assert engine.calls == [
+            "a",
+            "handed over", "step",  # the first step: nothing deferred yet
+            "handed over", "write 1", "step",  # the first step's write, while the second runs
+            "write 2", "b",  # a command: what was deferred goes first
+            "handed over", "step",  # the third step ends both requests: no step follows
+            "write 3",
+        ]  # fmt: skip
+    finally:
+        thread.stop(timeout=5)
+
+
+def test_deferred_work_runs_at_once_on_an_engine_that_computes_on_the_thread():
+    engine = Recording()
+    stepped = threading.Event()
+    thread: EngineThread
+
+    def on_events(engine: Any, events: list[Any]) -> None:
+        thread.defer(lambda: engine.calls.append("write"))
+        engine.calls.append("handled")
+        stepped.set()
+
+    thread = EngineThread(engine, on_events, lambda *_: None)  # type: ignore[arg-type]
+    thread.start()
+    try:
+        thread.call(lambda engine: engine.add("a"))
+        assert stepped.wait(5)
+        assert engine.calls == ["a", "step", "write", "handled"]
     finally:
         thread.stop(timeout=5)
