@@ -7,9 +7,11 @@ stopping runs whose writes failed. Adding a request, ending every run after a
 failed step and reading the engine's load are ``engine.engine_host``'s, as in
 embedded mode; this module owns the runs, the outbox and its fencing, drains,
 cancels and hand-backs. After each step the engine thread hands
-every run's events to the ``Outbox``, which sends them (fenced) at once or
-with the write after the one in flight, and reads the reply on a thread of
-its own while the engine steps on.
+every run's events to the ``Outbox`` (on an engine whose model computes in
+another process, while the next step computes: ``EngineThread.defer``),
+which sends them (fenced) at once or with the write after the one in
+flight, and reads the reply on a thread of its own while the engine steps
+on.
 
 Runs resolve on one thread, the outbox's, after every write put before
 their end: a run that finished when the write of its end came back (it
