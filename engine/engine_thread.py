@@ -165,6 +165,8 @@ class EngineThread:
             log.exception("an engine command failed")
 
     def _run_deferred(self) -> None:
+        if not self._deferred:  # every step asks
+            return
         deferred, self._deferred = self._deferred, []
         for work in deferred:
             try:
@@ -182,7 +184,6 @@ class EngineThread:
                 self._on_step_failure(self.engine, exc)
             except Exception:  # the thread must live on to serve the next requests
                 log.exception("handling a failed step failed")
-            self._run_deferred()
             return
         self._run_deferred()  # left when the step handed no model work over
         try:

@@ -80,7 +80,7 @@ class Outbox:
             self._queued.extend(batches)
             fresh = time.monotonic() < self._fresh_until
             sending = fresh and not self._writing and self._take_queued()
-            if not sending:  # the thread's to write; else it waits for the send to be handed
+            if not sending:  # the thread writes them; a send made here wakes it once handed
                 self._wake.notify_all()
         if sending:
             self._send_here(sending)
