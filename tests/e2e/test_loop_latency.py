@@ -5,8 +5,13 @@ receives, all at once: a chat request whose body is just under the 32 MiB a
 body may hold, an Anthropic message batch of 100,000 requests (cancelled once
 created), and eight chat requests each carrying a 7000x7000 1-bit PNG of a
 few kilobytes. Meanwhile a poller calls ``/health`` one request after
-another: its 99th percentile must stay under 100 ms. Each heavy request must
+another: its 99th percentile must stay under 200 ms. Each heavy request must
 be answered, with no 5xx other than a 503 that says when to retry.
+
+The bound separates a loop blocked by a heavy request (parsing the batch's
+body alone takes about 430 ms here) from the scheduling delay of a 2-core
+machine that the suite's other process shares: 58-65 ms alone, up to 134 ms
+beside the rest of the suite.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ from tests.servers import running_server
 
 pytestmark = pytest.mark.slow
 
-P99_BOUND_S = 0.100
+P99_BOUND_S = 0.200
 MAX_BODY_BYTES = 32 * 2**20
 BATCH_REQUESTS = 100_000
 IMAGES = 8
@@ -124,7 +129,7 @@ def post(server: str, path: str, content: bytes) -> httpx.Response:
         return client.post(path, content=content, headers={"Content-Type": "application/json"})
 
 
-def test_health_answers_within_100_ms_while_heavy_requests_are_handled(server: str):
+def test_health_answers_within_200_ms_while_heavy_requests_are_handled(server: str):
     chat, batch, picture = huge_chat().encode(), message_batch(), bilevel_png()
     assert len(chat) < MAX_BODY_BYTES and len(picture) < 64 * 1024
     image_body = json.dumps(image_chat(picture)).encode()
