@@ -19,7 +19,8 @@ and thread count, one stream, and its resident memory at the server's
 context length; transformers ``generate`` in float32 as a static
 batch of ``--streams`` (``bench.engine``'s prompts and token count); and vLLM's
 CPU build (``vllm serve`` from ``.venv-vllm``, when built) on the same model as an
-HF checkpoint in bfloat16, measured as ``bench.vllm`` measures it.
+HF checkpoint in bfloat16, measured as ``bench.vllm`` measures it (with its ``--dtype``:
+float32 where this CPU has no native bfloat16, as the ``auto`` variant computes).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from pathlib import Path
 
 from bench.engine import chosen_variants
 from bench.queue import Processes, free_port, run_streams, wait_ready
-from bench.vllm import VLLM_PYTHON, Measured, vllm_serve_alone
+from bench.vllm import VLLM_PYTHON, Measured, vllm_dtype, vllm_serve_alone
 from workers.vllm_engine import VLLM_VERSION
 
 VARIANTS = {  # name -> sluice serve flags
@@ -263,7 +264,8 @@ def main(argv: list[str] | None = None) -> int:
     if hf:
         print(f"transformers float32, static batch of {args.streams}: {hf:.1f} tok/s")
     if vllm:
-        print(f"vLLM {VLLM_VERSION} (vllm serve, bfloat16 HF checkpoint): one stream "
+        print(f"vLLM {VLLM_VERSION} (vllm serve, bfloat16 HF checkpoint, --dtype "
+              f"{vllm_dtype()}): one stream "
               f"{vllm.single_tokens_per_s:.1f} tok/s, {args.streams} streams "
               f"{vllm.burst_tokens_per_s:.1f} tok/s")  # fmt: skip
     print(f"{'variant':<10}{'1 stream tok/s':>15}{'÷ llama.cpp':>12}{'TTFT ms':>9}"

@@ -3,8 +3,10 @@
     python -m bench.vllm [--new-tokens 128] [--streams 32] [--rounds 4]
 
 The checkpoint is the default model (SmolLM2-135M-Instruct) as an HF directory in
-bfloat16, converted from its GGUF by transformers (``default_checkpoint``). Two
-configurations share the same cores:
+bfloat16, converted from its GGUF by transformers (``default_checkpoint``), which vLLM
+computes in as a Sluice worker's ``--dtype auto`` resolves (``vllm_dtype``: float32 on a CPU
+without native bfloat16, where bfloat16 would be emulated). Two configurations share the
+same cores:
 
 - ``vllm serve``: vLLM's OpenAI server (``python -m vllm.entrypoints.openai.api_server``
   from ``.venv-vllm``), alone;
@@ -52,9 +54,10 @@ from bench.queue import (
     wait_ready,
 )
 from shared import keys
+from shared.cpu import native_bf16_flag
 from shared.event_codec import decode_entry
 from shared.events import Text
-from workers.vllm_engine import VLLM_VERSION
+from workers.vllm_engine import VLLM_VERSION, resolve_dtype
 
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 MODEL = "smollm2-hf"  # a name of its own: "default" names the GGUF
@@ -99,7 +102,17 @@ def default_checkpoint(directory: Path) -> Path:
 
 
 def engine_flags(args: argparse.Namespace) -> list[str]:
-    return ["--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", str(args.streams)]
+    return [
+        "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", str(args.streams),
+        "--dtype", vllm_dtype(),
+    ]  # fmt: skip
+
+
+def vllm_dtype() -> str:
+    """What vLLM computes in, in both configurations: a Sluice worker's ``auto``
+    (``resolve_dtype``), named to ``vllm serve`` as well, whose own ``auto`` would take the
+    checkpoint's bfloat16 even where this CPU emulates it."""
+    return resolve_dtype("auto", cpu=True, bf16_flag=native_bf16_flag())
 
 
 @dataclass(slots=True)
@@ -262,8 +275,8 @@ def main(argv: list[str] | None = None) -> int:
             processes.stop()
     alone, fronted = (summary(served) for served in configurations)
     print(
-        f"default model (HF, bfloat16) on vLLM {VLLM_VERSION}, greedy, "
-        f"{args.new_tokens} new tokens, {args.rounds} bursts of {args.streams} streams"
+        f"default model (HF, bfloat16; --dtype {vllm_dtype()}) on vLLM {VLLM_VERSION}, "
+        f"greedy, {args.new_tokens} new tokens, {args.rounds} bursts of {args.streams} streams"
     )
     print(f"{'':<12}{'1 stream tok/s':>15}{'TTFT ms':>9}{f'{args.streams} streams tok/s':>18}"
           f"{'TTFT p50':>10}{'TTFT p99':>10}{'API CPU ms/tok':>16}")  # fmt: skip

@@ -26,17 +26,15 @@ parity with transformers; the parity tests pin it.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from pathlib import Path
 
 import torch
 
 from engine.attention import paged_decode
 from engine.model import rowwise, vnni_gemm
 from engine.model.quantized import KERNEL_DTYPE, check_quantization
-from shared.cpu import cpu_flags
+from shared.cpu import native_bf16_flag
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-NATIVE_BF16_FLAGS = ("amx_bf16", "avx512_bf16")
 QUANTIZED_DTYPES = ("auto", "bfloat16", "float32")
 """What a model with low-bit layers may compute in: the layers return their model's dtype."""
 INT4_MAX_BITS = 5.0
@@ -56,12 +54,6 @@ class Precision:
     def kv_dtype(self) -> torch.dtype:
         """What the KV cache stores; attention computes in ``dtype`` all the same."""
         return self.dtype if self.quantization == "none" else KERNEL_DTYPE
-
-
-def native_bf16_flag(cpuinfo: Path = Path("/proc/cpuinfo")) -> str | None:
-    """The CPU flag that makes bfloat16 native here, or None (or when the CPU cannot be read)."""
-    flags = cpu_flags(cpuinfo)
-    return next((flag for flag in NATIVE_BF16_FLAGS if flag in flags), None)
 
 
 def resolve_precision(

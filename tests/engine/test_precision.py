@@ -13,7 +13,8 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.model.quantized import QuantizedEmbedding
-from engine.precision import native_bf16_flag, resolve_precision, stored_methods
+from engine.precision import resolve_precision, stored_methods
+from shared.cpu import native_bf16_flag
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 
