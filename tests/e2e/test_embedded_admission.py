@@ -113,7 +113,8 @@ def test_a_high_priority_request_overtakes_queued_low_priority_ones(server: str)
     """One sequence at a time: behind a running request, the urgent one goes first.
 
     The scene moves on when the server shows each step taken (the running one has
-    streamed a token, the low ones wait), so it holds on a fast engine and a slow one.
+    streamed a token, the low ones wait, then the high one too), and the running one
+    leaves only then, so it holds on a fast engine and a slow one alike.
     """
 
     async def race() -> list[str]:
@@ -126,26 +127,29 @@ def test_a_high_priority_request_overtakes_queued_low_priority_ones(server: str)
                 assert reply.status_code == 200, reply.text
                 finished.append(name)
 
-            async def run_streamed(started: asyncio.Event) -> None:
+            async def run_streamed(started: asyncio.Event, leave: asyncio.Event) -> None:
                 body = _body(RUNNING_TOKENS, ignore_eos=True, stream=True)
                 async with client.stream("POST", "/v1/chat/completions", json=body) as reply:
                     async for _ in reply.aiter_lines():
                         started.set()
-                finished.append("running")
+                        if leave.is_set():
+                            break  # the client goes away: its sequence frees within a step
 
-            started = asyncio.Event()
-            running = asyncio.create_task(run_streamed(started))
+            started, leave = asyncio.Event(), asyncio.Event()
+            running = asyncio.create_task(run_streamed(started, leave))
             await started.wait()  # it holds the only sequence
             low = [asyncio.create_task(send(f"low{i}", 4, 10)) for i in range(2)]
             await _until_waiting(client, 2)  # the low ones queue first
-            await send("high", 4, -10)
-            await asyncio.gather(running, *low)
+            high = asyncio.create_task(send("high", 4, -10))
+            await _until_waiting(client, 3)
+            leave.set()
+            await asyncio.gather(running, high, *low)
         return finished
 
-    assert asyncio.run(race())[:2] == ["running", "high"]
+    assert asyncio.run(race())[0] == "high"
 
 
-RUNNING_TOKENS = 100  # long enough to queue others behind, short of the queue deadline
+RUNNING_TOKENS = 1000  # runs until the client leaves
 
 
 async def _until_waiting(client: httpx.AsyncClient, count: int) -> None:
