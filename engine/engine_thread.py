@@ -22,7 +22,8 @@ each step has handed its model work over: deferred work runs there, on this
 thread, while the model computes, rather than between the steps, where each
 step would wait for it. Deferred work runs in the order deferred, and before
 anything that may have to follow it: the next commands, the handling of a
-failed step, and the thread's end; when no step follows it runs at once. On
+failed step, and the thread's end; when no step follows it runs at once; and
+when a callback calls ``run_deferred``, ahead of work it wants out sooner. On
 an engine that computes on this thread, ``defer`` runs the work at once.
 
 This module owns the thread and the order of work on it; what a host does
@@ -129,11 +130,11 @@ class EngineThread:
         engine.warm_up(background=True)  # commands queued meanwhile wait for it
         drop_code_pages()
         if self._overlaps:
-            engine.while_running = self._run_deferred
+            engine.while_running = self.run_deferred
         self._warm.set()
         while (commands := self._next_commands()) is not None:
             if commands:
-                self._run_deferred()
+                self.run_deferred()
             for command in commands:
                 self._apply(command)
             if self._on_commands is not None:
@@ -142,10 +143,10 @@ class EngineThread:
             if stepped:
                 self._step()
             if not engine.has_unfinished():  # no step follows
-                self._run_deferred()
+                self.run_deferred()
                 if stepped:  # drained: hand back what the steps freed
                     return_free_memory()
-        self._run_deferred()
+        self.run_deferred()
 
     def _next_commands(self) -> list[Command] | None:
         """Sleep until there is a command or engine work; None when stopping."""
@@ -164,7 +165,9 @@ class EngineThread:
         except Exception:  # one bad command must not take the engine thread down
             log.exception("an engine command failed")
 
-    def _run_deferred(self) -> None:
+    def run_deferred(self) -> None:
+        """Run the deferred work now, in the order deferred: before work that must follow it
+        sooner than the next step's hand-over. Engine thread only."""
         if not self._deferred:  # every step asks
             return
         deferred, self._deferred = self._deferred, []
@@ -179,13 +182,13 @@ class EngineThread:
             events = self.engine.step()
         except Exception as exc:
             log.exception("engine step failed")
-            self._run_deferred()
+            self.run_deferred()
             try:
                 self._on_step_failure(self.engine, exc)
             except Exception:  # the thread must live on to serve the next requests
                 log.exception("handling a failed step failed")
             return
-        self._run_deferred()  # left when the step handed no model work over
+        self.run_deferred()  # left when the step handed no model work over
         try:
             self._on_events(self.engine, events)
         except Exception:

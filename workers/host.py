@@ -353,7 +353,8 @@ class WorkerHost:
             if isinstance(event, Ready) and run.resume is not None:
                 continue  # the client has its Ready from the first attempt
             by_run.setdefault(run.engine_id, (run, []))[1].append(event)
-        self._publish(list(by_run.values()))
+        first_tokens = any(isinstance(e, Ready) for _, events in by_run.values() for e in events)
+        self._publish(list(by_run.values()), at_once=first_tokens)
         self._refresh(engine)
 
     def _on_step_failure(self, engine: LLMEngine, exc: Exception) -> None:
@@ -367,8 +368,13 @@ class WorkerHost:
         self._publish([(run, [error]) for run, error in zip(runs, errors, strict=True)])
         self._refresh(engine)
 
-    def _publish(self, runs: list[tuple[Run, list[InferenceEvent]]]) -> None:
+    def _publish(self, runs: list[tuple[Run, list[InferenceEvent]]], at_once: bool = False) -> None:
         """Queue the events for the outbox; ``_settle`` sees how their write went.
+
+        The write waits for the next step's hand-over (``EngineThread.defer``)
+        unless ``at_once``: first tokens go now, since their clients wait for
+        them and a burst's first step ends the wait of many at once, while the
+        step after is delayed once per request.
 
         Takes the runs themselves, not their ids: the outbox thread untracks a
         run whose Finish it wrote at any moment, also between a lookup here
@@ -379,7 +385,11 @@ class WorkerHost:
             batches.append(Batch(run.request_id, run.attempt, run.next_seq, events))
             run.next_seq += len(events)
             run.ended = run.ended or isinstance(events[-1], Finish | Error)
-        self._thread.defer(lambda: self._outbox.put(batches))
+        if at_once:
+            self._thread.run_deferred()  # the writes deferred before these go first
+            self._outbox.put(batches)
+        else:
+            self._thread.defer(lambda: self._outbox.put(batches))
 
     def _on_written(
         self, batches: list[Batch], fenced: set[Attempt], error: redis.RedisError | None
