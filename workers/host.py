@@ -6,12 +6,12 @@ thread (``engine.engine_thread.EngineThread``): adds, cancels, hand-backs and
 stopping runs whose writes failed. Adding a request, ending every run after a
 failed step and reading the engine's load are ``engine.engine_host``'s, as in
 embedded mode; this module owns the runs, the outbox and its fencing, drains,
-cancels and hand-backs. After each step the engine thread hands
-every run's events to the ``Outbox`` (on an engine whose model computes in
-another process, while the next step computes: ``EngineThread.defer``),
-which sends them (fenced) at once or with the write after the one in
-flight, and reads the reply on a thread of its own while the engine steps
-on.
+cancels and hand-backs. After each step the engine thread hands every run's
+events to the ``Outbox`` (on an engine whose model computes in another
+process, while the next step computes, ``EngineThread.defer``, unless they
+carry first tokens), which sends them (fenced) at once or with the write
+after the one in flight, and reads the reply on a thread of its own while
+the engine steps on.
 
 Runs resolve on one thread, the outbox's, after every write put before
 their end: a run that finished when the write of its end came back (it
@@ -372,9 +372,10 @@ class WorkerHost:
         """Queue the events for the outbox; ``_settle`` sees how their write went.
 
         The write waits for the next step's hand-over (``EngineThread.defer``)
-        unless ``at_once``: first tokens go now, since their clients wait for
-        them and a burst's first step ends the wait of many at once, while the
-        step after is delayed once per request.
+        unless ``at_once``: first tokens go now, ahead of the next step's
+        scheduling. A step that prefills a burst ends the wait of every client
+        in it, and the write delays the next step once per request, not per
+        token.
 
         Takes the runs themselves, not their ids: the outbox thread untracks a
         run whose Finish it wrote at any moment, also between a lookup here
