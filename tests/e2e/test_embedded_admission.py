@@ -177,16 +177,23 @@ def test_clients_that_never_finish_their_body_get_408_and_do_not_hold_up_others(
         writer.close()
         return answer, time.monotonic() - started
 
-    async def scene() -> tuple[list[tuple[bytes, float]], int, float]:
-        stalled = [asyncio.create_task(slow()) for _ in range(40)]
-        await asyncio.sleep(0.5)
+    async def normal() -> tuple[int, float]:
         started = time.monotonic()
         async with httpx.AsyncClient(base_url=server, timeout=60) as client:
-            normal = await client.post("/v1/chat/completions", json=_body(2))
-        return await asyncio.gather(*stalled), normal.status_code, time.monotonic() - started
+            reply = await client.post("/v1/chat/completions", json=_body(2))
+        return reply.status_code, time.monotonic() - started
 
-    stalled, normal_status, normal_s = asyncio.run(scene())
-    assert normal_status == 200 and normal_s < BODY_TIMEOUT_S  # not behind the stalled ones
+    async def scene() -> tuple[list[tuple[bytes, float]], int, float]:
+        _, alone_s = await normal()
+        stalled = [asyncio.create_task(slow()) for _ in range(40)]
+        await asyncio.sleep(0.5)
+        status, beside_s = await normal()
+        return await asyncio.gather(*stalled), status, beside_s - alone_s
+
+    stalled, normal_status, delay_s = asyncio.run(scene())
+    # Not behind the stalled ones: held until their deadline, it would take 1.5 s longer
+    # than alone. A bound on the difference, not on the time, holds on a slow machine too.
+    assert normal_status == 200 and delay_s < BODY_TIMEOUT_S - 1
     for answer, seconds in stalled:
         assert answer.startswith(b"HTTP/1.1 408"), answer[:80]
         assert BODY_TIMEOUT_S - 0.5 <= seconds < BODY_TIMEOUT_S + 5
