@@ -346,14 +346,16 @@ class WorkerHost:
 
     def _on_events(self, engine: LLMEngine, events: list[InferenceEvent]) -> None:
         by_run: dict[str, tuple[Run, list[InferenceEvent]]] = {}
+        first_tokens = False
         for event in events:
             run = self._runs.get(event.request_id)
             if run is None or run.ended:  # dropped here (fenced, handed back), or ended
                 continue
-            if isinstance(event, Ready) and run.resume is not None:
-                continue  # the client has its Ready from the first attempt
+            if isinstance(event, Ready):
+                if run.resume is not None:
+                    continue  # the client has its Ready from the first attempt
+                first_tokens = True
             by_run.setdefault(run.engine_id, (run, []))[1].append(event)
-        first_tokens = any(isinstance(e, Ready) for _, events in by_run.values() for e in events)
         self._publish(list(by_run.values()), at_once=first_tokens)
         self._refresh(engine)
 
