@@ -202,6 +202,18 @@ def test_images_install_the_locked_packages() -> None:
         assert "!infra/requirements.lock" in (INFRA / f"{name}.dockerignore").read_text()
 
 
+def test_the_gpu_image_takes_vllm_at_the_extra_s_release_beside_pypi_s_torch() -> None:
+    """vLLM's wheels on PyPI link the CUDA runtime of PyPI's torch at the release they pin
+    (libcudart.so.13 for 0.32.0 and torch 2.13.0); a torch from another CUDA index would
+    satisfy the pin and leave vLLM's kernels without their runtime."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    (vllm_pin,) = project["optional-dependencies"]["vllm"]
+    text = (INFRA / "Dockerfile.gpu").read_text()
+    assert f"ARG VLLM={vllm_pin.split('==')[1]}" in text
+    (torch_install,) = [line for line in text.splitlines() if "torch==" in line]
+    assert torch_install.startswith("RUN pip install") and "--index-url" not in torch_install
+
+
 def _locked() -> dict[str, str]:
     lines = (INFRA / "requirements.lock").read_text().splitlines()
     pairs = [line.split("==") for line in lines if line and not line.startswith("#")]
